@@ -4,20 +4,29 @@
   firing and a quiet case for each alert.
 * A Prometheus started on loopback scrapes a live operator metrics endpoint (the real
   `OperatorMetrics`, fed with statuses of several jobs through the handlers' API) and a live
-  trainer endpoint (the trainer's real `TrainerMetrics`); every PromQL expression of every
-  dashboard panel and variable must then return data.
+  trainer: `python -m kubetune_trainer` fine-tuning a tiny random-init model with LoRA on CPU,
+  checkpointing and evaluating every few steps, its metrics on a loopback port. While it
+  trains, every PromQL expression of every dashboard panel and variable must return data,
+  and every number must be finite (MFU is measured against this CPU's own matmul rate, passed
+  as `KUBETUNE_PEAK_TFLOPS`). Then the trainer is preempted with SIGTERM: it must checkpoint
+  and exit 42.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +35,7 @@ import yaml
 
 from kubetune.controller.metrics import OperatorMetrics
 from kubetune.dev.cluster import free_port
+from kubetune_trainer.contract import EXIT_PREEMPTED, TrainerConfig
 
 pytestmark = pytest.mark.integration
 
@@ -38,6 +48,10 @@ PROMTOOL = shutil.which("promtool")
 needs_prometheus = pytest.mark.skipif(
     PROMETHEUS is None or PROMTOOL is None,
     reason="needs Debian's prometheus package (apt-get install prometheus)",
+)
+needs_trainer = pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("torch", "transformers", "peft")),
+    reason="the live trainer needs the trainer extra (pip install -e '.[trainer]')",
 )
 
 INFO = (
@@ -241,19 +255,133 @@ def feed(m: OperatorMetrics) -> None:
             )
 
 
-@pytest.fixture
-def prometheus(tmp_path: Path) -> Iterator[str]:
-    from kubetune_trainer.metrics import TrainerMetrics
+TRAINER_TIMEOUT_S = 120
 
+
+def cpu_matmul_tflops(n: int = 512) -> float:
+    """Dense fp32 matmul rate of one thread of this CPU (the trainer runs with one thread).
+
+    A GPU's MFU is measured against its dense bf16 peak; this is the same ratio for a CPU run,
+    against what this CPU itself achieves on a large matmul.
+    """
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b  # warm-up
+        best = math.inf
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(4):
+                a @ b
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return 4 * 2 * n**3 / best / 1e12
+
+
+@dataclass
+class LiveTrainer:
+    proc: subprocess.Popen[bytes]
+    port: int
+    log: Path
+    """The trainer's JSON-lines metrics log."""
+    output: Path
+    """Its stdout and stderr."""
+    peak_tflops: float
+
+    def tail(self) -> str:
+        return self.output.read_text(errors="replace")[-3000:]
+
+
+def start_trainer(tmp: Path) -> LiveTrainer:
+    """A real trainer run on CPU: tiny Llama, LoRA, checkpoint and evaluation every 25 steps.
+
+    It is planned far longer than the test lasts; the test preempts it.
+    """
+    from kubetune_trainer.tiny import make_model, make_records, write_jsonl
+
+    model = make_model(tmp / "model")
+    data = write_jsonl(tmp / "data.jsonl", make_records("alpaca", 200))
+    steps = 100_000
+    config = {
+        "job": {"name": "run-1", "namespace": "team-a", "uid": "u1"},
+        "method": "lora",
+        "model": {"source": str(model), "kind": "path"},
+        "dataset": {"source": str(data), "format": "alpaca", "validation_split": 0.1},
+        "lora": {"rank": 4, "alpha": 8, "dropout": 0.05},
+        "training": {
+            "total_steps": steps, "max_steps": steps, "micro_batch_size": 2,
+            "gradient_accumulation": 2, "global_batch_size": 4, "sequence_length": 128,
+            "precision": "fp32", "learning_rate": 2e-3, "warmup_ratio": 0.0,
+            "gradient_checkpointing": False,
+        },
+        "checkpoint": {"dir": str(tmp / "ckpt"), "interval_steps": 25, "interval_minutes": 0,
+                       "keep": 2},
+        "output": {"dir": str(tmp / "out")},
+        "metrics": {"port": 0, "log_path": str(tmp / "metrics.jsonl")},
+    }  # fmt: skip
+    (tmp / "config.json").write_text(TrainerConfig.model_validate(config).to_json())
+    peak = cpu_matmul_tflops()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        HF_HUB_OFFLINE="1",
+        KUBETUNE_METRICS_ADDR="127.0.0.1",  # other runs may share this machine
+        KUBETUNE_PEAK_TFLOPS=f"{peak:.6f}",
+    )
+    output = tmp / "trainer.out"
+    with output.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kubetune_trainer", "--config", str(tmp / "config.json")],
+            stdout=out, stderr=subprocess.STDOUT, env=env,
+        )  # fmt: skip
+    log = tmp / "metrics.jsonl"
+    trainer = LiveTrainer(proc=proc, port=0, log=log, output=output, peak_tflops=peak)
+    deadline = time.monotonic() + TRAINER_TIMEOUT_S
+    while trainer.port == 0:  # the start line names the port it bound
+        assert proc.poll() is None, f"trainer exited {proc.returncode}:\n{trainer.tail()}"
+        assert time.monotonic() < deadline, f"trainer did not start:\n{trainer.tail()}"
+        time.sleep(0.2)
+        if log.exists():
+            complete = log.read_text().split("\n")[:-1]  # not a line still being written
+            for event in map(json.loads, complete):
+                if event["event"] == "start":
+                    trainer.port = int(event["metrics_port"])
+    return trainer
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+# What must hold before the dashboards are checked: both targets up and scraped several
+# times, and the trainer has stepped between scrapes, checkpointed, evaluated and measured MFU.
+READY = [
+    "min(count_over_time(up[1m])) >= 5 and min(up) == 1",
+    "changes(kubetune_trainer_step[1m]) >= 3",
+    "kubetune_trainer_last_checkpoint_step > 0",
+    "kubetune_trainer_eval_loss > 0",
+    "kubetune_trainer_mfu_ratio > 0",
+]
+
+
+@dataclass
+class Live:
+    url: str
+    trainer: LiveTrainer
+
+
+@pytest.fixture
+def live(tmp_path: Path) -> Iterator[Live]:
     operator = OperatorMetrics()
     op_port = operator.start_server(0, addr="127.0.0.1")
-    trainer = TrainerMetrics(enabled=True, port=0, log_path=None, labels={"model": "tiny"})
-    trainer.set(
-        loss=2.1, eval_loss=2.3, learning_rate=1e-4, step=40, total_steps=100, epoch=0.4,
-        tokens_per_second=4800.0, samples_per_second=20.0, mfu_ratio=0.41,
-        memory_allocated_peak_bytes=18e9, memory_reserved_peak_bytes=21e9,
-        checkpoint_save_seconds=3.5, last_checkpoint_step=40, world_size=2,
-    )  # fmt: skip
+    trainer = start_trainer(tmp_path / "trainer")
     port = free_port()
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
@@ -283,29 +411,36 @@ def prometheus(tmp_path: Path) -> Iterator[str]:
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
+
+    def why() -> str:
+        return (
+            f"prometheus log:\n{(tmp_path / 'prometheus.log').read_text()[-2000:]}\n"
+            f"trainer output:\n{trainer.tail()}"
+        )
+
     try:
         feed(operator)
-        deadline = time.monotonic() + 60
-        while True:  # ready, and both targets scraped a few times
-            assert proc.poll() is None, (tmp_path / "prometheus.log").read_text()[-2000:]
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, why()
+            assert trainer.proc.poll() is None, why()
             try:
-                result = query(url, "min(count_over_time(up[1m])) >= 5 and min(up) == 1")
-                if result:
+                if all(query(url, expr) for expr in READY):
                     break
             except OSError:
                 pass
-            assert time.monotonic() < deadline, (tmp_path / "prometheus.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, f"not ready: {READY}\n{why()}"
             time.sleep(0.5)
         # A second round of events between scrapes, so rates and increases move.
         feed(operator)
         time.sleep(3)
-        yield url
+        yield Live(url=url, trainer=trainer)
     finally:
+        stop(trainer.proc)
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
         operator.stop_server()
-        trainer.close()
 
 
 def query(url: str, expr: str) -> list[dict[str, Any]]:
@@ -325,9 +460,12 @@ def substitute(expr: str, multi: bool) -> str:
 
 
 @needs_prometheus
-def test_every_dashboard_query_returns_data(prometheus: str) -> None:
+@needs_trainer
+@pytest.mark.trainer
+def test_every_dashboard_query_returns_data_from_a_live_run(live: Live) -> None:
     checked = 0
     empty = []
+    not_finite = []
     for path in sorted(DASHBOARDS.glob("*.json")):
         dashboard = json.loads(path.read_text())
         multi = path.stem == "jobs-overview"
@@ -337,7 +475,7 @@ def test_every_dashboard_query_returns_data(prometheus: str) -> None:
                 inner = var["query"].removeprefix("label_values(").removesuffix(")")
                 selector, label = inner.rsplit(",", 1)
                 result = query(
-                    prometheus, f"count by ({label.strip()}) ({substitute(selector, multi)})"
+                    live.url, f"count by ({label.strip()}) ({substitute(selector, multi)})"
                 )
                 checked += 1
                 if not result:
@@ -346,8 +484,38 @@ def test_every_dashboard_query_returns_data(prometheus: str) -> None:
             for target in panel.get("targets") or []:
                 expr = substitute(target["expr"], multi)
                 checked += 1
-                if not query(prometheus, expr):
+                result = query(live.url, expr)
+                if not result:
                     empty.append(f"{path.stem} / {panel['title']}: {expr}")
+                values = [float(r["value"][1]) for r in result]
+                if not all(math.isfinite(v) for v in values):
+                    not_finite.append(f"{path.stem} / {panel['title']}: {expr} = {values}")
     assert not empty, "queries without data:\n" + "\n".join(empty)
+    assert not not_finite, "queries with NaN or infinite values:\n" + "\n".join(not_finite)
     assert checked >= 50
-    print(f"\n{checked} dashboard queries returned data", file=sys.stderr)
+    # The trainer's series are the run's own numbers.
+    trainer = live.trainer
+    for expr, low, high in (
+        ("kubetune_trainer_world_size", 1, 1),
+        ("kubetune_trainer_total_steps", 100_000, 100_000),
+        ("kubetune_trainer_step", 25, 100_000),
+        ("kubetune_trainer_mfu_ratio", 1e-6, 1),
+        ("kubetune_trainer_learning_rate", 1e-4, 2e-3),
+        ("kubetune_trainer_memory_reserved_peak_bytes", 2**20, 2**40),
+    ):
+        (sample,) = query(live.url, expr)
+        assert low <= float(sample["value"][1]) <= high, (expr, sample, trainer.peak_tflops)
+    # Everything above was read from a run that is still training: the series are not stale.
+    assert trainer.proc.poll() is None, trainer.tail()
+    print(
+        f"\n{checked} dashboard queries returned data from a live trainer "
+        f"(CPU peak {trainer.peak_tflops * 1e3:.1f} GFLOP/s)",
+        file=sys.stderr,
+    )
+    # Preempted like a pod on a reclaimed node: checkpoint, then exit 42.
+    trainer.proc.send_signal(signal.SIGTERM)
+    assert trainer.proc.wait(timeout=60) == EXIT_PREEMPTED, trainer.tail()
+    events = [json.loads(line) for line in trainer.log.read_text().splitlines()]
+    (preempted,) = [e for e in events if e["event"] == "preempted"]
+    assert preempted["last_checkpoint_step"] == preempted["step"] > 25
+    assert (trainer.log.parent / "ckpt" / f"step-{int(preempted['step'])}").is_dir()

@@ -455,8 +455,12 @@ def test_bad_config_and_bad_data_exit_2(
 # ------------------------------------------------------------------ metrics
 
 
-def test_metrics_endpoint_and_json_log(tmp_path: Path, tiny_llama: Path, alpaca_data: Path) -> None:
+def test_metrics_endpoint_and_json_log(
+    tmp_path: Path, tiny_llama: Path, alpaca_data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from prometheus_client.parser import text_string_to_metric_families
+
+    monkeypatch.setenv("KUBETUNE_METRICS_ADDR", "127.0.0.1")
 
     cfg = trainer_config(
         tmp_path,
@@ -472,6 +476,8 @@ def test_metrics_endpoint_and_json_log(tmp_path: Path, tiny_llama: Path, alpaca_
         recipe.train()
         port = recipe.metrics.port
         assert port
+        # Bound to loopback only, as KUBETUNE_METRICS_ADDR asks.
+        assert recipe.metrics._server.server_address[0] == "127.0.0.1"
         body = (
             urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         )
@@ -504,6 +510,7 @@ def test_metrics_endpoint_and_json_log(tmp_path: Path, tiny_llama: Path, alpaca_
     assert math.isnan(samples["kubetune_trainer_mfu_ratio"])  # no MFU on CPU
     assert samples["kubetune_trainer_memory_reserved_peak_bytes"] > 2**20
     assert samples["kubetune_trainer_run_info"] == 1.0
+    assert read_log(tmp_path / "metrics.jsonl", "start")[0]["metrics_port"] == port
     steps = read_log(tmp_path / "metrics.jsonl", "step")
     assert [s["step"] for s in steps] == [1, 2, 3, 4]
     assert {"loss", "learning_rate", "tokens_per_second", "tokens_seen_total"} <= set(steps[-1])

@@ -102,6 +102,10 @@ def test_finetunejob_crd_shape() -> None:
     assert gpus["default"] == "auto"
     budget = spec["properties"]["resources"]["properties"]["maxCostUSD"]
     assert budget["exclusiveMinimum"] is True and budget["minimum"] == 0
+    # No default: the apiserver leaves an unset objective unset, so the operator's
+    # KUBETUNE_DEFAULT_OBJECTIVE can apply.
+    objective = spec["properties"]["resources"]["properties"]["objective"]
+    assert "default" not in objective and objective["enum"] == ["cost", "time"]
     # Nested objects default to {} so the apiserver fills their defaults in.
     assert spec["properties"]["training"]["default"] == {}
     assert spec["properties"]["training"]["properties"]["sequenceLength"]["default"] == 2048
@@ -129,9 +133,13 @@ def test_defaults_and_aliases_round_trip() -> None:
     assert spec.training.sequence_length == 2048
     assert spec.resources.max_cost_usd == 50
     assert spec.resources.gpus == 4
+    assert spec.resources.objective is None
     wire = spec.to_wire()
     assert wire["resources"]["maxCostUSD"] == 50
     assert FineTuneJobSpec.model_validate(wire) == spec
+    chosen = FineTuneJobSpec.model_validate(_spec(resources={"objective": "time"}))
+    assert chosen.resources.objective == "time"
+    assert FineTuneJobSpec.model_validate(chosen.to_wire()) == chosen
 
 
 @pytest.mark.parametrize(
@@ -144,6 +152,7 @@ def test_defaults_and_aliases_round_trip() -> None:
         ({"resources": {"deadline": "tomorrow"}}, "String should match pattern"),
         ({"training": {"sequenceLenght": 10}}, "Extra inputs are not permitted"),
         ({"method": "dpo"}, "Input should be 'auto', 'full', 'lora' or 'qlora'"),
+        ({"resources": {"objective": "fast"}}, "Input should be 'cost' or 'time'"),
     ],
 )
 def test_bad_specs_are_rejected_with_a_reason(over: dict[str, Any], needle: str) -> None:

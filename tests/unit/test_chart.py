@@ -183,6 +183,7 @@ ALL_ON = {
     "operator": {
         "checkpointStorageClass": "fast-rwx",
         "safetyFactor": 1.2,
+        "defaultObjective": "time",
         "logLevel": "verbose",
         "extraEnv": [{"name": "EXTRA", "value": "1"}],
     },
@@ -223,6 +224,7 @@ def test_default_render_is_a_standalone_cluster_wide_operator() -> None:
     assert container["image"] == "kubetune/operator:0.1.0"
     env = env_of(docs)
     assert env["KUBETUNE_SAFETY_FACTOR"] == "1.1"
+    assert env["KUBETUNE_DEFAULT_OBJECTIVE"] == "cost"
     assert env["KUBETUNE_METRICS_PORT"] == "8000"
     assert env["KUBETUNE_CHECKPOINT_STORAGE_CLASS"] == ""
     (svc,) = find(docs, "Service")
@@ -248,6 +250,7 @@ def test_non_default_values(tmp_path: Path) -> None:
     env = env_of(docs)
     assert env["KUBETUNE_CHECKPOINT_STORAGE_CLASS"] == "fast-rwx"
     assert env["KUBETUNE_SAFETY_FACTOR"] == "1.2"
+    assert env["KUBETUNE_DEFAULT_OBJECTIVE"] == "time"
     assert env["EXTRA"] == "1"
     # Namespaced RBAC: a Role + RoleBinding per watched namespace, a small ClusterRole.
     roles = find(docs, "Role")
@@ -342,6 +345,8 @@ def test_gpu_pool_catalog_example_in_values_is_valid(tmp_path: Path) -> None:
         (["json:operator.safetyFactor=0.5"], "minimum"),
         (["operator.pollSeconds=0"], "pollSeconds"),
         (["operator.logFormat=xml"], "logFormat"),
+        (["operator.defaultObjective=fast"], "defaultObjective"),
+        (["operator.defaultObjective=Time"], "defaultObjective"),
         (["watch.namespaces[0]=Not_A_Namespace"], "namespaces"),
         (["metrics.port=70000"], "port"),
         (["metrics.serviceMonitor.interval=soon"], "interval"),

@@ -123,6 +123,34 @@ spec:
     assert "tiny:" in out and "To fix:" in out
 
 
+def test_plan_default_objective_applies_only_to_jobs_without_one(tmp_path: Path) -> None:
+    source = (ROOT / "examples/mistral-7b-lora.yaml").read_text()
+    assert "    objective: cost\n" in source
+    unset = tmp_path / "unset.yaml"
+    unset.write_text(source.replace("    objective: cost\n", ""))
+    plans = {}
+    for default in ("cost", "time"):
+        code, out = invoke("plan", str(unset), "--json", "--default-objective", default)
+        assert code == 0, out
+        plans[default] = json.loads(out)
+    # Time buys speed with money: the two defaults pick different plans for this job.
+    assert plans["time"]["estimatedDurationSeconds"] < plans["cost"]["estimatedDurationSeconds"]
+    assert plans["cost"]["estimatedCostUSD"] < plans["time"]["estimatedCostUSD"]
+    code, out = invoke("plan", str(unset))
+    assert code == 0, out
+    assert plans["cost"] == json.loads(invoke("plan", str(unset), "--json")[1])
+    assert "objective cost (the default: the job sets no resources.objective)" in out
+    # The job's own objective wins over the default.
+    code, out = invoke("plan", str(ROOT / "examples/mistral-7b-lora.yaml"), "--json",
+                       "--default-objective", "time")  # fmt: skip
+    assert code == 0, out
+    assert json.loads(out) == plans["cost"]
+    code, out = invoke("plan", str(ROOT / "examples/mistral-7b-lora.yaml"))
+    assert "objective cost\n" in out
+    code, out = invoke("plan", str(unset), "--default-objective", "fast")
+    assert code != 0 and "'fast' is not one of 'cost', 'time'" in out
+
+
 def test_plan_rejects_invalid_job(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text(

@@ -52,3 +52,25 @@ def test_settings_from_env() -> None:
     assert defaults.planner.safety_factor == 1.10 and not defaults.allow_network
     with pytest.raises(ValueError, match="KUBETUNE_SAFETY_FACTOR"):
         settings_from_env({"KUBETUNE_SAFETY_FACTOR": "lots"})
+
+
+def test_default_objective_setting() -> None:
+    assert settings_from_env({}).planner.default_objective == "cost"
+    assert settings_from_env({"KUBETUNE_DEFAULT_OBJECTIVE": ""}).planner.default_objective == (
+        "cost"
+    )
+    for value in ("cost", "time"):
+        s = settings_from_env({"KUBETUNE_DEFAULT_OBJECTIVE": value})
+        assert s.planner.default_objective == value
+    # Other planner settings are unaffected.
+    s = settings_from_env({"KUBETUNE_DEFAULT_OBJECTIVE": "time", "KUBETUNE_SAFETY_FACTOR": "1.3"})
+    assert s.planner.safety_factor == 1.3 and s.planner.default_objective == "time"
+
+
+@pytest.mark.parametrize("value", ["fast", "Time", " cost", "cheapest"])
+def test_bad_default_objective_names_the_variable_and_the_allowed_values(value: str) -> None:
+    with pytest.raises(ValueError) as err:
+        settings_from_env({"KUBETUNE_DEFAULT_OBJECTIVE": value})
+    message = str(err.value)
+    assert message.startswith(f"KUBETUNE_DEFAULT_OBJECTIVE={value!r}")
+    assert "cost, time" in message and "to fix" in message

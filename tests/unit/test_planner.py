@@ -78,6 +78,38 @@ def test_objective_time_is_faster_and_cost_is_cheaper() -> None:
     assert fast.duration_s < cheap.duration_s or fast.cost == cheap.cost
 
 
+def test_unset_objective_takes_the_operator_default_and_the_spec_wins() -> None:
+    arch = load_arch("meta-llama/Llama-3.1-8B")
+    unset = spec()
+    assert unset.resources.objective is None
+    by_time = PlannerSettings(use_live_capacity=False, default_objective="time")
+    by_cost = PlannerSettings(use_live_capacity=False, default_objective="cost")
+    explicit_time = plan_job(spec(resources={"objective": "time"}), POOLS, arch, NO_LIVE)
+    explicit_cost = plan_job(spec(resources={"objective": "cost"}), POOLS, arch, NO_LIVE)
+    # The two objectives pick different plans for this job, so the checks below can tell.
+    assert explicit_time.chosen.layout != explicit_cost.chosen.layout
+    # Unset: the operator's default decides; out of the box that is cost.
+    assert PlannerSettings().default_objective == "cost"
+    for settings_, want in (
+        (NO_LIVE, explicit_cost),
+        (by_cost, explicit_cost),
+        (by_time, explicit_time),
+    ):
+        plan = plan_job(unset, POOLS, arch, settings_)
+        assert plan.objective == want.objective
+        assert plan.chosen == want.chosen
+    # Set in the spec: the default is ignored.
+    plan = plan_job(spec(resources={"objective": "cost"}), POOLS, arch, by_time)
+    assert plan.objective == "cost" and plan.chosen == explicit_cost.chosen
+    plan = plan_job(spec(resources={"objective": "time"}), POOLS, arch, by_cost)
+    assert plan.objective == "time" and plan.chosen == explicit_time.chosen
+    # A re-plan after an OOM keeps the operator's default.
+    first = plan_job(unset, POOLS, arch, by_time)
+    safer = replan_settings_after_oom(first.to_status(POOLS), by_time, measured_peak_gib=None)
+    assert safer.default_objective == "time"
+    assert plan_job(unset, POOLS, arch, safer).objective == "time"
+
+
 def test_fixed_gpu_count_is_respected() -> None:
     plan = plan_job(
         spec(resources={"gpus": 16}), POOLS, load_arch("meta-llama/Llama-3.1-8B"), NO_LIVE

@@ -227,9 +227,12 @@ class ResourceSettings(_Model):
         default_factory=list,
         description="GPUPool names the job may use; empty means every pool.",
     )
-    objective: Objective = Field(
-        default="cost",
-        description="What the planner minimizes among feasible plans: `cost` or `time`.",
+    objective: Objective | None = Field(
+        default=None,
+        description=(
+            "What the planner minimizes among feasible plans: `cost` or `time`. Unset: the "
+            "operator's default (KUBETUNE_DEFAULT_OBJECTIVE, `cost` unless changed)."
+        ),
     )
     deadline: str | None = Field(
         default=None,
@@ -506,6 +509,7 @@ class Recovery(_Model):
     )
     time: str = Field(description="When it was handled (RFC 3339).")
     step: int | None = Field(default=None, description="Checkpoint step the run resumed from.")
+    attempt: int | None = Field(default=None, description="The attempt the failure happened in.")
     message: str = Field(default="", description="Details, e.g. the new plan after an OOM.")
 
 
@@ -539,6 +543,13 @@ class FineTuneJobStatus(_Model):
         description="Layouts (pool/method/GPUs/micro-batch/checkpointing) that ran out of memory.",
     )
     recoveries: list[Recovery] = Field(default_factory=list, description="Handled failures.")
+    trainer_pods: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Trainer pods of the current attempt seen at the last look; a pod that is gone "
+            "without a recorded end was replaced (counted as a recovery)."
+        ),
+    )
     cost: CostStatus | None = Field(default=None, description="Money spent and planned.")
     start_time: str | None = Field(default=None, description="When training first started.")
     completion_time: str | None = Field(default=None, description="When the job finished.")

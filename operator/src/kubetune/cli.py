@@ -12,7 +12,7 @@ import click
 import yaml
 from pydantic import ValidationError
 
-from kubetune.api import FineTuneJob, GPUPool
+from kubetune.api import FineTuneJob, GPUPool, Objective
 from kubetune.arch import ArchitectureError, ModelArch, known_models, load_arch
 from kubetune.errors import KubetuneError
 from kubetune.estimator import EstimatorError, TrainingSetup, estimate_vram
@@ -207,7 +207,8 @@ def _hours(seconds: float) -> str:
     return f"{seconds / 3600:.1f}h"
 
 
-def format_plan(plan: Plan) -> str:
+def format_plan(plan: Plan, objective_defaulted: bool = False) -> str:
+    """The plan as a table; `objective_defaulted`: the job left spec.resources.objective unset."""
     c = plan.chosen
     rows = [c, *plan.alternatives]
     lines = [
@@ -225,6 +226,7 @@ def format_plan(plan: Plan) -> str:
     lines.append("")
     lines.append(
         f"steps {plan.total_steps:,}, tokens {plan.total_tokens:,}, objective {plan.objective}"
+        + (" (the default: the job sets no resources.objective)" if objective_defaulted else "")
         + (" (dataset size assumed: set spec.dataset.totalTokens)" if plan.dataset.assumed else "")
     )
     if c.queued:
@@ -251,10 +253,23 @@ def format_plan(plan: Plan) -> str:
 @click.option(
     "--safety-factor", type=float, default=PlannerSettings.safety_factor, show_default=True
 )
+@click.option(
+    "--default-objective",
+    type=click.Choice(["cost", "time"]),
+    default=PlannerSettings.default_objective,
+    show_default=True,
+    help="Objective of a job without spec.resources.objective (the operator's "
+    "KUBETUNE_DEFAULT_OBJECTIVE).",
+)
 @click.option("--allow-network", is_flag=True, help="Fetch config.json of unknown hub models.")
 @click.option("--json", "as_json", is_flag=True, help="Print status.plan as JSON.")
 def plan(
-    job_file: str, pools_file: str | None, safety_factor: float, allow_network: bool, as_json: bool
+    job_file: str,
+    pools_file: str | None,
+    safety_factor: float,
+    default_objective: Objective,
+    allow_network: bool,
+    as_json: bool,
 ) -> None:
     """Plan a FineTuneJob offline: the chosen pool, GPUs, method, time and cost."""
     job = load_job(job_file)
@@ -266,7 +281,11 @@ def plan(
             job.spec,
             pools,
             arch,
-            PlannerSettings(safety_factor=safety_factor, use_live_capacity=False),
+            PlannerSettings(
+                safety_factor=safety_factor,
+                default_objective=default_objective,
+                use_live_capacity=False,
+            ),
         )
     except (KubetuneError, ArchitectureError, EstimatorError) as exc:
         raise _Abort(str(exc)) from exc
@@ -274,7 +293,7 @@ def plan(
         click.echo(json.dumps(result.to_status(pools).to_wire(), indent=2))
         return
     click.echo(f"{job.metadata.get('name', job_file)}: {arch.name}")
-    click.echo(format_plan(result))
+    click.echo(format_plan(result, objective_defaulted=job.spec.resources.objective is None))
 
 
 # ---------------------------------------------------------------------- crds / operator

@@ -21,6 +21,7 @@ from kubetune.api import (
     FineTuneJobSpec,
     GPUPool,
     Method,
+    Objective,
     PlanAlternative,
     PlanRejection,
     PlanStatus,
@@ -52,6 +53,8 @@ class PlannerSettings:
 
     safety_factor: float = DEFAULT_SAFETY_FACTOR
     """An estimate times this must fit in GPU memory."""
+    default_objective: Objective = "cost"
+    """The objective of jobs that leave `spec.resources.objective` unset."""
     memory_scale: float = 1.0
     """Multiplies every estimate; raised after an OOM proved the estimate too low."""
     use_live_capacity: bool = True
@@ -331,6 +334,11 @@ def _scaled(estimate: VramEstimate, scale: float) -> VramEstimate:
     return replace(estimate, per_gpu_bytes=sum(breakdown.values()), breakdown=breakdown)
 
 
+def objective_of(spec: FineTuneJobSpec, settings: PlannerSettings) -> Objective:
+    """The job's own objective, or the operator's default when the job sets none."""
+    return spec.resources.objective or settings.default_objective
+
+
 def rank_key(c: Candidate, objective: str, spot_policy: str) -> tuple[float | int | str, ...]:
     """Total order on candidates: the objective first, then stable tie-breakers."""
     primary, secondary = (c.cost, c.duration_s) if objective == "cost" else (c.duration_s, c.cost)
@@ -502,7 +510,7 @@ def _ordered(
 def _finish(
     ctx: _Context, accepted: list[Candidate], rejected: dict[str, str], alternatives: int
 ) -> Plan:
-    objective = ctx.spec.resources.objective
+    objective = objective_of(ctx.spec, ctx.settings)
     spot = ctx.spec.resources.spot
     if not accepted:
         raise _infeasible(ctx, rejected)
@@ -609,6 +617,7 @@ __all__ = [
     "Plan",
     "PlannerSettings",
     "brute_force_plan",
+    "objective_of",
     "plan_job",
     "rank_key",
     "replan_settings_after_oom",

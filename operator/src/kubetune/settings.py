@@ -4,6 +4,7 @@ KUBETUNE_TRAINER_IMAGE              trainer image for jobs without an override
 KUBETUNE_IMAGE_PULL_POLICY          pull policy of trainer pods (IfNotPresent)
 KUBETUNE_CHECKPOINT_STORAGE_CLASS   StorageClass of checkpoint volumes (cluster default)
 KUBETUNE_SAFETY_FACTOR              estimate × this must fit in GPU memory (1.10)
+KUBETUNE_DEFAULT_OBJECTIVE          objective of jobs without spec.resources.objective (cost)
 KUBETUNE_TERMINATION_GRACE_SECONDS  time the trainer gets to checkpoint on stop (120)
 KUBETUNE_POLL_SECONDS               how often running jobs are re-read (10)
 KUBETUNE_QUEUE_RETRY_SECONDS        how often queued jobs are re-planned (15)
@@ -17,7 +18,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import get_args
 
+from kubetune.api import Objective
 from kubetune.builders import BuildSettings
 from kubetune.planner import PlannerSettings
 from kubetune.reconcile import ControllerSettings
@@ -35,6 +38,20 @@ def _float(env: Mapping[str, str], name: str, default: float) -> float:
         raise ValueError(f"{name}={raw!r} is not a number") from None
 
 
+def _objective(env: Mapping[str, str], name: str, default: Objective) -> Objective:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    allowed: tuple[Objective, ...] = get_args(Objective)
+    for objective in allowed:
+        if raw == objective:
+            return objective
+    raise ValueError(
+        f"{name}={raw!r}: the default objective must be one of {', '.join(allowed)}; "
+        f"to fix: set {name} to one of them, or unset it for {default}"
+    )
+
+
 def settings_from_env(env: Mapping[str, str] | None = None) -> ControllerSettings:
     env = os.environ if env is None else env
     build = BuildSettings(
@@ -48,7 +65,10 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> ControllerSetting
         ),
     )
     planner = PlannerSettings(
-        safety_factor=_float(env, "KUBETUNE_SAFETY_FACTOR", PlannerSettings.safety_factor)
+        safety_factor=_float(env, "KUBETUNE_SAFETY_FACTOR", PlannerSettings.safety_factor),
+        default_objective=_objective(
+            env, "KUBETUNE_DEFAULT_OBJECTIVE", PlannerSettings.default_objective
+        ),
     )
     return ControllerSettings(
         build=build,

@@ -1,7 +1,9 @@
 """Training metrics: a Prometheus endpoint on rank 0 and a JSON-lines log of the same values.
 
 Names carry the `kubetune_trainer_` prefix and base units (seconds, bytes, ratios). Each run
-uses its own registry, so several runs in one process (tests) do not collide.
+uses its own registry, so several runs in one process (tests) do not collide. The endpoint
+listens on every interface (what a pod needs); `$KUBETUNE_METRICS_ADDR` narrows it, e.g. to
+127.0.0.1 for a run outside a pod.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Info, start_htt
 log = logging.getLogger(__name__)
 
 PREFIX = "kubetune_trainer_"
+ADDR_ENV = "KUBETUNE_METRICS_ADDR"
+DEFAULT_ADDR = "0.0.0.0"
 
 GAUGES = {
     "loss": "Training loss of the last optimizer step (mean over trained tokens)",
@@ -39,7 +43,13 @@ GAUGES = {
 
 class TrainerMetrics:
     def __init__(
-        self, *, enabled: bool, port: int | None, log_path: str | None, labels: dict[str, str]
+        self,
+        *,
+        enabled: bool,
+        port: int | None,
+        log_path: str | None,
+        labels: dict[str, str],
+        addr: str = DEFAULT_ADDR,
     ) -> None:
         self.enabled = enabled
         self.registry = CollectorRegistry()
@@ -63,10 +73,10 @@ class TrainerMetrics:
         if not enabled:
             return
         if port is not None:
-            server, _thread = start_http_server(port, registry=self.registry)
+            server, _thread = start_http_server(port, addr=addr, registry=self.registry)
             self._server = server
             self.port = int(server.server_port)
-            log.info("metrics on :%d/metrics", self.port)
+            log.info("metrics on %s:%d/metrics", addr, self.port)
         if log_path:
             path = Path(log_path)
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import random
 import resource
 import signal
@@ -51,7 +52,7 @@ from kubetune_trainer.distributed import (
     init_distributed,
 )
 from kubetune_trainer.errors import ConfigError, OutOfMemory, Preempted, StopRequested
-from kubetune_trainer.metrics import TrainerMetrics
+from kubetune_trainer.metrics import ADDR_ENV, DEFAULT_ADDR, TrainerMetrics
 from kubetune_trainer.modeling import (
     BuiltModel,
     build_model,
@@ -257,6 +258,7 @@ class FineTuneRecipe:
             enabled=env.is_main,
             # Port 0 picks a free port (tests); a negative port turns the endpoint off.
             port=cfg.metrics.port if env.is_main and cfg.metrics.port >= 0 else None,
+            addr=os.environ.get(ADDR_ENV) or DEFAULT_ADDR,
             log_path=cfg.metrics.log_path,
             labels={
                 "job": cfg.job.name,
@@ -283,6 +285,7 @@ class FineTuneRecipe:
             train_rows=st.train_rows,
             validation_rows=st.validation_rows,
             resumed_from=str(self.resumed_from) if self.resumed_from else None,
+            metrics_port=self.metrics.port,
         )
         log.info(
             "%s on %d process(es) [%s]: %.1fM params, %.2fM trainable; %d steps of %d rows",
