@@ -36,6 +36,7 @@ from kubetune.builders import (
     labels,
     owner_reference,
 )
+from kubetune.errors import SpecError
 from kubetune_trainer.contract import (
     EXIT_CONFIG_ERROR,
     EXIT_OOM,
@@ -453,6 +454,40 @@ def test_trainer_config_hub_model_and_lora() -> None:
     assert config.training.micro_batch_size == 4
     assert config.training.gradient_accumulation == 2
     assert config.training.max_steps == 50
+
+
+def test_training_log_lives_on_the_checkpoint_volume() -> None:
+    config = build_trainer_config(tiny_lora_job(), tiny_lora_plan(), SETTINGS, 1)
+    assert config.metrics.log_path == "/checkpoints/train-log.jsonl"
+    assert config.faults.oom_at_step is None
+
+
+@pytest.mark.parametrize(
+    ("annotation", "attempt", "step"),
+    [
+        ('{"oomAtStep": 6}', 1, 6),
+        ('{"oomAtStep": 6}', 4, 6),
+        ('{"oomAtStep": 6, "attempts": [1]}', 1, 6),
+        ('{"oomAtStep": 6, "attempts": [1]}', 2, None),
+    ],
+)
+def test_fault_annotation_reaches_the_listed_attempts(
+    annotation: str, attempt: int, step: int | None
+) -> None:
+    job = tiny_lora_job()
+    job.metadata["annotations"] = {"kubetune.io/test-faults": annotation}
+    assert build_trainer_config(job, tiny_lora_plan(), SETTINGS, attempt).faults.oom_at_step == step
+
+
+@pytest.mark.parametrize(
+    "annotation", ["{", "[]", '{"oomAtStep": 0}', '{"oom": 3}', '{"oomAtStep": 3, "attempts": 1}']
+)
+def test_bad_fault_annotation_is_a_spec_error(annotation: str) -> None:
+    job = tiny_lora_job()
+    job.metadata["annotations"] = {"kubetune.io/test-faults": annotation}
+    with pytest.raises(SpecError, match=r"kubetune\.io/test-faults") as info:
+        build_trainer_config(job, tiny_lora_plan(), SETTINGS, 1)
+    assert "oomAtStep" in str(info.value)
 
 
 def test_trainer_config_pvc_model_full() -> None:

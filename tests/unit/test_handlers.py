@@ -36,7 +36,7 @@ from lightkube.core.exceptions import ApiError, ConfigError
 
 from kubetune import conditions as c
 from kubetune.api import FineTuneJob, GPUPool
-from kubetune.builders import child_names, labels
+from kubetune.builders import child_names, labels, owner_reference
 from kubetune.controller import handlers
 from kubetune.controller.kube import FineTuneJobResource, Kube
 from kubetune.reconcile import ControllerSettings
@@ -399,7 +399,27 @@ async def test_observe_job_before_launch_reads_only_the_pools(
     assert observed.pools[0].spec.gpu.product == "NVIDIA-L4"
     assert observed.batch_job is None
     assert observed.pods == []
-    assert {str(r.resource) for r in apiserver} == {str(kmock.resource(POOLS))}
+    assert observed.attempt == 0 and list(observed.other_attempts) == []
+    # Pools, and the batch Jobs a launch may have left before its status was written.
+    assert {str(r.resource) for r in apiserver} == {
+        str(kmock.resource(POOLS)),
+        str(kmock.resource(JOBS)),
+    }
+
+
+def batch_job_of(job: FineTuneJob, attempt: int, **extra: Any) -> dict[str, Any]:
+    """A batch Job as the builders make it for `attempt`: labels and owner reference."""
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": child_names(job.metadata["name"], attempt).job,
+            "namespace": NAMESPACE,
+            "labels": labels(job, attempt),
+            "ownerReferences": [owner_reference(job)],
+        },
+        **extra,
+    }
 
 
 async def test_observe_job_reads_the_batch_job_and_pods_of_the_current_attempt(
@@ -413,13 +433,8 @@ async def test_observe_job_reads_the_batch_job_and_pods_of_the_current_attempt(
     seed(
         apiserver,
         pool("l4"),
-        {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": a1, "namespace": NAMESPACE}},
-        {
-            "apiVersion": "batch/v1",
-            "kind": "Job",
-            "metadata": {"name": a2, "namespace": NAMESPACE},
-            "status": {"active": 1},
-        },
+        batch_job_of(job, 1),
+        batch_job_of(job, 2, status={"active": 1}),
         pod(f"{a1}-0-old", pod_labels=labels(job, 1), phase="Failed"),
         pod(f"{a2}-0-abcde", pod_labels=labels(job, 2)),
         pod(f"{a2}-1-fghij", pod_labels=labels(job, 2)),
@@ -434,6 +449,7 @@ async def test_observe_job_reads_the_batch_job_and_pods_of_the_current_attempt(
     assert observed.batch_job is not None
     assert observed.batch_job["metadata"]["name"] == a2
     assert observed.batch_job["status"] == {"active": 1}
+    assert observed.attempt == 2 and list(observed.other_attempts) == [1]
     assert sorted(p["metadata"]["name"] for p in observed.pods) == [
         f"{a2}-0-abcde",
         f"{a2}-1-fghij",
@@ -452,11 +468,7 @@ async def test_observe_job_finds_the_pods_of_a_job_with_a_long_name(
     names = child_names(body["metadata"]["name"], 1)
     seed(
         apiserver,
-        {
-            "apiVersion": "batch/v1",
-            "kind": "Job",
-            "metadata": {"name": names.job, "namespace": NAMESPACE},
-        },
+        batch_job_of(job, 1),
         pod(f"{names.job}-0-abcde", pod_labels=labels(job, 1)),
     )
 
@@ -464,6 +476,30 @@ async def test_observe_job_finds_the_pods_of_a_job_with_a_long_name(
 
     assert observed.batch_job is not None
     assert [p["metadata"]["name"] for p in observed.pods] == [f"{names.job}-0-abcde"]
+
+
+async def test_observe_job_finds_a_launch_the_status_never_recorded(
+    apiserver: ApiServerEmulator, kube: Kube
+) -> None:
+    body = tiny_job()
+    body["status"] = {"phase": "Running", "attempt": 1}
+    job = FineTuneJob.model_validate(body)
+    other = FineTuneJob.model_validate({**tiny_job(), "metadata": {**body["metadata"], "uid": "x"}})
+    seed(
+        apiserver,
+        batch_job_of(job, 1),
+        batch_job_of(job, 2, status={"active": 1}),
+        # A predecessor of the same name (deleted, its children still terminating).
+        {**batch_job_of(other, 3), "metadata": {**batch_job_of(other, 3)["metadata"], "name": "x"}},
+        pod(f"{child_names(job.metadata['name'], 2).job}-0-abcde", pod_labels=labels(job, 2)),
+    )
+
+    observed = await kube.observe_job(job)
+
+    assert observed.attempt == 2
+    assert observed.batch_job is not None and observed.batch_job["status"] == {"active": 1}
+    assert list(observed.other_attempts) == [1]
+    assert len(observed.pods) == 1
 
 
 async def test_observe_job_finds_no_batch_job_when_it_is_gone(

@@ -200,7 +200,7 @@ def test_suspend_stops_the_trainer_and_resume_relaunches() -> None:
 
 
 def test_oom_replans_with_a_safer_layout_then_gives_up() -> None:
-    job, _ = run(make_job(recovery={"maxOomReplans": 2}))
+    job, _ = run(make_job(recovery={"maxOOMReplans": 2}))
     first = job.status.plan  # type: ignore[union-attr]
     assert first is not None
     oom = observed(batch_job("Failed"), [pod("demo-a1-0", EXIT_OOM, msg="peak_gib=79.5")])
@@ -279,10 +279,90 @@ def test_preemption_is_recorded_once() -> None:
     assert [e.reason for e in first.events].count(c.PREEMPTED) == 1
     assert c.PREEMPTED not in [e.reason for e in second.events]
     evicted = observed(
-        batch_job(active=1), [pod("demo-a1-0", EXIT_PREEMPTED), pod("demo-a1-0b", disrupted=True)]
+        batch_job(active=1),
+        [pod("demo-a1-0", EXIT_PREEMPTED), pod("demo-a1-0b", 137, disrupted=True)],
     )
     job, _ = run(job, evicted)
     assert job.status is not None and job.status.restarts == 2
+    assert [r.reason for r in job.status.recoveries] == ["Preemption", "Preemption"]
+    assert all(r.attempt == 1 for r in job.status.recoveries)
+
+
+def test_an_oom_exit_seen_before_the_job_fails_is_left_to_the_replan() -> None:
+    job, _ = run(make_job())
+    # The pod has failed with the OOM code; the Job controller has not failed the Job yet.
+    job, _ = run(job, observed(batch_job(active=0), [pod("demo-a1-0", EXIT_OOM)]))
+    assert job.status is not None and job.status.recoveries == []
+    job, _ = run(job, observed(batch_job("Failed"), [pod("demo-a1-0", EXIT_OOM)]))
+    assert job.status is not None
+    assert [r.reason for r in job.status.recoveries] == ["OOM"]
+
+
+def test_a_killed_pod_is_a_pod_failure_recorded_once() -> None:
+    job, _ = run(make_job())
+    killed = observed(batch_job(active=0), [pod("demo-a1-0", 137, msg="Killed")])
+    job, first = run(job, killed)
+    job, _ = run(job, killed)
+    s = job.status
+    assert s is not None and s.restarts == 1 and s.phase == "Running"
+    (rec,) = s.recoveries
+    assert rec.reason == "PodFailure" and rec.message.startswith("pod demo-a1-0 failed (exit")
+    assert c.TRAINER_FAILED in [e.reason for e in first.events]
+
+
+@pytest.mark.parametrize(("failed", "reason"), [(0, "Preemption"), (1, "PodFailure")])
+def test_a_pod_gone_before_its_end_was_seen_is_classified_by_the_job(
+    failed: int, reason: str
+) -> None:
+    job, _ = run(make_job())
+    job, _ = run(job, observed(batch_job(active=1), [pod("demo-a1-0-aaaaa")]))
+    assert job.status is not None and job.status.trainer_pods == ["demo-a1-0-aaaaa"]
+    replaced = observed(
+        {**batch_job(active=1), "status": {"active": 1, "failed": failed}},
+        [pod("demo-a1-0-bbbbb")],
+    )
+    job, _ = run(job, replaced)
+    job, _ = run(job, replaced)
+    s = job.status
+    assert s is not None and [r.reason for r in s.recoveries] == [reason]
+    assert s.restarts == 1 and s.trainer_pods == ["demo-a1-0-bbbbb"]
+
+
+def test_a_launch_the_status_never_recorded_is_adopted() -> None:
+    job, _ = run(make_job())
+    # Attempt 2 was created (say, after a relaunch) but the status still says attempt 1.
+    newer = Observed(
+        pools=default_pools(),
+        batch_job={**batch_job(active=1), "metadata": {"name": "demo-a2"}},
+        attempt=2,
+        other_attempts=[1],
+    )
+    job, d = run(job, newer)
+    s = job.status
+    assert s is not None and s.attempt == 2 and s.phase == "Running"
+    assert d.create == []
+    assert d.delete_jobs == ["demo-a1"]
+    assert "Adopted" in [e.reason for e in d.events]
+
+
+def test_a_finished_job_deletes_every_batch_job_left() -> None:
+    job, _ = run(make_job())
+    job, _ = run(job, observed(batch_job("Complete")))
+    assert job.status is not None and job.status.phase == "Succeeded"
+    left = Observed(pools=default_pools(), attempt=1, other_attempts=[2])
+    _, d = run(job, left)
+    assert d.delete_jobs == ["demo-a2"]
+
+
+def test_a_bad_fault_annotation_fails_the_job_with_the_fix() -> None:
+    job = make_job()
+    job.metadata["annotations"] = {"kubetune.io/test-faults": "{oops"}
+    job, d = run(job)
+    s = job.status
+    assert s is not None and s.phase == "Failed" and s.attempt == 0
+    assert "kubetune.io/test-faults is not JSON" in (s.message or "")
+    assert "To fix:" in (s.message or "")
+    assert d.create == []
 
 
 def test_budget_stops_the_job() -> None:

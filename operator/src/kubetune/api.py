@@ -300,7 +300,11 @@ class OutputSettings(_Model):
 
 class RecoverySettings(_Model):
     max_oom_replans: int = Field(
-        default=3, ge=0, le=20, description="Re-plans after out-of-memory before failing."
+        default=3,
+        alias="maxOOMReplans",
+        ge=0,
+        le=20,
+        description="Re-plans after out-of-memory before failing.",
     )
     max_restarts: int = Field(
         default=10, ge=0, le=1000, description="Relaunches after preemption or pod loss."

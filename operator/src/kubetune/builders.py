@@ -19,6 +19,7 @@ new attempt never collides with a Job that is still terminating.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from decimal import Decimal
 from typing import Any, Literal
 
 from kubetune.api import API_VERSION, FineTuneJob, GPUPool, PlanStatus
+from kubetune.errors import SpecError
 from kubetune_trainer.contract import (
     EXIT_CONFIG_ERROR,
     EXIT_OOM,
@@ -33,6 +35,7 @@ from kubetune_trainer.contract import (
     EXIT_STOPPED,
     CheckpointConfig,
     DatasetRef,
+    FaultInjection,
     JobRef,
     LoraConfig,
     MetricsConfig,
@@ -51,6 +54,9 @@ CONFIG_KEY = "config.json"
 CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
 CHECKPOINT_DIR = "/checkpoints"
 OUTPUT_DIR = f"{CHECKPOINT_DIR}/output"
+TRAIN_LOG = f"{CHECKPOINT_DIR}/train-log.jsonl"
+"""The trainer's JSON-lines record of every step, checkpoint and restart, on the volume so
+that it survives pods and attempts (docs/trainer.md describes the records)."""
 HF_HOME = f"{CHECKPOINT_DIR}/.hf-cache"
 PVC_ROOT = "/mnt/pvc"
 TOKEN_ENV = "HF_TOKEN"
@@ -66,6 +72,10 @@ ANNOTATION_RETENTION = "kubetune.io/retention"
 ANNOTATION_JOB_UID = "kubetune.io/job-uid"
 ANNOTATION_PLAN_REVISION = "kubetune.io/plan-revision"
 COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
+ANNOTATION_TEST_FAULTS = "kubetune.io/test-faults"
+"""Test-only fault injection, e.g. `{"oomAtStep": 6, "attempts": [1]}`: the trainer of the
+listed attempts (all when omitted) fails as if out of GPU memory before that step. The e2e
+tests use it to exercise OOM recovery without a GPU; never set it on real work."""
 
 # Budget for the shared part of every child name. The longest name derived from it is the
 # pod hostname of an Indexed Job, `<base>-a<attempt>-<index>`, which must be a DNS label
@@ -412,8 +422,37 @@ def build_trainer_config(
             dir=output_loc.source if output_loc is not None else OUTPUT_DIR,
             merge_adapter=spec.output.merge_adapter,
         ),
-        metrics=MetricsConfig(port=settings.metrics_port),
+        metrics=MetricsConfig(port=settings.metrics_port, log_path=TRAIN_LOG),
+        faults=fault_injection(job, attempt),
     )
+
+
+def fault_injection(job: FineTuneJob, attempt: int) -> FaultInjection:
+    """The fault injection the `kubetune.io/test-faults` annotation asks of this attempt."""
+    annotations = job.metadata.get("annotations") or {}
+    raw = annotations.get(ANNOTATION_TEST_FAULTS)
+    if not raw:
+        return FaultInjection()
+    how = 'expected a JSON object such as {"oomAtStep": 6, "attempts": [1]}'
+    try:
+        spec = json.loads(raw)
+    except ValueError as exc:
+        raise SpecError(f"annotation {ANNOTATION_TEST_FAULTS} is not JSON ({exc})", how) from None
+    if not isinstance(spec, dict) or set(spec) - {"oomAtStep", "attempts"}:
+        raise SpecError(f"annotation {ANNOTATION_TEST_FAULTS}={raw!r} is not understood", how)
+    step, attempts = spec.get("oomAtStep"), spec.get("attempts")
+    if (
+        not isinstance(step, int)
+        or step < 1
+        or (
+            attempts is not None
+            and not (isinstance(attempts, list) and all(isinstance(a, int) for a in attempts))
+        )
+    ):
+        raise SpecError(f"annotation {ANNOTATION_TEST_FAULTS}={raw!r} is not understood", how)
+    if attempts is not None and attempt not in attempts:
+        return FaultInjection()
+    return FaultInjection(oom_at_step=step)
 
 
 def build_config_map(

@@ -20,7 +20,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Literal
 
 from kubetune import conditions as c
 from kubetune.api import (
@@ -36,7 +36,7 @@ from kubetune.api import (
 )
 from kubetune.arch import ArchitectureError, ModelArch
 from kubetune.builders import BuildSettings, build_children, child_names
-from kubetune.errors import InfeasibleError
+from kubetune.errors import InfeasibleError, SpecError
 from kubetune.planner import PlannerSettings, plan_job, replan_settings_after_oom
 from kubetune_trainer.contract import EXIT_CONFIG_ERROR, EXIT_OOM, EXIT_PREEMPTED, EXIT_STOPPED
 
@@ -64,6 +64,12 @@ class Observed:
     """Pods of the current attempt."""
     trainer_metrics: Mapping[str, float] | None = None
     """The rank-0 trainer's metrics (`kubetune_trainer_` prefix removed), when reachable."""
+    attempt: int = 0
+    """The attempt `batch_job` and `pods` belong to: the status's, or a newer one whose
+    batch Job exists although the status never recorded its launch (the operator stopped
+    between creating it and writing the status)."""
+    other_attempts: Sequence[int] = ()
+    """Attempts, other than `attempt`, whose batch Job exists and is not being deleted."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +95,8 @@ class Decision:
 ArchLoader = Callable[[str], ModelArch]
 
 FINISHED = ("Succeeded", "Failed")
+JOB_ENDING_EXITS = (EXIT_OOM, EXIT_CONFIG_ERROR, EXIT_STOPPED)
+"""Trainer exits on which the batch Job's podFailurePolicy fails the whole Job."""
 
 
 def _ts(now: datetime) -> str:
@@ -183,6 +191,9 @@ class _Reconciler:
         if self.spec.suspend:
             self.suspend()
             return
+        if self.s.phase == "Running":
+            self.adopt_lost_launch()
+        self.delete_stale_attempts()
         if self.s.phase == "Suspended":
             self.cond(c.SUSPENDED, False, c.RESUMED, "resumed by spec.suspend=false")
             self.d.event(c.RESUMED, "Resuming from the latest checkpoint")
@@ -197,6 +208,7 @@ class _Reconciler:
 
     def finished(self) -> None:
         self._stop_trainer_if_active()
+        self.delete_stale_attempts(newer_too=True)
         ttl = self.spec.ttl_seconds_after_finished
         done = _parse_ts(self.s.completion_time)
         if ttl is None or done is None:
@@ -223,6 +235,33 @@ class _Reconciler:
             self.d.event(c.SUSPEND_REQUESTED, "Stopping the trainer; it checkpoints first")
             self.accrue()
         self._stop_trainer()
+        self.delete_stale_attempts(newer_too=True)
+
+    # ------------------------------------------------------------------ lost writes
+
+    def adopt_lost_launch(self) -> None:
+        """Follow a newer attempt whose launch the status never recorded.
+
+        The operator creates children before it writes the status; stopped in between, it
+        finds a batch Job one attempt ahead of `status.attempt`. Creating the old attempt's
+        children again would run two trainers on one checkpoint folder.
+        """
+        newest = self.observed.attempt
+        if newest > self.s.attempt:
+            self.d.event(
+                "Adopted",
+                f"following attempt {newest}, launched before the operator could record it",
+            )
+            self.s.attempt = newest
+            self.s.trainer_pods = []
+
+    def delete_stale_attempts(self, newer_too: bool = False) -> None:
+        """Delete batch Jobs of earlier attempts (and, when finished, of any other)."""
+        for attempt in self.observed.other_attempts:
+            if attempt < self.s.attempt or (newer_too and attempt != self.s.attempt):
+                name = child_names(self.job_name, attempt).job
+                if name not in self.d.delete_jobs:
+                    self.d.delete_jobs.append(name)
 
     # ------------------------------------------------------------------ planning
 
@@ -298,10 +337,14 @@ class _Reconciler:
             self.s.phase = "Planning"
             self.d.requeue_after = self.settings.queue_retry_seconds
             return
+        try:
+            children = build_children(self.job, plan, pool, self.settings.build, self.s.attempt + 1)
+        except SpecError as exc:
+            self.fail(c.INVALID_SPEC, str(exc))
+            return
         self.s.attempt += 1
-        self.d.create.extend(
-            build_children(self.job, plan, pool, self.settings.build, self.s.attempt)
-        )
+        self.s.trainer_pods = []
+        self.d.create.extend(children)
         self.s.phase = "Running"
         self.s.message = f"launched attempt {self.s.attempt}"
         self.s.start_time = self.s.start_time or _ts(self.now)
@@ -351,12 +394,16 @@ class _Reconciler:
             # Deleted behind our back, or not in the cache yet: create-if-absent again.
             pool = self.pool(plan.pool)
             if pool is not None and self.s.attempt:
-                self.d.create.extend(
-                    build_children(self.job, plan, pool, self.settings.build, self.s.attempt)
-                )
+                try:
+                    children = build_children(
+                        self.job, plan, pool, self.settings.build, self.s.attempt
+                    )
+                except SpecError as exc:
+                    self.fail(c.INVALID_SPEC, str(exc))
+                    return
+                self.d.create.extend(children)
             return
         self.accrue()
-        self.record_preemptions()
         job_status = job.get("status") or {}
         if _job_condition(job_status, "Complete") or _job_condition(
             job_status, "SuccessCriteriaMet"
@@ -366,6 +413,7 @@ class _Reconciler:
         if _job_condition(job_status, "Failed") or _job_condition(job_status, "FailureTarget"):
             self.handle_failure(job_status)
             return
+        self.record_pod_restarts(job_status)
         if self.check_limits():
             return
         if self.observed.trainer_metrics:
@@ -434,6 +482,13 @@ class _Reconciler:
         self.s.phase = "Succeeded"
         self.s.completion_time = _ts(self.now)
         self.s.message = "training finished"
+        total = (self.s.progress or self.s.plan or ProgressStatus()).total_steps
+        if total and (self.s.checkpoint is None or self.s.checkpoint.latest_step != total):
+            # The trainer exits 0 only after it checkpointed the last step (its contract);
+            # the last metrics read may have come before that checkpoint.
+            self.s.checkpoint = CheckpointStatus(
+                latest_step=total, time=_ts(self.now), path=f"step-{total}"
+            )
         if self.s.progress is not None:
             self.s.progress.step = self.s.progress.total_steps
             self.s.progress.percent = 100
@@ -447,24 +502,68 @@ class _Reconciler:
 
     # ------------------------------------------------------------------ failures
 
-    def record_preemptions(self) -> None:
-        """Count pods of this attempt that were preempted; the Job controller recreates them."""
-        known = {r.message for r in self.s.recoveries if r.reason == "Preemption"}
+    def record_pod_restarts(self, job_status: Mapping[str, Any]) -> None:
+        """Record each trainer pod of this attempt that ended early; the Job replaces it.
+
+        A pod is seen ending (phase Failed: preempted when it was disrupted or exited with
+        the preemption code, else a pod failure), or it is simply gone at the next look
+        (deleted soon after it ended). A gone pod counts as a failure when the batch Job's
+        `failed` counter — which leaves out the failures its podFailurePolicy ignores,
+        i.e. preemptions — is ahead of the failures recorded so far, else as a preemption.
+        """
+        recorded = {
+            r.message.split(" ", 2)[1]
+            for r in self.s.recoveries
+            if r.message.startswith("pod ") and r.attempt == self.s.attempt
+        }
+        current: dict[str, Mapping[str, Any]] = {}
         for pod in self.observed.pods:
-            name = (pod.get("metadata") or {}).get("name", "")
-            tag = f"pod {name} preempted"
-            if tag in known or not _was_preempted(pod):
+            name = str((pod.get("metadata") or {}).get("name", ""))
+            current[name] = pod
+            if name in recorded or (pod.get("status") or {}).get("phase") != "Failed":
                 continue
-            self.s.restarts += 1
-            self.s.recoveries.append(
-                Recovery(
-                    reason="Preemption",
-                    time=_ts(self.now),
-                    step=self.s.checkpoint.latest_step if self.s.checkpoint else None,
-                    message=tag,
-                )
+            code, detail = _trainer_exit([pod])
+            if code in JOB_ENDING_EXITS:
+                continue  # the batch Job fails on it; handle_failure takes it from there
+            if _was_preempted(pod):
+                self._record_pod_recovery("Preemption", f"pod {name} preempted")
+            else:
+                why = f"exit code {code}" if code is not None else "failed"
+                self._record_pod_recovery("PodFailure", f"pod {name} failed ({why}: {detail})")
+        job_failed = int(job_status.get("failed") or 0)
+        for name in self.s.trainer_pods:
+            if name in current or name in recorded:
+                continue
+            counted = sum(
+                1
+                for r in self.s.recoveries
+                if r.reason == "PodFailure" and r.attempt == self.s.attempt
             )
+            if job_failed > counted:
+                self._record_pod_recovery("PodFailure", f"pod {name} failed and is gone")
+            else:
+                self._record_pod_recovery("Preemption", f"pod {name} preempted and is gone")
+        self.s.trainer_pods = sorted(
+            name
+            for name, pod in current.items()
+            if (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+        )
+
+    def _record_pod_recovery(self, reason: Literal["Preemption", "PodFailure"], tag: str) -> None:
+        self.s.restarts += 1
+        self.s.recoveries.append(
+            Recovery(
+                reason=reason,
+                time=_ts(self.now),
+                step=self._ckpt_step(),
+                attempt=self.s.attempt,
+                message=tag,
+            )
+        )
+        if reason == "Preemption":
             self.d.event(c.PREEMPTED, f"{tag}; it resumes from the latest checkpoint")
+        else:
+            self.d.event(c.TRAINER_FAILED, f"{tag}; it resumes from the latest checkpoint", True)
 
     def handle_failure(self, job_status: Mapping[str, Any]) -> None:
         code, detail = _trainer_exit(self.observed.pods)
@@ -493,6 +592,7 @@ class _Reconciler:
                 reason="PodFailure",
                 time=_ts(self.now),
                 step=self._ckpt_step(),
+                attempt=self.s.attempt,
                 message=f"{why}: {detail}",
             )
         )
@@ -534,6 +634,7 @@ class _Reconciler:
                 reason="OOM",
                 time=_ts(self.now),
                 step=self._ckpt_step(),
+                attempt=self.s.attempt,
                 message=(
                     f"{old_desc} ran out of memory; re-planned to {new_plan.method} "
                     f"{new_plan.total_gpus}×{new_plan.pool} micro-batch "

@@ -23,7 +23,7 @@ from lightkube.types import CascadeType
 from prometheus_client.parser import text_string_to_metric_families
 
 from kubetune.api import GROUP, VERSION, FineTuneJob, GPUPool
-from kubetune.builders import LABEL_ATTEMPT, LABEL_JOB, child_names, labels
+from kubetune.builders import LABEL_ATTEMPT, LABEL_JOB, labels
 from kubetune.reconcile import Observed
 
 FineTuneJobResource = create_namespaced_resource(GROUP, VERSION, "FineTuneJob", "finetunejobs")
@@ -89,22 +89,47 @@ class Kube:
             pods.append(_as_dict(pod))
         return pods
 
+    async def list_batch_jobs(
+        self, namespace: str, labels: Mapping[str, str]
+    ) -> list[dict[str, Any]]:
+        jobs: list[dict[str, Any]] = []
+        async for obj in self.client.list(Job, namespace=namespace, labels=dict(labels)):
+            jobs.append(_as_dict(obj))
+        return jobs
+
     async def observe_job(self, job: FineTuneJob) -> Observed:
         pools = await self.list_pools()
-        status = job.status
-        attempt = status.attempt if status else 0
-        if not attempt:
-            return Observed(pools=pools)
-        name = str(job.metadata["name"])
         namespace = str(job.metadata["namespace"])
-        batch = await self.get_batch_job(namespace, child_names(name, attempt).job)
         # Select with the label values the builders wrote (long names are shortened there).
-        wanted = labels(job, attempt)
-        pods = await self.list_pods(
-            namespace, {LABEL_JOB: wanted[LABEL_JOB], LABEL_ATTEMPT: wanted[LABEL_ATTEMPT]}
+        selector = {LABEL_JOB: labels(job, 1)[LABEL_JOB]}
+        by_attempt: dict[int, dict[str, Any]] = {}
+        for batch in await self.list_batch_jobs(namespace, selector):
+            meta = batch.get("metadata") or {}
+            raw = (meta.get("labels") or {}).get(LABEL_ATTEMPT, "")
+            owners = {ref.get("uid") for ref in meta.get("ownerReferences") or []}
+            # Only this object's children: a job deleted and created again under the same
+            # name must not pick up the old one's (still terminating) batch Jobs.
+            if raw.isdigit() and job.metadata.get("uid") in owners:
+                by_attempt[int(raw)] = batch
+        status = job.status
+        attempt = max([status.attempt if status else 0, *by_attempt])
+        others = sorted(
+            a
+            for a, batch in by_attempt.items()
+            if a != attempt and not (batch.get("metadata") or {}).get("deletionTimestamp")
         )
+        if not attempt:
+            return Observed(pools=pools, other_attempts=others)
+        pods = await self.list_pods(namespace, {**selector, LABEL_ATTEMPT: str(attempt)})
         metrics = await self.trainer_metrics(pods)
-        return Observed(pools=pools, batch_job=batch, pods=pods, trainer_metrics=metrics)
+        return Observed(
+            pools=pools,
+            batch_job=by_attempt.get(attempt),
+            pods=pods,
+            trainer_metrics=metrics,
+            attempt=attempt,
+            other_attempts=others,
+        )
 
     async def trainer_metrics(self, pods: list[Mapping[str, Any]]) -> dict[str, float] | None:
         """Scrape the rank-0 trainer's Prometheus endpoint; None when it is not reachable."""

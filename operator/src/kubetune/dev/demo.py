@@ -63,7 +63,9 @@ def _get(cluster: LocalCluster, *args: str) -> dict[str, Any] | None:
     return json.loads(out.stdout) if out.returncode == 0 else None
 
 
-def prepare_data(cluster: LocalCluster, say: Say) -> Path:
+def prepare_data(
+    cluster: LocalCluster, say: Say, namespace: str = "default", claim: str = DEMO_CLAIM
+) -> Path:
     """A volume holding a tiny model, its tokenizer and an Alpaca-style dataset."""
     from kubetune_trainer.tiny import make_model, make_records, write_jsonl
 
@@ -72,7 +74,7 @@ def prepare_data(cluster: LocalCluster, say: Say) -> Path:
             {
                 "apiVersion": "v1",
                 "kind": "PersistentVolumeClaim",
-                "metadata": {"name": DEMO_CLAIM, "namespace": "default"},
+                "metadata": {"name": claim, "namespace": namespace},
                 "spec": {
                     "accessModes": ["ReadWriteMany"],
                     "resources": {"requests": {"storage": "1Gi"}},
@@ -81,17 +83,19 @@ def prepare_data(cluster: LocalCluster, say: Say) -> Path:
         ]
     )
 
-    def bound_path() -> str | None:
-        pvc = _get(cluster, "pvc", DEMO_CLAIM, "-n", "default")
-        volume = ((pvc or {}).get("spec") or {}).get("volumeName")
-        pv = _get(cluster, "pv", volume) if volume else None
-        return (((pv or {}).get("spec") or {}).get("hostPath") or {}).get("path")
-
-    root = Path(_wait("the demo volume to bind", bound_path, 30))
+    root = Path(_wait("the data volume to bind", lambda: claim_path(cluster, namespace, claim), 30))
     say(f"writing a tiny Llama-style model and 256 Alpaca records to {root}")
     make_model(root / "models" / "tiny-llama", arch="llama")
     write_jsonl(root / "data" / "alpaca-tiny.jsonl", make_records("alpaca", 256))
     return root
+
+
+def claim_path(cluster: LocalCluster, namespace: str, claim: str) -> str | None:
+    """The host folder behind a bound claim (the local provisioner's hostPath volumes)."""
+    pvc = _get(cluster, "pvc", claim, "-n", namespace)
+    volume = ((pvc or {}).get("spec") or {}).get("volumeName")
+    pv = _get(cluster, "pv", volume) if volume else None
+    return (((pv or {}).get("spec") or {}).get("hostPath") or {}).get("path")
 
 
 def _line(obj: dict[str, Any]) -> str:
