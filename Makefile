@@ -22,8 +22,11 @@ lint: setup
 unit: setup
 	$(VENV)/bin/pytest -m unit
 
+# The e2e tier starts its own control plane and operator: a second pytest run, so that it does
+# not share the machine with the integration tier's cluster.
 test: lint
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -m "not e2e"
+	$(VENV)/bin/pytest -m e2e
 
 crds: setup
 	$(PY) -m kubetune.crdgen

@@ -1,0 +1,381 @@
+"""Where the e2e suite runs: the local control plane, or a kind cluster.
+
+Both targets offer the same few verbs, so the scenarios in `test_e2e.py` do not care which
+one they run on:
+
+* `local` (default): the control plane this project builds from Go modules, started on
+  loopback, with one node served by the local pod runner — the trainer runs as a process
+  of this machine on CPU — and the operator as its own `kopf run` process.
+* `kind` (`KUBETUNE_E2E_TARGET=kind`): a kind cluster made by `hack/kind-e2e.sh`, with the
+  operator installed by `helm install` and the trainer in real containers on CPU. The
+  script exports `KUBETUNE_KIND_KUBECONFIG` and `KUBETUNE_KIND_TRAINER_IMAGE`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+NAMESPACE = "e2e"
+DATA_CLAIM = "e2e-data"
+MODEL_PATH = "models/tiny-llama"
+DATASET_PATH = "data/alpaca-tiny.jsonl"
+POOL_NAME = "local-cpu"
+
+# The pool the trainer pods land on: its node's "GPUs" are simulated and the work runs on
+# the CPU. The throughput figure is high on purpose, so that plans are short and cheap and
+# budgets and deadlines measured against real (slow) CPU training are what stops a job.
+POOL: dict[str, Any] = {
+    "apiVersion": "kubetune.io/v1alpha1",
+    "kind": "GPUPool",
+    "metadata": {"name": POOL_NAME},
+    "spec": {
+        "nodeSelector": {"kubetune.io/pool": POOL_NAME},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "gpu": {"product": "local-cpu", "memoryGiB": 16, "bf16TFLOPS": 200},
+        "gpusPerNode": 2,
+        "maxNodes": 1,
+        "pricePerGPUHour": 3.6,
+    },
+}
+
+OPERATOR_SETTINGS = {
+    "KUBETUNE_POLL_SECONDS": "1",
+    "KUBETUNE_QUEUE_RETRY_SECONDS": "2",
+    "KUBETUNE_TERMINATION_GRACE_SECONDS": "60",
+    "KUBETUNE_TRAINER_IMAGE": "kubetune/trainer:e2e",
+}
+
+
+REPORT: list[str] = []
+"""Numbers the scenarios measured (steps lost, loss differences, restarts, write rates);
+printed at the end of the run."""
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class Target:
+    """The verbs the scenarios use; see LocalTarget and KindTarget."""
+
+    name = "?"
+
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60
+    ) -> subprocess.CompletedProcess[str]:
+        raise NotImplementedError
+
+    def read_volume_file(self, claim: str, path: str) -> str | None:
+        """A file on a claim in NAMESPACE; None when it does not exist."""
+        raise NotImplementedError
+
+    def list_volume(self, claim: str, path: str) -> list[str]:
+        """Names of the files under a folder of a claim (recursively, relative)."""
+        raise NotImplementedError
+
+    def kill_operator(self) -> None:
+        """Stop the operator at once (SIGKILL): no cleanup of its own."""
+        raise NotImplementedError
+
+    def start_operator(self) -> None:
+        raise NotImplementedError
+
+    def operator_running(self) -> bool:
+        raise NotImplementedError
+
+    def diagnostics(self) -> dict[str, str]:
+        """Log tails worth printing when a scenario fails."""
+        return {}
+
+    def close(self) -> None:
+        pass
+
+    # ------------------------------------------------------------------ shared
+
+    def get(self, kind: str, name: str) -> dict[str, Any] | None:
+        out = self.kubectl("get", kind, name, "-n", NAMESPACE, "-o", "json", check=False)
+        if out.returncode != 0:
+            if "NotFound" in out.stderr:
+                return None
+            raise AssertionError(out.stderr)
+        return dict(json.loads(out.stdout))
+
+    def list(self, kind: str, selector: str | None = None) -> list[dict[str, Any]]:
+        args = ["get", kind, "-n", NAMESPACE, "-o", "json"]
+        if selector:
+            args += ["-l", selector]
+        return list(json.loads(self.kubectl(*args).stdout)["items"])
+
+    def apply(self, *docs: dict[str, Any]) -> None:
+        text = "---\n".join(yaml.safe_dump(d) for d in docs)
+        self.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=text)
+
+
+# ---------------------------------------------------------------------- local
+
+
+class LocalTarget(Target):
+    name = "local"
+
+    def __init__(self, root: Path) -> None:
+        from kubetune.crdgen import render_all
+        from kubetune.dev.binaries import ensure_binaries
+        from kubetune.dev.cluster import LocalCluster
+        from kubetune.dev.demo import prepare_data
+
+        self.cluster = LocalCluster(root, ensure_binaries(say))
+        t0 = time.monotonic()
+        self.cluster.start()
+        try:
+            self.cluster.apply([yaml.safe_load(text) for text in render_all().values()])
+            self.kubectl("wait", "--for=condition=Established", "crd", "--all", "--timeout=30s")
+            self.kubectl("create", "namespace", NAMESPACE)
+            self.cluster.add_local_pool(POOL)
+            prepare_data(self.cluster, say, namespace=NAMESPACE, claim=DATA_CLAIM)
+            self.start_operator()
+        except BaseException:
+            self.close()
+            raise
+        say(f"e2e target local ready in {time.monotonic() - t0:.1f}s")
+
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60
+    ) -> subprocess.CompletedProcess[str]:
+        result = self.cluster.kubectl(*args, input=input, check=False, timeout=timeout)
+        if check and result.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)}: {result.stderr.strip()}")
+        return result
+
+    def _claim_root(self, claim: str) -> Path | None:
+        from kubetune.dev.demo import claim_path
+
+        path = claim_path(self.cluster, NAMESPACE, claim)
+        return Path(path) if path else None
+
+    def read_volume_file(self, claim: str, path: str) -> str | None:
+        root = self._claim_root(claim)
+        if root is None or not (root / path).is_file():
+            return None
+        return (root / path).read_text()
+
+    def list_volume(self, claim: str, path: str) -> list[str]:
+        root = self._claim_root(claim)
+        folder = root / path if root is not None else None
+        if folder is None or not folder.is_dir():
+            return []
+        return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+
+    def kill_operator(self) -> None:
+        from kubetune.dev.cluster import process_alive
+
+        pid = self.cluster.state.pids.pop("operator", None)
+        self.cluster.state.save()
+        if pid is None:
+            return
+        os.killpg(pid, signal.SIGKILL)
+        end = time.monotonic() + 10
+        while process_alive(pid) and time.monotonic() < end:
+            time.sleep(0.05)
+
+    def start_operator(self) -> None:
+        self.cluster.start_operator(OPERATOR_SETTINGS)
+
+    def operator_running(self) -> bool:
+        from kubetune.dev.cluster import process_alive
+
+        pid = self.cluster.state.pids.get("operator")
+        return pid is not None and process_alive(pid)
+
+    def diagnostics(self) -> dict[str, str]:
+        return {
+            name: self.cluster.log_tail(name, 40)
+            for name in ("operator", "podrunner", "kube-controller-manager")
+        }
+
+    def close(self) -> None:
+        left = self.cluster.stop()
+        assert not left, f"processes survived shutdown: {left}"
+
+
+# ---------------------------------------------------------------------- kind
+
+
+class KindTarget(Target):
+    """A kind cluster prepared by hack/kind-e2e.sh (operator installed with helm)."""
+
+    name = "kind"
+    OPERATOR_NAMESPACE = "kubetune-system"
+    OPERATOR_SELECTOR = "app.kubernetes.io/name=kubetune"
+
+    def __init__(self, kubeconfig: str, trainer_image: str) -> None:
+        self.kubeconfig = kubeconfig
+        self.image = trainer_image
+        self.kubectl_bin = shutil.which("kubectl") or "kubectl"
+        self.kubectl("create", "namespace", NAMESPACE, check=False)
+        self.kubectl("apply", "-f", "-", input=yaml.safe_dump(POOL))
+        self.apply(
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolumeClaim",
+                "metadata": {"name": DATA_CLAIM},
+                "spec": {
+                    "accessModes": ["ReadWriteOnce"],
+                    "resources": {"requests": {"storage": "1Gi"}},
+                },
+            }
+        )
+        # The trainer image carries the tiny-model helpers: write the model and data there.
+        script = (
+            "from pathlib import Path; "
+            "from kubetune_trainer.tiny import make_model, make_records, write_jsonl; "
+            f"make_model(Path('/data/{MODEL_PATH}'), arch='llama'); "
+            f"write_jsonl(Path('/data/{DATASET_PATH}'), make_records('alpaca', 256))"
+        )
+        self._run_pod("e2e-prepare-data", ["python", "-c", script], timeout=600)
+
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60
+    ) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            [self.kubectl_bin, f"--kubeconfig={self.kubeconfig}", *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if check and result.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)}: {result.stderr.strip()}")
+        return result
+
+    def _run_pod(
+        self, name: str, command: list[str], claim: str = DATA_CLAIM, timeout: float = 120
+    ) -> str:
+        """Run a one-off pod of the trainer image with `claim` at /data; its output."""
+        pod_name = f"{name}-{uuid.uuid4().hex[:6]}"
+        self.apply(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": pod_name},
+                "spec": {
+                    "restartPolicy": "Never",
+                    "containers": [
+                        {
+                            "name": "main",
+                            "image": self.image,
+                            "imagePullPolicy": "Never",
+                            "command": command,
+                            "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+                        }
+                    ],
+                    "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": claim}}],
+                },
+            }
+        )
+        end = time.monotonic() + timeout
+        phase = None
+        while time.monotonic() < end:
+            pod = self.get("pod", pod_name) or {}
+            phase = (pod.get("status") or {}).get("phase")
+            if phase in ("Succeeded", "Failed"):
+                break
+            time.sleep(1)
+        logs = self.kubectl("logs", "-n", NAMESPACE, pod_name, check=False).stdout
+        self.kubectl("delete", "pod", "-n", NAMESPACE, pod_name, "--wait=false", check=False)
+        if phase != "Succeeded":
+            raise AssertionError(f"pod {pod_name} ended {phase}: {logs[-2000:]}")
+        return logs
+
+    def read_volume_file(self, claim: str, path: str) -> str | None:
+        out = self._run_pod(
+            "e2e-read", ["sh", "-c", f"cat /data/{path} 2>/dev/null || echo '<missing>'"], claim
+        )
+        return None if out.strip() == "<missing>" else out
+
+    def list_volume(self, claim: str, path: str) -> list[str]:
+        out = self._run_pod(
+            "e2e-list", ["sh", "-c", f"cd /data/{path} 2>/dev/null && find . -type f"], claim
+        )
+        return sorted(line.removeprefix("./") for line in out.split() if line.strip())
+
+    def _scale(self, replicas: int) -> None:
+        self.kubectl(
+            "scale",
+            "deployment",
+            "-n",
+            self.OPERATOR_NAMESPACE,
+            "-l",
+            self.OPERATOR_SELECTOR,
+            f"--replicas={replicas}",
+        )
+
+    def kill_operator(self) -> None:
+        self._scale(0)
+        self.kubectl(
+            "delete",
+            "pod",
+            "-n",
+            self.OPERATOR_NAMESPACE,
+            "-l",
+            self.OPERATOR_SELECTOR,
+            "--grace-period=0",
+            "--force",
+            check=False,
+        )
+
+    def start_operator(self) -> None:
+        self._scale(1)
+
+    def operator_running(self) -> bool:
+        out = self.kubectl(
+            "get",
+            "pods",
+            "-n",
+            self.OPERATOR_NAMESPACE,
+            "-l",
+            self.OPERATOR_SELECTOR,
+            "-o",
+            "jsonpath={.items[*].status.phase}",
+        )
+        return "Running" in out.stdout
+
+    def diagnostics(self) -> dict[str, str]:
+        out = self.kubectl(
+            "logs",
+            "-n",
+            self.OPERATOR_NAMESPACE,
+            "-l",
+            self.OPERATOR_SELECTOR,
+            "--tail=60",
+            check=False,
+        )
+        return {"operator": out.stdout + out.stderr}
+
+
+def make_target(root_factory: Callable[[], Path]) -> Target:
+    """The target named by KUBETUNE_E2E_TARGET; raises LookupError with why it cannot run."""
+    which = os.environ.get("KUBETUNE_E2E_TARGET", "local")
+    if which == "local":
+        return LocalTarget(root_factory())
+    if which == "kind":
+        kubeconfig = os.environ.get("KUBETUNE_KIND_KUBECONFIG")
+        image = os.environ.get("KUBETUNE_KIND_TRAINER_IMAGE", "kubetune/trainer:e2e")
+        if not kubeconfig:
+            raise LookupError(
+                "KUBETUNE_E2E_TARGET=kind needs a kind cluster: run hack/kind-e2e.sh, which "
+                "creates one and sets KUBETUNE_KIND_KUBECONFIG"
+            )
+        return KindTarget(kubeconfig, image)
+    raise LookupError(f"KUBETUNE_E2E_TARGET={which!r}: expected 'local' or 'kind'")

@@ -1,0 +1,582 @@
+"""End to end: apply a FineTuneJob, the trainer really trains, the operator recovers.
+
+Every scenario reads the trainer's own record of what it did — `train-log.jsonl` on the
+job's checkpoint volume, one JSON line per step, checkpoint, signal and (re)start — and
+asserts on it: how many steps a preemption, a kill or an out-of-memory exit cost, and that
+the resumed run ends where an uninterrupted one does.
+
+The model is a tiny random-init Llama on CPU; planning sizes it as Qwen2.5-0.5B. Each
+scenario's numbers are printed in the "e2e measurements" section at the end of the run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import re
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from e2e_targets import DATA_CLAIM, DATASET_PATH, MODEL_PATH, NAMESPACE, REPORT, Target
+
+pytestmark = pytest.mark.e2e
+
+STEPS = 60
+INTERVAL = 10
+LOSS_TOLERANCE = 1e-3
+"""Final-loss difference allowed between an interrupted and an uninterrupted run. Resume
+is exact on CPU (the trainer tier measures 0.0), so this only absorbs float formatting."""
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def job_doc(
+    name: str,
+    *,
+    steps: int = STEPS,
+    interval: int = INTERVAL,
+    annotations: dict[str, str] | None = None,
+    **over: Any,
+) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "model": {"uri": f"pvc://{DATA_CLAIM}/{MODEL_PATH}", "architecture": "Qwen/Qwen2.5-0.5B"},
+        "dataset": {
+            "uri": f"pvc://{DATA_CLAIM}/{DATASET_PATH}",
+            "format": "alpaca",
+            "numExamples": 256,
+            "avgTokensPerExample": 64,
+        },
+        "method": "lora",
+        "lora": {"rank": 8, "alpha": 16, "targetModules": ["q_proj", "v_proj"]},
+        "training": {
+            "maxSteps": steps,
+            "sequenceLength": 128,
+            "globalBatchSize": 8,
+            "microBatchSize": 4,
+            "gradientCheckpointing": False,
+        },
+        "resources": {"gpus": 1},
+        "checkpoint": {"intervalSteps": interval, "keep": 2},
+    }
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(spec.get(key), dict):
+            spec[key] = {**spec[key], **value}
+        else:
+            spec[key] = value
+    metadata: dict[str, Any] = {"name": name}
+    if annotations:
+        metadata["annotations"] = annotations
+    return {
+        "apiVersion": "kubetune.io/v1alpha1",
+        "kind": "FineTuneJob",
+        "metadata": metadata,
+        "spec": spec,
+    }
+
+
+def wait_for(what: str, probe: Callable[[], Any], timeout: float, interval: float = 0.5) -> Any:
+    end = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < end:
+        last = probe()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
+
+
+def status(target: Target, name: str) -> dict[str, Any]:
+    return dict(((target.get("finetunejob", name) or {}).get("status")) or {})
+
+
+def wait_phase(target: Target, name: str, *phases: str, timeout: float = 300) -> dict[str, Any]:
+    def probe() -> dict[str, Any] | None:
+        s = status(target, name)
+        if s.get("phase") in phases:
+            return s
+        if s.get("phase") == "Failed" and "Failed" not in phases:
+            raise AssertionError(f"{name} failed: {s.get('message')}")
+        return None
+
+    return dict(wait_for(f"{name} in {phases}", probe, timeout))
+
+
+def train_log(target: Target, name: str) -> list[dict[str, Any]]:
+    text = target.read_volume_file(f"{name}-ckpt", "train-log.jsonl") or ""
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def last_step(target: Target, name: str) -> int:
+    steps = [r["step"] for r in train_log(target, name) if r.get("event") == "step"]
+    return max(steps, default=0)
+
+
+def wait_step(target: Target, name: str, step: int, timeout: float = 240) -> int:
+    return int(
+        wait_for(
+            f"{name} to train step {step}",
+            lambda: (s := last_step(target, name)) >= step and s,
+            timeout,
+        )
+    )
+
+
+def active_pods(target: Target, name: str) -> list[dict[str, Any]]:
+    return [
+        p
+        for p in target.list("pods", f"kubetune.io/job={name}")
+        if (p.get("status") or {}).get("phase") in ("Pending", "Running")
+    ]
+
+
+def running_pod(target: Target, name: str) -> str:
+    pods = wait_for(
+        f"a running trainer pod of {name}",
+        lambda: [
+            p
+            for p in active_pods(target, name)
+            if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")
+        ],
+        120,
+    )
+    return str(pods[0]["metadata"]["name"])
+
+
+def event_reasons(target: Target, name: str) -> list[str]:
+    out = target.kubectl(
+        "get",
+        "events",
+        "-n",
+        NAMESPACE,
+        "--field-selector",
+        f"involvedObject.name={name},involvedObject.kind=FineTuneJob",
+        "-o",
+        "jsonpath={.items[*].reason}",
+    )
+    return out.stdout.split()
+
+
+def patch_spec(target: Target, name: str, spec: dict[str, Any]) -> None:
+    target.kubectl(
+        "patch",
+        "finetunejob",
+        name,
+        "-n",
+        NAMESPACE,
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": spec}),
+    )
+
+
+def delete_job(target: Target, name: str) -> None:
+    """Delete a FineTuneJob and wait until it is gone (no finalizer left behind)."""
+    target.kubectl("delete", "finetunejob", name, "-n", NAMESPACE, "--wait=false", check=False)
+    wait_for(
+        f"{name} deleted",
+        lambda: (
+            (obj := target.get("finetunejob", name)) is None
+            or print("still there:", obj["metadata"].get("finalizers"), flush=True)
+        ),
+        120,
+        interval=1.0,
+    )
+
+
+@dataclass
+class Run:
+    """One start of the trainer, as its log tells it."""
+
+    resumed_from: int
+    steps: list[int] = field(default_factory=list)
+    end: str | None = None  # finish | preempted | stopped | oom | None (killed)
+    losses: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def last(self) -> int:
+        return max(self.steps, default=self.resumed_from)
+
+
+def runs_of(records: list[dict[str, Any]]) -> list[Run]:
+    runs: list[Run] = []
+    for r in records:
+        kind = r.get("event")
+        if kind == "start":
+            match = re.search(r"step-(\d+)", r.get("resumed_from") or "")
+            runs.append(Run(resumed_from=int(match.group(1)) if match else 0))
+        elif runs and kind == "step":
+            runs[-1].steps.append(int(r["step"]))
+            runs[-1].losses[int(r["step"])] = float(r["loss"])
+        elif runs and kind in ("finish", "preempted", "stopped", "oom"):
+            runs[-1].end = kind
+    return runs
+
+
+def steps_lost(runs: list[Run]) -> list[int]:
+    """Per restart: steps trained before the interruption that the next run trained again."""
+    return [before.last - after.resumed_from for before, after in itertools.pairwise(runs)]
+
+
+def check_runs_are_contiguous(runs: list[Run], total: int) -> None:
+    """Each run trains consecutive steps from where it resumed; the last one ends at total."""
+    for run in runs:
+        expected = list(range(run.resumed_from + 1, run.resumed_from + 1 + len(run.steps)))
+        assert run.steps == expected, f"steps out of order in a run: {run.steps[:5]}…"
+    assert runs and runs[-1].end == "finish" and runs[-1].last == total, runs
+
+
+def final_loss(runs: list[Run], total: int) -> float:
+    return runs[-1].losses[total]
+
+
+def outcome(target: Target, name: str) -> str:
+    s = status(target, name)
+    cond = next((c for c in s.get("conditions", []) if c["type"] == "Failed"), {})
+    return f"{s.get('phase')}/{cond.get('reason')}: {s.get('message')}"
+
+
+@pytest.fixture(scope="session")
+def baseline(target: Target) -> Iterator[dict[str, Any]]:
+    """An uninterrupted run (also the happy path): its log, statuses and write counts."""
+    name = "baseline"
+    watch = subprocess.Popen(
+        [
+            *target_kubectl_argv(target),
+            "get",
+            "finetunejobs",
+            "-n",
+            NAMESPACE,
+            f"--field-selector=metadata.name={name}",
+            "--watch-only",
+            "-o",
+            "jsonpath={.metadata.resourceVersion} {.status.phase}{'\\n'}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    target.apply(job_doc(name, output={"mergeAdapter": True}))
+    snapshots: list[dict[str, Any]] = []
+    end = time.monotonic() + 300
+    while time.monotonic() < end:
+        s = status(target, name)
+        snapshots.append(s)
+        if s.get("phase") in ("Succeeded", "Failed"):
+            break
+        time.sleep(0.5)
+    time.sleep(2)  # let the watch see the last writes
+    watch.terminate()
+    lines = (watch.communicate(timeout=10)[0] or "").splitlines()
+    yield {"name": name, "snapshots": snapshots, "writes": lines}
+    delete_job(target, name)
+
+
+def target_kubectl_argv(target: Target) -> list[str]:
+    """argv prefix of kubectl against the target (for long-running watches)."""
+    cluster = getattr(target, "cluster", None)
+    if cluster is not None:
+        return [str(cluster.binaries.kubectl), f"--kubeconfig={cluster.kubeconfig}"]
+    return [getattr(target, "kubectl_bin", "kubectl"), f"--kubeconfig={target.kubeconfig}"]  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------------- scenarios
+
+
+def test_happy_path(target: Target, baseline: dict[str, Any]) -> None:
+    name = baseline["name"]
+    final = baseline["snapshots"][-1]
+    assert final.get("phase") == "Succeeded", outcome(target, name)
+    # The plan was in status before anything ran, and progress showed while it ran.
+    planned = [s for s in baseline["snapshots"] if s.get("plan")]
+    assert planned and planned[0]["plan"]["pool"] == "local-cpu"
+    running = [
+        s
+        for s in baseline["snapshots"]
+        if s.get("phase") == "Running" and (s.get("progress") or {}).get("step", 0) > 0
+    ]
+    assert running, "no status showed progress while the job ran"
+    progress = running[-1]["progress"]
+    assert progress["totalSteps"] == STEPS and progress["loss"] > 0
+    assert progress["tokensPerSecond"] > 0 and progress["eta"]
+    assert any((s.get("cost") or {}).get("accruedUSD", 0) > 0 for s in running)
+    assert any(s.get("checkpoint") for s in running), "no checkpoint showed in status"
+    assert final["checkpoint"]["latestStep"] == STEPS
+    assert final["progress"]["percent"] == 100
+    # The trainer trained every step once, in order.
+    runs = runs_of(train_log(target, name))
+    assert len(runs) == 1
+    check_runs_are_contiguous(runs, STEPS)
+    # Adapter and merged model in the output location.
+    outputs = target.list_volume(f"{name}-ckpt", "output")
+    assert "adapter/adapter_config.json" in outputs, outputs
+    assert any(p.startswith("adapter/adapter_model") for p in outputs), outputs
+    assert "merged/config.json" in outputs and any(
+        p.startswith("merged/") and p.endswith(".safetensors") for p in outputs
+    ), outputs
+    # GPUs are free at once: no trainer pod left running or pending.
+    wait_for("trainer pods gone", lambda: not active_pods(target, name), 30)
+    # Status writes: at most one per poll, and far fewer than the apiserver could take.
+    writes = baseline["writes"]
+    seconds = max(1.0, 0.5 * len(baseline["snapshots"]))
+    per_minute = 60 * len(writes) / seconds
+    REPORT.append(
+        f"happy path: {STEPS} steps, final loss {final_loss(runs, STEPS):.4f}; "
+        f"{len(writes)} FineTuneJob writes in {seconds:.0f}s = {per_minute:.0f}/min "
+        "at a 1 s poll interval"
+    )
+    assert per_minute <= 2 * 60, f"{per_minute:.0f} writes/min at a 1 s poll"
+
+
+def test_preemption_resumes_at_the_same_step(target: Target, baseline: dict[str, Any]) -> None:
+    name = "preempt"
+    target.apply(job_doc(name))
+    wait_step(target, name, INTERVAL + 3)
+    pod = running_pod(target, name)
+    # A preemption: the pod is deleted with a grace period; the trainer checkpoints on SIGTERM.
+    target.kubectl("delete", "pod", pod, "-n", NAMESPACE, "--grace-period=60", "--wait=false")
+    s = wait_phase(target, name, "Succeeded")
+    runs = runs_of(train_log(target, name))
+    check_runs_are_contiguous(runs, STEPS)
+    assert len(runs) == 2 and runs[0].end == "preempted", runs
+    lost = steps_lost(runs)
+    assert lost == [0], lost
+    assert [r["reason"] for r in s["recoveries"]] == ["Preemption"], s["recoveries"]
+    assert s["restarts"] == 1 and s["attempt"] == 1
+    assert "Preempted" in event_reasons(target, name)
+    diff = abs(final_loss(runs, STEPS) - final_loss(runs_of(train_log(target, "baseline")), STEPS))
+    REPORT.append(
+        f"preemption at step {runs[0].last}: resumed at {runs[1].resumed_from}, "
+        f"steps lost {lost[0]}, final-loss difference vs uninterrupted {diff:.2e}"
+    )
+    assert diff <= LOSS_TOLERANCE
+    delete_job(target, name)
+
+
+def test_hard_kill_resumes_from_the_last_checkpoint(
+    target: Target, baseline: dict[str, Any]
+) -> None:
+    name = "killed"
+    target.apply(job_doc(name))
+    wait_step(target, name, INTERVAL + 4)
+    pod = running_pod(target, name)
+    # No grace: the trainer is SIGKILLed mid-interval, as when a node dies.
+    target.kubectl("delete", "pod", pod, "-n", NAMESPACE, "--grace-period=0", "--force")
+    s = wait_phase(target, name, "Succeeded")
+    runs = runs_of(train_log(target, name))
+    check_runs_are_contiguous(runs, STEPS)
+    assert len(runs) == 2 and runs[0].end is None, runs
+    lost = steps_lost(runs)
+    assert 0 <= lost[0] <= INTERVAL, lost
+    assert runs[1].resumed_from % INTERVAL == 0 and runs[1].resumed_from > 0
+    assert [r["reason"] for r in s["recoveries"]] == ["PodFailure"], s["recoveries"]
+    diff = abs(final_loss(runs, STEPS) - final_loss(runs_of(train_log(target, "baseline")), STEPS))
+    REPORT.append(
+        f"hard kill at step {runs[0].last}: resumed at {runs[1].resumed_from}, "
+        f"steps lost {lost[0]} (interval {INTERVAL}), final-loss difference {diff:.2e}"
+    )
+    assert diff <= LOSS_TOLERANCE
+    delete_job(target, name)
+
+
+def test_out_of_memory_replans_and_resumes(target: Target) -> None:
+    name = "oom"
+    faults = {"kubetune.io/test-faults": json.dumps({"oomAtStep": 8, "attempts": [1]})}
+    doc = job_doc(name, steps=20, interval=5, annotations=faults, resources={"gpus": "auto"})
+    del doc["spec"]["training"]["microBatchSize"]
+    del doc["spec"]["training"]["gradientCheckpointing"]
+    target.apply(doc)
+    first = wait_for("the first plan", lambda: status(target, name).get("plan"), 60)
+    s = wait_phase(target, name, "Succeeded")
+    runs = runs_of(train_log(target, name))
+    check_runs_are_contiguous(runs, 20)
+    assert len(runs) == 2 and runs[0].end == "oom", runs
+    assert runs[1].resumed_from == 5
+    (rec,) = s["recoveries"]
+    assert rec["reason"] == "OOM" and "re-planned" in rec["message"]
+    plan = s["plan"]
+    assert plan["revision"] == 2 and s["attempt"] == 2
+    layout = (plan["totalGPUs"], plan["microBatchSize"], plan["gradientCheckpointing"])
+    before = (first["totalGPUs"], first["microBatchSize"], first["gradientCheckpointing"])
+    assert layout != before
+    assert "OutOfMemory" in event_reasons(target, name)
+    REPORT.append(
+        f"OOM at step 8: re-planned {before} -> {layout} (GPUs, micro-batch, checkpointing), "
+        f"resumed at {runs[1].resumed_from}, steps lost {steps_lost(runs)[0]}"
+    )
+    delete_job(target, name)
+
+
+def test_repeated_out_of_memory_fails_instead_of_looping(target: Target) -> None:
+    name = "oom-limit"
+    faults = {"kubetune.io/test-faults": json.dumps({"oomAtStep": 3})}
+    doc = job_doc(
+        name,
+        steps=20,
+        interval=2,
+        annotations=faults,
+        resources={"gpus": "auto"},
+        recovery={"maxOOMReplans": 1},
+    )
+    del doc["spec"]["training"]["microBatchSize"]
+    del doc["spec"]["training"]["gradientCheckpointing"]
+    target.apply(doc)
+    s = wait_phase(target, name, "Failed")
+    reason = next(c["reason"] for c in s["conditions"] if c["type"] == "Failed")
+    assert reason == "OutOfMemoryLimitReached", outcome(target, name)
+    assert "maxOOMReplans=1" in s["message"] and "To fix" in s["message"]
+    assert [r["reason"] for r in s["recoveries"]] == ["OOM"]
+    wait_for("trainer pods gone", lambda: not active_pods(target, name), 60)
+    delete_job(target, name)
+
+
+@pytest.mark.parametrize("limit", ["budget", "deadline"])
+def test_budget_and_deadline_stop_the_job_with_a_checkpoint(target: Target, limit: str) -> None:
+    # The plan-time estimate includes a two-minute startup allowance, so a job admitted with a
+    # budget or deadline tighter than that never starts. The scenario therefore lowers the
+    # limit while the job runs, to just above what is spent: training reaches it on its own.
+    name = f"limit-{limit}"
+    target.apply(
+        job_doc(name, steps=2000, interval=50, resources={"maxCostUSD": 5, "deadline": "1h"})
+    )
+    wait_step(target, name, 5)
+    s = status(target, name)
+    if limit == "budget":
+        spent = float(s["cost"]["accruedUSD"])
+        patch_spec(target, name, {"resources": {"maxCostUSD": round(spent + 0.004, 6)}})
+        expected = "BudgetExceeded"
+    else:
+        started = time.mktime(time.strptime(s["startTime"], "%Y-%m-%dT%H:%M:%SZ"))
+        elapsed = time.mktime(time.gmtime()) - started
+        patch_spec(target, name, {"resources": {"deadline": f"{int(elapsed) + 5}s"}})
+        expected = "DeadlineExceeded"
+    s = wait_phase(target, name, "Failed", timeout=120)
+    reason = next(c["reason"] for c in s["conditions"] if c["type"] == "Failed")
+    assert reason == expected, outcome(target, name)
+    assert "checkpoints on stop" in s["message"]
+    wait_for("trainer pods gone", lambda: not active_pods(target, name), 90)
+    runs = runs_of(train_log(target, name))
+    assert runs[-1].end == "preempted", runs  # SIGTERM: the work so far is saved
+    saved = runs[-1].last
+    assert any(p.startswith(f"step-{saved}/") for p in target.list_volume(f"{name}-ckpt", ""))
+    if limit == "budget":
+        assert s["cost"]["accruedUSD"] >= float(
+            target.get("finetunejob", name)["spec"]["resources"]["maxCostUSD"]  # type: ignore[index]
+        )
+    REPORT.append(f"{limit} reached: stopped at step {saved} with a checkpoint; {s['message']}")
+    delete_job(target, name)
+
+
+def test_suspend_checkpoints_and_resume_continues(target: Target) -> None:
+    name = "pause"
+    target.apply(job_doc(name))
+    wait_step(target, name, INTERVAL + 2)
+    patch_spec(target, name, {"suspend": True})
+    wait_phase(target, name, "Suspended", timeout=60)
+    wait_for("trainer pods gone", lambda: not active_pods(target, name), 90)
+    runs = runs_of(train_log(target, name))
+    assert runs[-1].end == "preempted", runs
+    paused_at = runs[-1].last
+    patch_spec(target, name, {"suspend": False})
+    s = wait_phase(target, name, "Succeeded")
+    runs = runs_of(train_log(target, name))
+    check_runs_are_contiguous(runs, STEPS)
+    assert steps_lost(runs) == [0]
+    assert runs[1].resumed_from == paused_at and s["attempt"] == 2
+    REPORT.append(f"suspend at step {paused_at}, resume: steps lost {steps_lost(runs)[0]}")
+    delete_job(target, name)
+
+
+@pytest.mark.parametrize("retention", ["delete", "retain"])
+def test_delete_mid_run_collects_children(target: Target, retention: str) -> None:
+    name = f"gone-{retention}"
+    target.apply(job_doc(name, steps=2000, checkpoint={"storage": {"retention": retention}}))
+    wait_step(target, name, 3)
+    delete_job(target, name)
+    for kind, child in [
+        ("job.batch", f"{name}-a1"),
+        ("configmap", f"{name}-a1"),
+        ("service", name),
+    ]:
+        wait_for(f"{kind}/{child} collected", lambda k=kind, c=child: not target.get(k, c), 90)
+    wait_for("trainer pods gone", lambda: not active_pods(target, name), 90)
+    pvc = f"{name}-ckpt"
+    if retention == "delete":
+        wait_for("checkpoint volume collected", lambda: not target.get("pvc", pvc), 90)
+    else:
+        time.sleep(3)
+        assert target.get("pvc", pvc) is not None
+        target.kubectl("delete", "pvc", pvc, "-n", NAMESPACE, "--wait=false")
+
+
+def test_operator_restarts_lose_nothing(target: Target) -> None:
+    """Kill the operator at random points while jobs run, suspend and resume."""
+    rng = random.Random(7)
+    names = ["chaos-a", "chaos-b"]
+    for name in names:
+        target.apply(job_doc(name))
+    restarts = 0
+    max_pods = 0
+    max_batch_jobs = 0
+    suspended = resumed = False
+    deadline = time.monotonic() + 420
+    while time.monotonic() < deadline:
+        time.sleep(rng.uniform(1.0, 4.0))
+        target.kill_operator()
+        restarts += 1
+        # Invariants while nobody is reconciling: one trainer pod and one live batch Job per job.
+        for name in names:
+            max_pods = max(max_pods, len(active_pods(target, name)))
+            live = [
+                j
+                for j in target.list("jobs.batch", f"kubetune.io/job={name}")
+                if not j["metadata"].get("deletionTimestamp")
+                and (j.get("status") or {}).get("active")
+            ]
+            max_batch_jobs = max(max_batch_jobs, len(live))
+        if not suspended and last_step(target, "chaos-a") >= 15:
+            patch_spec(target, "chaos-a", {"suspend": True})
+            suspended = True
+        elif suspended and not resumed and status(target, "chaos-a").get("phase") == "Suspended":
+            patch_spec(target, "chaos-a", {"suspend": False})
+            resumed = True
+        time.sleep(rng.uniform(0.0, 2.0))
+        target.start_operator()
+        done = all(status(target, n).get("phase") in ("Succeeded", "Failed") for n in names)
+        if done and restarts >= 10:
+            break
+    wait_for("the operator up", target.operator_running, 30)
+    assert resumed, "the suspend/resume during the restarts never happened"
+    for name in names:
+        s = wait_phase(target, name, "Succeeded", timeout=300)
+        runs = runs_of(train_log(target, name))
+        check_runs_are_contiguous(runs, STEPS)
+        assert all(lost == 0 for lost in steps_lost(runs)), steps_lost(runs)
+        # No orphan: the only batch Job left is the last attempt's.
+        wait_for(
+            f"{name}: only the last attempt's batch Job left",
+            lambda n=name, a=s["attempt"]: (
+                [
+                    j["metadata"]["labels"]["kubetune.io/attempt"]
+                    for j in target.list("jobs.batch", f"kubetune.io/job={n}")
+                    if not j["metadata"].get("deletionTimestamp")
+                ]
+                == [str(a)]
+            ),
+            60,
+        )
+        assert not active_pods(target, name)
+    assert restarts >= 10
+    assert max_pods <= 1 and max_batch_jobs <= 1, (max_pods, max_batch_jobs)
+    REPORT.append(
+        f"operator restarts: {restarts} SIGKILLs survived with 2 jobs (one suspended and "
+        f"resumed in between); at most {max_pods} trainer pod and {max_batch_jobs} live batch "
+        "Job per FineTuneJob at any look; every job Succeeded with 0 steps lost"
+    )
+    for name in names:
+        delete_job(target, name)
