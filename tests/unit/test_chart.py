@@ -435,7 +435,7 @@ def test_rbac_rules_are_the_documented_set() -> None:
         ("kubetune.io", "gpupools", "watch"),
         ("kubetune.io", "gpupools", "patch"),
         ("kubetune.io", "gpupools/status", "patch"),
-        ("batch", "jobs", "get"),
+        ("batch", "jobs", "list"),
         ("batch", "jobs", "create"),
         ("batch", "jobs", "delete"),
         ("", "persistentvolumeclaims", "create"),

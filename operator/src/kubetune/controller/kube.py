@@ -74,15 +74,6 @@ class Kube:
             pools.append(GPUPool.model_validate(_as_dict(obj)))
         return pools
 
-    async def get_batch_job(self, namespace: str, name: str) -> dict[str, Any] | None:
-        try:
-            job = await self.client.get(Job, name=name, namespace=namespace)
-        except ApiError as exc:
-            if exc.status.code == 404:
-                return None
-            raise
-        return _as_dict(job)
-
     async def list_pods(self, namespace: str, labels: Mapping[str, str]) -> list[Mapping[str, Any]]:
         pods: list[Mapping[str, Any]] = []
         async for pod in self.client.list(Pod, namespace=namespace, labels=dict(labels)):
