@@ -41,7 +41,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-stamp "creating kind cluster $CLUSTER (one control plane, one worker as GPU pool local-cpu)"
+stamp "creating kind cluster $CLUSTER (one control plane, two workers as GPU pools local-cpu, local-cpu-b)"
 cat >"$WORK/kind.yaml" <<YAML
 kind: Cluster
 apiVersion: kind.x-k8s.io/v1alpha4
@@ -50,16 +50,21 @@ nodes:
   - role: worker
     labels:
       kubetune.io/pool: local-cpu
+  - role: worker
+    labels:
+      kubetune.io/pool: local-cpu-b
 YAML
 kind create cluster --name "$CLUSTER" --config "$WORK/kind.yaml" --kubeconfig "$KUBECONFIG_FILE" \
   --wait 180s ${KIND_NODE_IMAGE:+--image "$KIND_NODE_IMAGE"}
 export KUBECONFIG="$KUBECONFIG_FILE"
-WORKER="$CLUSTER-worker"
-# The worker stands in for a GPU node: the pool's taint, and two simulated nvidia.com/gpu
-# (an extended resource advertised by hand, as a device plugin would). Work runs on the CPU.
-kubectl taint node "$WORKER" nvidia.com/gpu=true:NoSchedule --overwrite
-kubectl patch node "$WORKER" --subresource=status --type=json \
-  -p '[{"op":"add","path":"/status/capacity/nvidia.com~1gpu","value":"2"}]'
+# Each worker stands in for a GPU node (pools local-cpu and local-cpu-b): the pool's taint, and
+# two simulated nvidia.com/gpu (an extended resource advertised by hand, as a device plugin
+# would). Work runs on the CPU.
+for worker in "$CLUSTER-worker" "$CLUSTER-worker2"; do
+  kubectl taint node "$worker" nvidia.com/gpu=true:NoSchedule --overwrite
+  kubectl patch node "$worker" --subresource=status --type=json \
+    -p '[{"op":"add","path":"/status/capacity/nvidia.com~1gpu","value":"2"}]'
+done
 
 stamp "building images"
 # shellcheck disable=SC2086
@@ -75,9 +80,9 @@ helm install kubetune charts/kubetune --namespace kubetune-system --create-names
   --set image.pullPolicy=Never \
   --set operator.trainerImage="$TRAINER_IMAGE" --set operator.trainerImagePullPolicy=Never \
   --set operator.pollSeconds=1 --set operator.queueRetrySeconds=2 \
-  --set operator.terminationGraceSeconds=60
+  --set operator.terminationGraceSeconds=60 --set operator.rescheduleSeconds=5
 
 stamp "running the e2e suite against kind"
-KUBETUNE_E2E_TARGET=kind KUBETUNE_KIND_KUBECONFIG="$KUBECONFIG_FILE" \
+KUBETUNE_E2E_TARGET=kind KUBETUNE_KIND_KUBECONFIG="$KUBECONFIG_FILE" KIND_CLUSTER_NAME="$CLUSTER" \
   KUBETUNE_KIND_TRAINER_IMAGE="$TRAINER_IMAGE" "$VENV/bin/pytest" tests/e2e -m e2e "$@"
 stamp "kind e2e passed in $(( $(date +%s) - t0 ))s"

@@ -50,10 +50,24 @@ POOL: dict[str, Any] = {
     },
 }
 
+# A second, dearer pool on a second node: where a job moves when the first has no room.
+POOL_B_NAME = "local-cpu-b"
+POOL_B: dict[str, Any] = {
+    **POOL,
+    "metadata": {"name": POOL_B_NAME},
+    "spec": {
+        **POOL["spec"],
+        "nodeSelector": {"kubetune.io/pool": POOL_B_NAME},
+        "pricePerGPUHour": 7.2,
+    },
+}
+NODE_A, NODE_B = "local-0", "local-1"
+
 OPERATOR_SETTINGS = {
     "KUBETUNE_POLL_SECONDS": "1",
     "KUBETUNE_QUEUE_RETRY_SECONDS": "2",
     "KUBETUNE_TERMINATION_GRACE_SECONDS": "60",
+    "KUBETUNE_RESCHEDULE_SECONDS": "5",
     "KUBETUNE_TRAINER_IMAGE": "kubetune/trainer:e2e",
 }
 
@@ -71,6 +85,11 @@ class Target:
     """The verbs the scenarios use; see LocalTarget and KindTarget."""
 
     name = "?"
+    nodes = (NODE_A, NODE_B)
+    """The node of POOL and the node of POOL_B."""
+    volumes_follow_pods = True
+    """Whether a volume written on one node can be mounted on the other (a job that moves
+    pools takes its checkpoint volume along)."""
 
     def kubectl(
         self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60
@@ -142,7 +161,8 @@ class LocalTarget(Target):
             self.cluster.apply([yaml.safe_load(text) for text in render_all().values()])
             self.kubectl("wait", "--for=condition=Established", "crd", "--all", "--timeout=30s")
             self.kubectl("create", "namespace", NAMESPACE)
-            self.cluster.add_local_pool(POOL)
+            self.cluster.add_local_pool(POOL, node=NODE_A)
+            self.cluster.add_local_pool(POOL_B, node=NODE_B, pod_ip_base="127.0.101.")
             prepare_data(self.cluster, say, namespace=NAMESPACE, claim=DATA_CLAIM)
             self.start_operator()
         except BaseException:
@@ -201,7 +221,7 @@ class LocalTarget(Target):
     def diagnostics(self) -> dict[str, str]:
         return {
             name: self.cluster.log_tail(name, 40)
-            for name in ("operator", "podrunner", "kube-controller-manager")
+            for name in ("operator", "podrunner", f"podrunner-{NODE_B}", "kube-controller-manager")
         }
 
     def close(self) -> None:
@@ -216,15 +236,18 @@ class KindTarget(Target):
     """A kind cluster prepared by hack/kind-e2e.sh (operator installed with helm)."""
 
     name = "kind"
+    volumes_follow_pods = False  # kind's local-path volumes are pinned to the node
     OPERATOR_NAMESPACE = "kubetune-system"
     OPERATOR_SELECTOR = "app.kubernetes.io/name=kubetune"
 
-    def __init__(self, kubeconfig: str, trainer_image: str) -> None:
+    def __init__(self, kubeconfig: str, trainer_image: str, cluster: str) -> None:
+        self.nodes = (f"{cluster}-worker", f"{cluster}-worker2")
         self.kubeconfig = kubeconfig
         self.image = trainer_image
         self.kubectl_bin = shutil.which("kubectl") or "kubectl"
         self.kubectl("create", "namespace", NAMESPACE, check=False)
         self.kubectl("apply", "-f", "-", input=yaml.safe_dump(POOL))
+        self.kubectl("apply", "-f", "-", input=yaml.safe_dump(POOL_B))
         self.apply(
             {
                 "apiVersion": "v1",
@@ -377,5 +400,5 @@ def make_target(root_factory: Callable[[], Path]) -> Target:
                 "KUBETUNE_E2E_TARGET=kind needs a kind cluster: run hack/kind-e2e.sh, which "
                 "creates one and sets KUBETUNE_KIND_KUBECONFIG"
             )
-        return KindTarget(kubeconfig, image)
+        return KindTarget(kubeconfig, image, os.environ.get("KIND_CLUSTER_NAME", "kubetune-e2e"))
     raise LookupError(f"KUBETUNE_E2E_TARGET={which!r}: expected 'local' or 'kind'")

@@ -22,7 +22,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from e2e_targets import DATA_CLAIM, DATASET_PATH, MODEL_PATH, NAMESPACE, REPORT, Target
+from e2e_targets import (
+    DATA_CLAIM,
+    DATASET_PATH,
+    MODEL_PATH,
+    NAMESPACE,
+    POOL_B_NAME,
+    REPORT,
+    Target,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -355,6 +363,42 @@ def test_preemption_resumes_at_the_same_step(target: Target, baseline: dict[str,
         f"steps lost {lost[0]}, final-loss difference vs uninterrupted {diff:.2e}"
     )
     assert diff <= LOSS_TOLERANCE
+    delete_job(target, name)
+
+
+def test_preempted_without_room_moves_to_another_pool(target: Target) -> None:
+    if not target.volumes_follow_pods:
+        pytest.skip(
+            f"on {target.name}, volumes are pinned to the node that wrote them: a job cannot "
+            "take its checkpoint volume to another pool's node"
+        )
+    name = "move"
+    target.apply(job_doc(name))
+    first = wait_for("the plan", lambda: status(target, name).get("plan"), 60)
+    assert first["pool"] != POOL_B_NAME  # the cheaper pool first
+    wait_step(target, name, INTERVAL + 2)
+    pod = running_pod(target, name)
+    # The node is taken away (cordoned) and the pod preempted: its replacement has no room.
+    node_a, node_b = target.nodes
+    target.kubectl("cordon", node_a)
+    try:
+        target.kubectl("delete", "pod", pod, "-n", NAMESPACE, "--grace-period=60", "--wait=false")
+        s = wait_phase(target, name, "Succeeded")
+    finally:
+        target.kubectl("uncordon", node_a)
+    assert s["plan"]["pool"] == POOL_B_NAME and s["plan"]["revision"] == 2
+    assert [r["reason"] for r in s["recoveries"]] == ["Preemption", "Rescheduled"], s["recoveries"]
+    assert s["attempt"] == 2
+    nodes = {p["spec"].get("nodeName") for p in target.list("pods", f"kubetune.io/job={name}")}
+    assert node_b in nodes
+    runs = runs_of(train_log(target, name))
+    check_runs_are_contiguous(runs, STEPS)
+    assert runs[0].end == "preempted" and steps_lost(runs) == [0], runs
+    assert "Rescheduled" in event_reasons(target, name)
+    REPORT.append(
+        f"preempted at step {runs[0].last} with no room left in pool {first['pool']}: moved to "
+        f"{POOL_B_NAME}, resumed at {runs[1].resumed_from}, steps lost {steps_lost(runs)[0]}"
+    )
     delete_job(target, name)
 
 

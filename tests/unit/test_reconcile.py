@@ -328,6 +328,53 @@ def test_a_pod_gone_before_its_end_was_seen_is_classified_by_the_job(
     assert s.restarts == 1 and s.trainer_pods == ["demo-a1-0-bbbbb"]
 
 
+def unschedulable(name: str, since: datetime) -> dict[str, Any]:
+    stamp = since.strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {
+        "metadata": {"name": name},
+        "status": {
+            "phase": "Pending",
+            "conditions": [
+                {
+                    "type": "PodScheduled",
+                    "status": "False",
+                    "reason": "Unschedulable",
+                    "lastTransitionTime": stamp,
+                }
+            ],
+        },
+    }
+
+
+def test_a_pod_without_room_moves_the_job_to_another_pool() -> None:
+    job, _ = run(make_job())
+    first = job.status.plan  # type: ignore[union-attr]
+    assert first is not None
+    stuck = observed(batch_job(active=1), [unschedulable("demo-a1-0-bbbbb", T0)])
+    # Not yet: it may still get room.
+    job, d = run(job, stuck, now=T0 + timedelta(seconds=SETTINGS.reschedule_seconds - 5))
+    assert d.create == [] and job.status is not None and job.status.attempt == 1
+    job, d = run(job, stuck, now=T0 + timedelta(seconds=SETTINGS.reschedule_seconds + 1))
+    s = job.status
+    assert s is not None and s.plan is not None
+    assert s.attempt == 2 and s.plan.revision == 2 and s.plan.pool != first.pool
+    assert s.plan.reason.startswith("Unschedulable: pod demo-a1-0-bbbbb found no room")
+    assert [r.reason for r in s.recoveries] == ["Rescheduled"]
+    assert d.delete_jobs == ["demo-a1"]
+    assert d.create[-1]["metadata"]["name"] == "demo-a2"
+    assert "Rescheduled" in [e.reason for e in d.events]
+
+
+def test_a_pod_without_room_waits_when_no_other_pool_is_allowed() -> None:
+    job, _ = run(make_job())
+    pool = job.status.plan.pool  # type: ignore[union-attr]
+    job, _ = run(job.model_copy(update={"spec": make_job(resources={"pools": [pool]}).spec}))
+    stuck = observed(batch_job(active=1), [unschedulable("demo-a1-0-bbbbb", T0)])
+    job, d = run(job, stuck, now=T0 + timedelta(hours=1))
+    assert job.status is not None and job.status.attempt == 1
+    assert d.create == [] and d.delete_jobs == []
+
+
 def test_a_launch_the_status_never_recorded_is_adopted() -> None:
     job, _ = run(make_job())
     # Attempt 2 was created (say, after a relaunch) but the status still says attempt 1.

@@ -508,7 +508,7 @@ class CheckpointStatus(_Model):
 
 
 class Recovery(_Model):
-    reason: Literal["OOM", "Preemption", "PodFailure", "NodeLost"] = Field(
+    reason: Literal["OOM", "Preemption", "PodFailure", "NodeLost", "Rescheduled"] = Field(
         description="What went wrong."
     )
     time: str = Field(description="When it was handled (RFC 3339).")

@@ -51,6 +51,8 @@ class ControllerSettings:
     """Fetch config.json of unknown hub models at plan time."""
     queue_retry_seconds: float = 15.0
     poll_seconds: float = 10.0
+    reschedule_seconds: float = 120.0
+    """A trainer pod unschedulable this long makes the job re-plan onto another pool."""
 
 
 @dataclass(frozen=True)
@@ -414,6 +416,8 @@ class _Reconciler:
             self.handle_failure(job_status)
             return
         self.record_pod_restarts(job_status)
+        if self.move_if_stuck():
+            return
         if self.check_limits():
             return
         if self.observed.trainer_metrics:
@@ -548,6 +552,62 @@ class _Reconciler:
             for name, pod in current.items()
             if (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
         )
+
+    def move_if_stuck(self) -> bool:
+        """Re-plan when a trainer pod cannot be scheduled (its pool has no room any more).
+
+        After a preemption the Job controller's replacement pod waits for room in the same
+        pool. When it has waited `reschedule_seconds` and another allowed pool has free GPUs
+        now, the job moves there: the batch Job is deleted and the new plan launches as a new
+        attempt that resumes from the checkpoint. Otherwise it keeps waiting.
+        """
+        plan = self.s.plan
+        assert plan is not None
+        stuck = [
+            (name, since)
+            for pod in self.observed.pods
+            if (since := _unschedulable_since(pod)) is not None
+            and (self.now - since).total_seconds() >= self.settings.reschedule_seconds
+            for name in [str((pod.get("metadata") or {}).get("name", ""))]
+        ]
+        if not stuck:
+            return False
+        elsewhere = [p for p in self.observed.pools if p.name != plan.pool]
+        if not elsewhere:
+            return False
+        try:
+            arch = self.load_arch(self.spec.model.architecture or self.spec.model.uri)
+            # What earlier out-of-memory re-plans learned still holds on the new pool.
+            learned = replace(
+                self.settings.planner,
+                memory_scale=plan.memory_scale,
+                forbid=frozenset(_parse_layout(x) for x in self.s.failed_layouts),
+            )
+            moved = plan_job(self.spec, elsewhere, arch, learned)
+        except (ArchitectureError, InfeasibleError):
+            return False
+        if moved.queued:
+            return False
+        name, since = stuck[0]
+        waited = (self.now - since).total_seconds()
+        reason = f"Unschedulable: pod {name} found no room in pool {plan.pool} for {waited:.0f}s"
+        new = moved.to_status(self.observed.pools, revision=plan.revision + 1, reason=reason)
+        new.memory_scale = plan.memory_scale
+        self.s.restarts += 1
+        self.s.recoveries.append(
+            Recovery(
+                reason="Rescheduled",
+                time=_ts(self.now),
+                step=self._ckpt_step(),
+                attempt=self.s.attempt,
+                message=f"{reason}; moved to pool {new.pool} ({new.total_gpus} GPU(s))",
+            )
+        )
+        self.d.event("Rescheduled", self.s.recoveries[-1].message, warning=True)
+        self._stop_trainer()
+        self.s.plan = new
+        self.launch()
+        return True
 
     def _record_pod_recovery(self, reason: Literal["Preemption", "PodFailure"], tag: str) -> None:
         self.s.restarts += 1
@@ -687,6 +747,25 @@ def _trainer_terminations(pod: Mapping[str, Any]) -> list[Mapping[str, Any]]:
             if term:
                 out.append(term)
     return out
+
+
+def _unschedulable_since(pod: Mapping[str, Any]) -> datetime | None:
+    """When a Pending pod was found unschedulable (PodScheduled=False, Unschedulable)."""
+    status = pod.get("status") or {}
+    if status.get("phase") not in (None, "Pending") or (pod.get("spec") or {}).get("nodeName"):
+        return None
+    for cond in status.get("conditions") or []:
+        if (
+            cond.get("type") == "PodScheduled"
+            and cond.get("status") == "False"
+            and cond.get("reason") == "Unschedulable"
+        ):
+            return (
+                _parse_ts(cond.get("lastTransitionTime"))
+                if cond.get("lastTransitionTime")
+                else None
+            )
+    return None
 
 
 def _was_preempted(pod: Mapping[str, Any]) -> bool:

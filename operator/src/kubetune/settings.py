@@ -8,6 +8,7 @@ KUBETUNE_DEFAULT_OBJECTIVE          objective of jobs without spec.resources.obj
 KUBETUNE_TERMINATION_GRACE_SECONDS  time the trainer gets to checkpoint on stop (120)
 KUBETUNE_POLL_SECONDS               how often running jobs are re-read (10)
 KUBETUNE_QUEUE_RETRY_SECONDS        how often queued jobs are re-planned (15)
+KUBETUNE_RESCHEDULE_SECONDS         unschedulable trainer pods this long: move pools (120)
 KUBETUNE_ALLOW_NETWORK              fetch config.json of unknown hub models (false)
 KUBETUNE_METRICS_PORT               operator /metrics port (8000; read by controller.metrics)
 
@@ -76,4 +77,5 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> ControllerSetting
         allow_network=(env.get("KUBETUNE_ALLOW_NETWORK", "").lower() in _TRUE),
         poll_seconds=_float(env, "KUBETUNE_POLL_SECONDS", 10.0),
         queue_retry_seconds=_float(env, "KUBETUNE_QUEUE_RETRY_SECONDS", 15.0),
+        reschedule_seconds=_float(env, "KUBETUNE_RESCHEDULE_SECONDS", 120.0),
     )

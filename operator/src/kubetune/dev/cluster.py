@@ -114,8 +114,12 @@ STOP_ORDER = (
 
 def stop_processes(state: State, timeout_s: float = 15.0, save: bool = True) -> list[str]:
     """SIGTERM each process group (dependents first), SIGKILL what is left after the timeout."""
-    names = [n for n in STOP_ORDER if n in state.pids]
-    names += [n for n in state.pids if n not in STOP_ORDER]
+    # Extra pod runners (`podrunner-<node>`) stop with the first one, before the API server.
+    rank = {n: i for i, n in enumerate(STOP_ORDER)}
+    names = sorted(
+        state.pids,
+        key=lambda n: rank.get("podrunner" if n.startswith("podrunner-") else n, len(rank)),
+    )
     for name in names:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(state.pids[name], signal.SIGTERM)
@@ -481,8 +485,14 @@ class LocalCluster:
         gpus: int = 1,
         cpu: str = "64",
         memory: str = "512Gi",
+        pod_ip_base: str | None = None,
     ) -> None:
-        """Run the pods bound to `node` as local processes (docs/local-pod-runner.md)."""
+        """Run the pods bound to `node` as local processes (docs/local-pod-runner.md).
+
+        Several runners (one per node) can run side by side: each gets its own component
+        name (`podrunner`, then `podrunner-<node>`) and needs its own `pod_ip_base`.
+        """
+        component = "podrunner" if "podrunner" not in self.state.pids else f"podrunner-{node}"
         argv = [
             sys.executable,
             "-m",
@@ -495,6 +505,8 @@ class LocalCluster:
             f"--cpu={cpu}",
             f"--memory={memory}",
         ]
+        if pod_ip_base:
+            argv.append(f"--pod-ip-base={pod_ip_base}")
         if labels:
             argv.append("--labels=" + ",".join(f"{k}={v}" for k, v in labels.items()))
         if taints:
@@ -505,9 +517,11 @@ class LocalCluster:
                     for t in taints
                 )
             )
-        self._spawn("podrunner", argv)
+        self._spawn(component, argv)
 
-    def add_local_pool(self, pool: Mapping[str, Any], node: str = "local-0") -> None:
+    def add_local_pool(
+        self, pool: Mapping[str, Any], node: str = "local-0", pod_ip_base: str | None = None
+    ) -> None:
         """A GPUPool whose one node is this machine: its pods run as local processes."""
         self.apply([pool])
         sim = simulated_nodes({**pool, "spec": {**pool["spec"], "maxNodes": 1}})[0]
@@ -517,7 +531,11 @@ class LocalCluster:
             if k not in ("kubernetes.io/hostname", "type")
         }
         self.start_pod_runner(
-            node, labels=labels, taints=sim["spec"]["taints"], gpus=int(pool["spec"]["gpusPerNode"])
+            node,
+            labels=labels,
+            taints=sim["spec"]["taints"],
+            gpus=int(pool["spec"]["gpusPerNode"]),
+            pod_ip_base=pod_ip_base,
         )
 
     def add_simulated_pools(self, pools: Sequence[Mapping[str, Any]]) -> None:
