@@ -365,6 +365,26 @@ def test_a_pod_without_room_moves_the_job_to_another_pool() -> None:
     assert "Rescheduled" in [e.reason for e in d.events]
 
 
+def test_a_pod_stuck_on_its_volume_does_not_move() -> None:
+    job, _ = run(make_job())
+    pod = unschedulable("demo-a1-0-bbbbb", T0)
+    pod["status"]["conditions"][0]["message"] = (
+        '0/4 nodes are available: persistentvolumeclaim "data" not found.'
+    )
+    job, d = run(job, observed(batch_job(active=1), [pod]), now=T0 + timedelta(hours=1))
+    assert job.status is not None and job.status.attempt == 1 and d.create == []
+
+
+def test_moving_pools_counts_against_the_restart_limit() -> None:
+    job, _ = run(make_job(recovery={"maxRestarts": 0}))
+    stuck = observed(batch_job(active=1), [unschedulable("demo-a1-0-bbbbb", T0)])
+    job, d = run(job, stuck, now=T0 + timedelta(hours=1))
+    s = job.status
+    assert s is not None and s.phase == "Failed"
+    assert c.get_condition(s.conditions, c.FAILED).reason == c.RESTART_LIMIT  # type: ignore[union-attr]
+    assert d.delete_jobs == ["demo-a1"]
+
+
 def test_a_pod_without_room_waits_when_no_other_pool_is_allowed() -> None:
     job, _ = run(make_job())
     pool = job.status.plan.pool  # type: ignore[union-attr]

@@ -588,6 +588,14 @@ class _Reconciler:
             return False
         if moved.queued:
             return False
+        limit = self.spec.recovery.max_restarts
+        if self.s.restarts >= limit:
+            self.fail(
+                c.RESTART_LIMIT,
+                f"trainer pods found no room after {self.s.restarts} restarts "
+                f"(spec.recovery.maxRestarts={limit})",
+            )
+            return True
         name, since = stuck[0]
         waited = (self.now - since).total_seconds()
         reason = f"Unschedulable: pod {name} found no room in pool {plan.pool} for {waited:.0f}s"
@@ -759,6 +767,9 @@ def _unschedulable_since(pod: Mapping[str, Any]) -> datetime | None:
             cond.get("type") == "PodScheduled"
             and cond.get("status") == "False"
             and cond.get("reason") == "Unschedulable"
+            # Another pool cannot fix a volume problem (a missing or unbound claim).
+            and "volume" not in str(cond.get("message", "")).lower()
+            and "persistentvolumeclaim" not in str(cond.get("message", "")).lower()
         ):
             return (
                 _parse_ts(cond.get("lastTransitionTime"))
