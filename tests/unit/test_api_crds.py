@@ -153,12 +153,29 @@ def test_defaults_and_aliases_round_trip() -> None:
         ({"training": {"sequenceLenght": 10}}, "Extra inputs are not permitted"),
         ({"method": "dpo"}, "Input should be 'auto', 'full', 'lora' or 'qlora'"),
         ({"resources": {"objective": "fast"}}, "Input should be 'cost' or 'time'"),
+        ({"resources": {"gpus": 5000}}, "less than or equal to 4096"),
+        ({"trainerImage": " img:1"}, "must not start or end with whitespace"),
+        ({"model": {"uri": "x/y", "tokenSecretRef": {"name": "Bad Name"}}}, "should match"),
+        ({"checkpoint": {"storage": {"storageClassName": "Bad_Class"}}}, "should match"),
+        ({"training": {"maxSteps": 2**63 - 1}}, "less than or equal to 100000000"),
+        ({"ttlSecondsAfterFinished": 2**63 - 1}, "less than or equal to 315360000"),
     ],
 )
 def test_bad_specs_are_rejected_with_a_reason(over: dict[str, Any], needle: str) -> None:
     with pytest.raises(ValidationError) as err:
         FineTuneJobSpec.model_validate(_spec(**over))
     assert needle in str(err.value)
+
+
+def test_uri_pattern_treats_whitespace_like_the_apiserver() -> None:
+    """Go's RE2 `\\S` excludes ASCII whitespace only; the model must accept the same URIs."""
+    import re
+
+    from kubetune.api import URI_PATTERN
+
+    assert re.match(URI_PATTERN, "/data/train\u00a0.jsonl")
+    assert not re.match(URI_PATTERN, "/data/train .jsonl")
+    FineTuneJobSpec.model_validate(_spec(dataset={"uri": "/data/train\u2003.jsonl"}))
 
 
 def test_parse_duration() -> None:

@@ -616,3 +616,29 @@ def test_docs_list_every_built_in_model() -> None:
     text = doc.read_text(encoding="utf-8")
     missing = [name for name in known_models() if f"`{name}`" not in text]
     assert not missing, f"docs/architectures.md lacks rows for {missing}"
+
+
+@pytest.mark.parametrize(
+    ("model", "needle"),
+    [
+        ("/" + "m" * 300, "cannot use"),
+        ("~no-such-user-here/config.json", "cannot use"),
+        ("/dev/zero", "not a regular file"),
+    ],
+)
+def test_odd_paths_are_architecture_errors(model: str, needle: str) -> None:
+    with pytest.raises(ArchitectureError, match=needle):
+        load_arch(model)
+
+
+def test_a_huge_file_is_not_read_whole(tmp_path: Path) -> None:
+    big = tmp_path / "config.json"
+    big.write_bytes(b" " * (16 * 1024 * 1024 + 10))
+    with pytest.raises(ArchitectureError, match="larger than 16 MiB"):
+        load_arch(str(big))
+
+
+def test_the_operator_does_not_read_its_own_files(tmp_path: Path) -> None:
+    with pytest.raises(ArchitectureError, match=r"spec\.model\.architecture"):
+        load_arch(str(tmp_path / "config.json"), local_files=False)
+    assert load_arch("Qwen/Qwen2.5-0.5B", local_files=False).num_layers > 0

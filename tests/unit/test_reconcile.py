@@ -421,6 +421,34 @@ def test_a_finished_job_deletes_every_batch_job_left() -> None:
     assert d.delete_jobs == ["demo-a2"]
 
 
+def test_unknown_lora_targets_fail_the_job_with_the_fix() -> None:
+    job, d = run(make_job(lora={"targetModules": ["foo_proj"]}))
+    s = job.status
+    assert s is not None and s.phase == "Failed" and d.create == []
+    assert c.get_condition(s.conditions, c.FAILED).reason == c.INVALID_SPEC  # type: ignore[union-attr]
+    assert "foo_proj" in (s.message or "") and "To fix" in (s.message or "")
+
+
+def test_a_plan_too_large_for_int64_fails_instead_of_breaking_the_status() -> None:
+    job, d = run(make_job(training={"epochs": 100}, dataset={"numExamples": 10**17}))
+    s = job.status
+    assert s is not None and s.phase == "Failed" and d.create == []
+    assert "does not fit in a 64-bit integer" in (s.message or "")
+    FineTuneJobStatus.model_validate(s.to_wire())
+
+
+def test_mark_failed_keeps_the_plan_and_says_why() -> None:
+    from kubetune.reconcile import mark_failed
+
+    job, _ = run(make_job())
+    assert job.status is not None
+    failed = mark_failed(job.status, c.INVALID_SPEC, "rejected", T0)
+    assert failed.phase == "Failed" and failed.message == "rejected"
+    assert failed.plan == job.status.plan
+    assert c.get_condition(failed.conditions, c.FAILED).reason == c.INVALID_SPEC  # type: ignore[union-attr]
+    assert job.status.phase == "Running"  # the original is untouched
+
+
 def test_a_bad_fault_annotation_fails_the_job_with_the_fix() -> None:
     job = make_job()
     job.metadata["annotations"] = {"kubetune.io/test-faults": "{oops"}

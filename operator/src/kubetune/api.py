@@ -32,7 +32,12 @@ Phase = Literal["Pending", "Planning", "Queued", "Running", "Suspended", "Succee
 
 DURATION_PATTERN = r"^([0-9]+(\.[0-9]+)?(h|m|s))+$"
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
-URI_PATTERN = r"^((hf|pvc|s3)://\S+|[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?|/\S*)$"
+# "Not whitespace" spelled out: the apiserver (Go RE2) and pydantic (Python re) must agree,
+# and `\S` means ASCII whitespace only in RE2 but any Unicode whitespace in Python.
+_NOT_SPACE = r"[^\t\n\f\r ]"
+URI_PATTERN = rf"^((hf|pvc|s3)://{_NOT_SPACE}+|[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?|/{_NOT_SPACE}*)$"
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+INT64_MAX = 2**63 - 1
 
 
 def parse_duration(text: str) -> timedelta:
@@ -70,8 +75,19 @@ def _validations(*rules: dict[str, Any]) -> dict[str, Any]:
 
 
 class SecretKeyRef(_Model):
-    name: str = Field(description="Name of a Secret in the job's namespace.", min_length=1)
-    key: str = Field(default="token", description="Key inside the Secret that holds the value.")
+    name: str = Field(
+        description="Name of a Secret in the job's namespace.",
+        min_length=1,
+        max_length=253,
+        pattern=DNS_SUBDOMAIN_PATTERN,
+    )
+    key: str = Field(
+        default="token",
+        description="Key inside the Secret that holds the value.",
+        min_length=1,
+        max_length=253,
+        pattern=r"^[-._a-zA-Z0-9]+$",
+    )
 
 
 class ModelSource(_Model):
@@ -166,7 +182,10 @@ class LoraSettings(_Model):
 class TrainingSettings(_Model):
     epochs: float = Field(default=1.0, gt=0, le=100, description="Passes over the training data.")
     max_steps: int | None = Field(
-        default=None, ge=1, description="Stop after this many optimizer steps (overrides epochs)."
+        default=None,
+        ge=1,
+        le=100_000_000,
+        description="Stop after this many optimizer steps (overrides epochs).",
     )
     learning_rate: float = Field(default=2e-4, gt=0, lt=1, description="Peak learning rate.")
     warmup_ratio: float = Field(
@@ -217,8 +236,8 @@ class ResourceSettings(_Model):
             "x-kubernetes-int-or-string": True,
             **_validations(
                 _cel(
-                    "type(self) == int ? self >= 1 : self == 'auto'",
-                    "spec.resources.gpus must be a positive integer or 'auto'",
+                    "type(self) == int ? self >= 1 && self <= 4096 : self == 'auto'",
+                    "spec.resources.gpus must be a positive integer or 'auto' (at most 4096)",
                 )
             ),
         },
@@ -260,6 +279,8 @@ class CheckpointStorage(_Model):
     storage_class_name: str | None = Field(
         default=None,
         description="StorageClass of the checkpoint volume (cluster default if unset).",
+        max_length=253,
+        pattern=DNS_SUBDOMAIN_PATTERN,
     )
     access_mode: AccessMode = Field(
         default="auto",
@@ -341,7 +362,13 @@ class FineTuneJobSpec(_Model):
         default_factory=RecoverySettings, description="Limits on automatic recovery."
     )
     trainer_image: str | None = Field(
-        default=None, description="Trainer image override (the operator's default otherwise)."
+        default=None,
+        description="Trainer image override (the operator's default otherwise).",
+        min_length=1,
+        max_length=512,
+        json_schema_extra=_validations(
+            _cel("self == self.trim()", "spec.trainerImage must not start or end with whitespace")
+        ),
     )
     suspend: bool = Field(
         default=False,
@@ -350,8 +377,16 @@ class FineTuneJobSpec(_Model):
     ttl_seconds_after_finished: int | None = Field(
         default=None,
         ge=0,
+        le=315_360_000,  # ten years
         description="Delete the job this long after it succeeds or fails.",
     )
+
+    @field_validator("trainer_image")
+    @classmethod
+    def _image_without_edge_whitespace(cls, value: str | None) -> str | None:
+        if value is not None and value != value.strip():
+            raise ValueError("spec.trainerImage must not start or end with whitespace")
+        return value
 
     @field_validator("lora")
     @classmethod

@@ -757,21 +757,38 @@ def _suggestions(model: str) -> str:
 # --------------------------------------------------------------------------- loading
 
 
+MAX_CONFIG_BYTES = 16 * 1024 * 1024
+"""A config.json is a few kilobytes; anything this large is not one."""
+
+
 def load_config_file(path: str | os.PathLike[str]) -> dict[str, object]:
     """Read a ``config.json`` (or a directory holding one) into a dict."""
-    p = Path(path).expanduser()
-    if p.is_dir():
-        p = p / "config.json"
     try:
-        raw = p.read_text(encoding="utf-8")
+        p = Path(path).expanduser()
+        if p.is_dir():
+            p = p / "config.json"
+        if p.exists() and not p.is_file():
+            raise ArchitectureError(
+                f"{p} is not a regular file; To fix: point at a config.json or the model "
+                "directory containing it."
+            )
+        with p.open("rb") as fh:
+            data = fh.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise ArchitectureError(
+                f"{p} is larger than {MAX_CONFIG_BYTES // 2**20} MiB, so not a config.json; "
+                "To fix: point at the model's config.json."
+            )
+        raw = data.decode("utf-8", errors="replace")
     except FileNotFoundError:
         raise ArchitectureError(
             f"no config.json at {p}; To fix: point at the model directory that contains "
             "config.json, or at the file itself."
         ) from None
-    except OSError as exc:
+    except (OSError, RuntimeError) as exc:  # RuntimeError: `~user` with no such user
         raise ArchitectureError(
-            f"cannot read {p}: {exc.strerror or exc}; To fix: check the path and permissions."
+            f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}; To fix: check the "
+            "path and permissions."
         ) from None
     return _parse_json(raw, str(p))
 
@@ -881,6 +898,7 @@ def load_arch(
     revision: str | None = None,
     token: str | None = None,
     pvc_root: str | os.PathLike[str] | None = None,
+    local_files: bool = True,
 ) -> ModelArch:
     """Resolve ``model`` to an architecture.
 
@@ -889,6 +907,8 @@ def load_arch(
     ``config.json`` or a directory containing one, or ``pvc://claim/path`` / ``s3://...``.  A
     hub id that is not in the table is fetched from the hub only when ``allow_network`` is set.
     ``pvc_root`` is a directory where claims are mounted as ``<pvc_root>/<claim>``.
+    ``local_files=False`` refuses local paths: the operator plans jobs whose paths exist in
+    the trainer's pods, not on the operator's own filesystem.
     """
     text = model.strip()
     if not text:
@@ -898,9 +918,18 @@ def load_arch(
     if lowered.startswith(("pvc://", "s3://", "gs://")):
         return _from_volume_uri(text, pvc_root)
 
+    local = lowered.startswith("file://") or _looks_like_path(text)
+    if local and not local_files:
+        raise ArchitectureError(
+            f"{text[:200]!r} is a path inside the trainer's pods, which the operator cannot "
+            "read at plan time. To fix: set spec.model.architecture to a known model id "
+            "(`kubetune estimate --list-models`) with the same architecture."
+        )
     if lowered.startswith("file://"):
         return _from_path(text[len("file://") :], text)
-    if _looks_like_path(text) or (os.path.exists(text) and find_known_model(text) is None):
+    if _looks_like_path(text) or (
+        local_files and os.path.exists(text) and find_known_model(text) is None
+    ):
         return _from_path(text, text)
 
     hub_id = text
@@ -924,8 +953,15 @@ def load_arch(
 
 
 def _from_path(path: str, name: str) -> ModelArch:
-    p = Path(path).expanduser()
-    if not p.exists():
+    try:
+        p = Path(path).expanduser()
+        exists = p.exists()
+    except (OSError, RuntimeError) as exc:  # a name too long, `~user` with no such user
+        raise ArchitectureError(
+            f"cannot use {path[:80]!r} as a model path: {exc}; To fix: point at a config.json "
+            "or the model directory containing it."
+        ) from None
+    if not exists:
         raise ArchitectureError(
             f"{path} does not exist; To fix: point at a config.json or the model directory "
             "containing it."

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from kubetune import conditions as c
 from kubetune.api import (
+    INT64_MAX,
     CheckpointStatus,
     CostStatus,
     FineTuneJob,
@@ -37,6 +38,7 @@ from kubetune.api import (
 from kubetune.arch import ArchitectureError, ModelArch
 from kubetune.builders import BuildSettings, build_children, child_names
 from kubetune.errors import InfeasibleError, SpecError
+from kubetune.estimator import EstimatorError
 from kubetune.planner import PlannerSettings, plan_job, replan_settings_after_oom
 from kubetune_trainer.contract import EXIT_CONFIG_ERROR, EXIT_OOM, EXIT_PREEMPTED, EXIT_STOPPED
 
@@ -314,7 +316,21 @@ class _Reconciler:
             self.cond(c.PLANNED, False, c.INFEASIBLE, str(exc))
             self.fail(c.INFEASIBLE, str(exc))
             return None
+        except EstimatorError as exc:  # e.g. LoRA target modules the model does not have
+            self.cond(c.PLANNED, False, c.INVALID_SPEC, str(exc))
+            self.fail(c.INVALID_SPEC, str(exc))
+            return None
         status = plan.to_status(self.observed.pools, revision=revision, reason=reason)
+        too_big = _first_int_over(status.to_wire(), INT64_MAX)
+        if too_big is not None:
+            msg = (
+                f"the plan's {too_big} does not fit in a 64-bit integer: the job is far larger "
+                "than any run. To fix: lower training.maxSteps, training.epochs or "
+                "dataset.numExamples"
+            )
+            self.cond(c.PLANNED, False, c.INFEASIBLE, msg)
+            self.fail(c.INFEASIBLE, msg)
+            return None
         status.memory_scale = round(planner.memory_scale, 4)
         if not plan.queued:
             summary = (
@@ -724,6 +740,40 @@ class _Reconciler:
 
 
 # ---------------------------------------------------------------------- pod inspection
+
+
+def _first_int_over(value: Any, limit: int, path: str = "plan") -> str | None:
+    """The path of the first integer in a wire dict larger than `limit` (Kubernetes int64)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return path if abs(value) > limit else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = _first_int_over(item, limit, f"{path}.{key}")
+            if found:
+                return found
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _first_int_over(item, limit, f"{path}[{i}]")
+            if found:
+                return found
+    return None
+
+
+def mark_failed(
+    status: FineTuneJobStatus, reason: str, message: str, now: datetime
+) -> FineTuneJobStatus:
+    """`status` turned Failed for a reason found outside `reconcile` (the handlers')."""
+    failed = status.model_copy(deep=True)
+    failed.phase = "Failed"
+    failed.message = message
+    failed.completion_time = failed.completion_time or _ts(now)
+    failed.conditions = c.set_condition(failed.conditions, c.FAILED, True, reason, message, now=now)
+    failed.conditions = c.set_condition(
+        failed.conditions, c.RUNNING, False, reason, message, now=now
+    )
+    return failed
 
 
 def human_duration(seconds: float) -> str:

@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 
 import kopf
 from lightkube import AsyncClient
+from lightkube.core.exceptions import ApiError
 from pydantic import ValidationError
 
 from kubetune import conditions as c
@@ -29,7 +30,7 @@ from kubetune.api import GROUP, VERSION, FineTuneJob, FineTuneJobStatus, GPUPool
 from kubetune.arch import load_arch
 from kubetune.controller import metrics
 from kubetune.controller.kube import Kube
-from kubetune.reconcile import ControllerSettings, Decision, reconcile
+from kubetune.reconcile import ControllerSettings, Decision, mark_failed, reconcile
 from kubetune.settings import settings_from_env
 
 log = logging.getLogger("kubetune")
@@ -61,6 +62,9 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # Our own Events go through kopf.event; kopf's log lines stay out of the event stream.
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
+    # A deleted job waits until its timer has stopped; kopf checks on it every 60 s by
+    # default, which made `kubectl delete ftj` hang for a minute while a tick ran.
+    settings.background.cancellation_polling = 1.0
     _State.settings = settings_from_env()
     _State.kube = Kube(AsyncClient(), metrics_port=_State.settings.build.metrics_port)
     try:
@@ -122,9 +126,22 @@ async def _reconcile_locked(body: kopf.Body, patch: kopf.Patch, logger: kopf.Log
     kube = _kube()
     settings = _State.settings
     observed = await kube.observe_job(job)
-    loader = partial(load_arch, allow_network=settings.allow_network)
-    decision = reconcile(job, observed, settings, now=datetime.now(UTC), load_arch=loader)
-    await _carry_out(kube, job, decision, body)
+    loader = partial(load_arch, allow_network=settings.allow_network, local_files=False)
+    now = datetime.now(UTC)
+    decision = reconcile(job, observed, settings, now=now, load_arch=loader)
+    try:
+        await _carry_out(kube, job, decision, body)
+    except ApiError as exc:
+        if exc.status.code not in (400, 422):
+            raise
+        # The spec passed admission but makes a child Kubernetes refuses (a Secret or
+        # StorageClass name, a volume size): retrying cannot help.
+        message = (
+            f"Kubernetes rejected an object built from this job's spec: {exc.status.message}. "
+            "To fix: correct the spec field it names and create the job again"
+        )
+        decision.status = mark_failed(decision.status, c.INVALID_SPEC, message, now)
+        kopf.event(body, type="Warning", reason=c.INVALID_SPEC, message=message)
     patch.status.update(status_patch(dict(body.status), decision.status))
     metrics.observe_job(raw, decision.status.to_wire())
     if decision.requeue_after is not None:
