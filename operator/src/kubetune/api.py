@@ -542,10 +542,11 @@ class CheckpointStatus(_Model):
     path: str | None = Field(default=None, description="Folder inside the checkpoint volume.")
 
 
+RecoveryReason = Literal["OOM", "Preemption", "PodFailure", "NodeLost", "Rescheduled"]
+
+
 class Recovery(_Model):
-    reason: Literal["OOM", "Preemption", "PodFailure", "NodeLost", "Rescheduled"] = Field(
-        description="What went wrong."
-    )
+    reason: RecoveryReason = Field(description="What went wrong.")
     time: str = Field(description="When it was handled (RFC 3339).")
     step: int | None = Field(default=None, description="Checkpoint step the run resumed from.")
     attempt: int | None = Field(default=None, description="The attempt the failure happened in.")

@@ -33,6 +33,7 @@ from kubetune.api import (
     PlanStatus,
     ProgressStatus,
     Recovery,
+    RecoveryReason,
     parse_duration,
 )
 from kubetune.arch import ArchitectureError, ModelArch
@@ -180,6 +181,11 @@ class _Reconciler:
                 self.d.delete_jobs.append(name)
 
     @property
+    def model_id(self) -> str:
+        """What planning reads the architecture from."""
+        return self.spec.model.architecture or self.spec.model.uri
+
+    @property
     def job_name(self) -> str:
         return str(self.job.metadata["name"])
 
@@ -303,9 +309,8 @@ class _Reconciler:
             self.s.message = msg
             self.d.requeue_after = self.settings.queue_retry_seconds
             return None
-        model = self.spec.model.architecture or self.spec.model.uri
         try:
-            arch = self.load_arch(model)
+            arch = self.load_arch(self.model_id)
         except ArchitectureError as exc:
             self.cond(c.PLANNED, False, c.UNKNOWN_ARCHITECTURE, str(exc))
             self.fail(c.UNKNOWN_ARCHITECTURE, str(exc))
@@ -579,27 +584,20 @@ class _Reconciler:
         """
         plan = self.s.plan
         assert plan is not None
-        stuck = [
-            (name, since)
-            for pod in self.observed.pods
-            if (since := _unschedulable_since(pod)) is not None
-            and (self.now - since).total_seconds() >= self.settings.reschedule_seconds
-            for name in [str((pod.get("metadata") or {}).get("name", ""))]
-        ]
+        stuck = []
+        for pod in self.observed.pods:
+            since = _unschedulable_since(pod)
+            if since and (self.now - since).total_seconds() >= self.settings.reschedule_seconds:
+                stuck.append((str((pod.get("metadata") or {}).get("name", "")), since))
         if not stuck:
             return False
         elsewhere = [p for p in self.observed.pools if p.name != plan.pool]
         if not elsewhere:
             return False
         try:
-            arch = self.load_arch(self.spec.model.architecture or self.spec.model.uri)
+            arch = self.load_arch(self.model_id)
             # What earlier out-of-memory re-plans learned still holds on the new pool.
-            learned = replace(
-                self.settings.planner,
-                memory_scale=plan.memory_scale,
-                forbid=frozenset(_parse_layout(x) for x in self.s.failed_layouts),
-            )
-            moved = plan_job(self.spec, elsewhere, arch, learned)
+            moved = plan_job(self.spec, elsewhere, arch, self.learned_planner(plan))
         except (ArchitectureError, InfeasibleError):
             return False
         if moved.queued:
@@ -618,16 +616,9 @@ class _Reconciler:
         new = moved.to_status(self.observed.pools, revision=plan.revision + 1, reason=reason)
         new.memory_scale = plan.memory_scale
         self.s.restarts += 1
-        self.s.recoveries.append(
-            Recovery(
-                reason="Rescheduled",
-                time=_ts(self.now),
-                step=self._ckpt_step(),
-                attempt=self.s.attempt,
-                message=f"{reason}; moved to pool {new.pool} ({new.total_gpus} GPU(s))",
-            )
-        )
-        self.d.event("Rescheduled", self.s.recoveries[-1].message, warning=True)
+        message = f"{reason}; moved to pool {new.pool} ({new.total_gpus} GPU(s))"
+        self.add_recovery("Rescheduled", message)
+        self.d.event("Rescheduled", message, warning=True)
         self._stop_trainer()
         self.s.plan = new
         self.launch()
@@ -635,15 +626,7 @@ class _Reconciler:
 
     def _record_pod_recovery(self, reason: Literal["Preemption", "PodFailure"], tag: str) -> None:
         self.s.restarts += 1
-        self.s.recoveries.append(
-            Recovery(
-                reason=reason,
-                time=_ts(self.now),
-                step=self._ckpt_step(),
-                attempt=self.s.attempt,
-                message=tag,
-            )
-        )
+        self.add_recovery(reason, tag)
         if reason == "Preemption":
             self.d.event(c.PREEMPTED, f"{tag}; it resumes from the latest checkpoint")
         else:
@@ -671,15 +654,7 @@ class _Reconciler:
             )
             return
         self.s.restarts += 1
-        self.s.recoveries.append(
-            Recovery(
-                reason="PodFailure",
-                time=_ts(self.now),
-                step=self._ckpt_step(),
-                attempt=self.s.attempt,
-                message=f"{why}: {detail}",
-            )
-        )
+        self.add_recovery("PodFailure", f"{why}: {detail}")
         self.d.event(c.TRAINER_FAILED, f"Trainer failed ({why}); relaunching", warning=True)
         self._stop_trainer()
         self.launch()
@@ -699,12 +674,7 @@ class _Reconciler:
         layout = _layout_key(plan)
         if layout not in self.s.failed_layouts:
             self.s.failed_layouts.append(layout)
-        base = replace(
-            self.settings.planner,
-            memory_scale=plan.memory_scale,
-            forbid=frozenset(_parse_layout(x) for x in self.s.failed_layouts),
-        )
-        safer = replan_settings_after_oom(plan, base, _peak_gib(detail))
+        safer = replan_settings_after_oom(plan, self.learned_planner(plan), _peak_gib(detail))
         old_desc = (
             f"{plan.method} {plan.total_gpus}×{plan.pool} micro-batch {plan.micro_batch_size}"
         )
@@ -713,20 +683,13 @@ class _Reconciler:
             return
         new_plan, queued = new
         self.s.plan = new_plan
-        self.s.recoveries.append(
-            Recovery(
-                reason="OOM",
-                time=_ts(self.now),
-                step=self._ckpt_step(),
-                attempt=self.s.attempt,
-                message=(
-                    f"{old_desc} ran out of memory; re-planned to {new_plan.method} "
-                    f"{new_plan.total_gpus}×{new_plan.pool} micro-batch "
-                    f"{new_plan.micro_batch_size} checkpointing {new_plan.gradient_checkpointing}"
-                ),
-            )
+        message = (
+            f"{old_desc} ran out of memory; re-planned to {new_plan.method} "
+            f"{new_plan.total_gpus}×{new_plan.pool} micro-batch "
+            f"{new_plan.micro_batch_size} checkpointing {new_plan.gradient_checkpointing}"
         )
-        self.d.event(c.OUT_OF_MEMORY, self.s.recoveries[-1].message, warning=True)
+        self.add_recovery("OOM", message)
+        self.d.event(c.OUT_OF_MEMORY, message, warning=True)
         self._stop_trainer()
         if queued:
             self.s.phase = "Queued"
@@ -737,6 +700,27 @@ class _Reconciler:
 
     def _ckpt_step(self) -> int | None:
         return self.s.checkpoint.latest_step if self.s.checkpoint else None
+
+    def add_recovery(self, reason: RecoveryReason, message: str) -> None:
+        """Append a recovery of the current attempt, resumed from the newest checkpoint."""
+        self.s.recoveries.append(
+            Recovery(
+                reason=reason,
+                time=_ts(self.now),
+                step=self._ckpt_step(),
+                attempt=self.s.attempt,
+                message=message,
+            )
+        )
+
+    def learned_planner(self, plan: PlanStatus) -> PlannerSettings:
+        """Planner settings with what out-of-memory failures taught: the memory scale of
+        `plan` and every layout that ran out of memory, forbidden."""
+        return replace(
+            self.settings.planner,
+            memory_scale=plan.memory_scale,
+            forbid=frozenset(_parse_layout(x) for x in self.s.failed_layouts),
+        )
 
 
 # ---------------------------------------------------------------------- pod inspection
