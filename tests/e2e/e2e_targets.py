@@ -91,6 +91,10 @@ class Target:
     """Whether a volume written on one node can be mounted on the other (a job that moves
     pools takes its checkpoint volume along)."""
 
+    def kubectl_argv(self) -> list[str]:
+        """kubectl with the target's kubeconfig, for commands run as their own process."""
+        raise NotImplementedError
+
     def kubectl(
         self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60
     ) -> subprocess.CompletedProcess[str]:
@@ -169,6 +173,9 @@ class LocalTarget(Target):
             self.close()
             raise
         say(f"e2e target local ready in {time.monotonic() - t0:.1f}s")
+
+    def kubectl_argv(self) -> list[str]:
+        return [str(self.cluster.binaries.kubectl), f"--kubeconfig={self.cluster.kubeconfig}"]
 
     def kubectl(
         self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60
@@ -268,11 +275,14 @@ class KindTarget(Target):
         )
         self._run_pod("e2e-prepare-data", ["python", "-c", script], timeout=600)
 
+    def kubectl_argv(self) -> list[str]:
+        return [self.kubectl_bin, f"--kubeconfig={self.kubeconfig}"]
+
     def kubectl(
         self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60
     ) -> subprocess.CompletedProcess[str]:
         result = subprocess.run(
-            [self.kubectl_bin, f"--kubeconfig={self.kubeconfig}", *args],
+            [*self.kubectl_argv(), *args],
             input=input,
             capture_output=True,
             text=True,

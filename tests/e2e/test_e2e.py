@@ -186,15 +186,11 @@ def patch_spec(target: Target, name: str, spec: dict[str, Any]) -> None:
 def delete_job(target: Target, name: str) -> None:
     """Delete a FineTuneJob and wait until it is gone (no finalizer left behind)."""
     target.kubectl("delete", "finetunejob", name, "-n", NAMESPACE, "--wait=false", check=False)
-    wait_for(
-        f"{name} deleted",
-        lambda: (
-            (obj := target.get("finetunejob", name)) is None
-            or print("still there:", obj["metadata"].get("finalizers"), flush=True)
-        ),
-        120,
-        interval=1.0,
-    )
+    try:
+        wait_for(f"{name} deleted", lambda: target.get("finetunejob", name) is None, 120, 1.0)
+    except AssertionError as exc:
+        left = (target.get("finetunejob", name) or {}).get("metadata", {}).get("finalizers")
+        raise AssertionError(f"{exc}; finalizers left: {left}") from None
 
 
 @dataclass
@@ -255,7 +251,7 @@ def baseline(target: Target) -> Iterator[dict[str, Any]]:
     name = "baseline"
     watch = subprocess.Popen(
         [
-            *target_kubectl_argv(target),
+            *target.kubectl_argv(),
             "get",
             "finetunejobs",
             "-n",
@@ -285,14 +281,6 @@ def baseline(target: Target) -> Iterator[dict[str, Any]]:
     lines = (watch.communicate(timeout=10)[0] or "").splitlines()
     yield {"name": name, "snapshots": snapshots, "writes": lines, "seconds": seconds}
     delete_job(target, name)
-
-
-def target_kubectl_argv(target: Target) -> list[str]:
-    """argv prefix of kubectl against the target (for long-running watches)."""
-    cluster = getattr(target, "cluster", None)
-    if cluster is not None:
-        return [str(cluster.binaries.kubectl), f"--kubeconfig={cluster.kubeconfig}"]
-    return [getattr(target, "kubectl_bin", "kubectl"), f"--kubeconfig={target.kubeconfig}"]  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------------- scenarios
