@@ -184,6 +184,8 @@ ALL_ON = {
         "checkpointStorageClass": "fast-rwx",
         "safetyFactor": 1.2,
         "defaultObjective": "time",
+        "trainerCPUPerGPU": "1500m",
+        "trainerMemoryPerGPU": "2Gi",
         "logLevel": "verbose",
         "extraEnv": [{"name": "EXTRA", "value": "1"}],
     },
@@ -251,6 +253,8 @@ def test_non_default_values(tmp_path: Path) -> None:
     assert env["KUBETUNE_CHECKPOINT_STORAGE_CLASS"] == "fast-rwx"
     assert env["KUBETUNE_SAFETY_FACTOR"] == "1.2"
     assert env["KUBETUNE_DEFAULT_OBJECTIVE"] == "time"
+    assert env["KUBETUNE_TRAINER_CPU_PER_GPU"] == "1500m"
+    assert env["KUBETUNE_TRAINER_MEMORY_PER_GPU"] == "2Gi"
     assert env["EXTRA"] == "1"
     # Namespaced RBAC: a Role + RoleBinding per watched namespace, a small ClusterRole.
     roles = find(docs, "Role")
@@ -347,6 +351,9 @@ def test_gpu_pool_catalog_example_in_values_is_valid(tmp_path: Path) -> None:
         (["operator.logFormat=xml"], "logFormat"),
         (["operator.defaultObjective=fast"], "defaultObjective"),
         (["operator.defaultObjective=Time"], "defaultObjective"),
+        (["operator.trainerCPUPerGPU=four"], "trainerCPUPerGPU"),
+        (["operator.trainerCPUPerGPU=0"], "trainerCPUPerGPU"),
+        (["operator.trainerMemoryPerGPU=16GB"], "trainerMemoryPerGPU"),
         (["watch.namespaces[0]=Not_A_Namespace"], "namespaces"),
         (["metrics.port=70000"], "port"),
         (["metrics.serviceMonitor.interval=soon"], "interval"),

@@ -74,3 +74,29 @@ def test_bad_default_objective_names_the_variable_and_the_allowed_values(value: 
     message = str(err.value)
     assert message.startswith(f"KUBETUNE_DEFAULT_OBJECTIVE={value!r}")
     assert "cost, time" in message and "to fix" in message
+
+
+def test_trainer_pod_requests_per_gpu() -> None:
+    defaults = settings_from_env({})
+    assert (defaults.build.cpu_per_gpu, defaults.build.memory_per_gpu) == ("4", "16Gi")
+    s = settings_from_env(
+        {"KUBETUNE_TRAINER_CPU_PER_GPU": "500m", "KUBETUNE_TRAINER_MEMORY_PER_GPU": "1.5Gi"}
+    )
+    assert (s.build.cpu_per_gpu, s.build.memory_per_gpu) == ("500m", "1.5Gi")
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("KUBETUNE_TRAINER_CPU_PER_GPU", "four"),
+        ("KUBETUNE_TRAINER_CPU_PER_GPU", "0"),
+        ("KUBETUNE_TRAINER_CPU_PER_GPU", "-1"),
+        ("KUBETUNE_TRAINER_MEMORY_PER_GPU", "16GB"),
+        ("KUBETUNE_TRAINER_MEMORY_PER_GPU", "0Gi"),
+    ],
+)
+def test_bad_trainer_pod_request_names_the_variable_and_the_fix(name: str, value: str) -> None:
+    with pytest.raises(ValueError) as err:
+        settings_from_env({name: value})
+    assert str(err.value).startswith(f"{name}={value!r} is not a positive Kubernetes quantity")
+    assert "to fix" in str(err.value)

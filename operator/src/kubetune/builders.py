@@ -83,7 +83,8 @@ tests use it to exercise OOM recovery without a GPU; never set it on real work."
 _MAX_BASE = 63 - len("-a99999") - len("-9999")
 _HASH_LEN = 6
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([A-Za-z]*)$")
+QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
+"""A plain Kubernetes quantity: a decimal number and an optional SI or binary suffix."""
 
 
 @dataclass(frozen=True)
@@ -510,12 +511,12 @@ def build_headless_service(job: FineTuneJob, settings: BuildSettings) -> dict[st
 
 def _scale_quantity(quantity: str, factor: int) -> str:
     """`quantity × factor` for simple quantities such as `4`, `500m`, `16Gi`, `1.5`."""
-    match = _QUANTITY.match(quantity)
+    match = QUANTITY.match(quantity)
     if match is None:
         raise ValueError(f"cannot scale quantity {quantity!r}")
     number = Decimal(match.group(1)) * factor
     text = format(number.normalize(), "f")
-    return f"{text}{match.group(2)}"
+    return f"{text}{match.group(2) or ''}"
 
 
 def _torchrun_args(

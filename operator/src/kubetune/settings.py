@@ -6,6 +6,8 @@ KUBETUNE_CHECKPOINT_STORAGE_CLASS   StorageClass of checkpoint volumes (cluster 
 KUBETUNE_SAFETY_FACTOR              estimate × this must fit in GPU memory (1.10)
 KUBETUNE_DEFAULT_OBJECTIVE          objective of jobs without spec.resources.objective (cost)
 KUBETUNE_TERMINATION_GRACE_SECONDS  time the trainer gets to checkpoint on stop (120)
+KUBETUNE_TRAINER_CPU_PER_GPU        CPU request of trainer pods per GPU (4)
+KUBETUNE_TRAINER_MEMORY_PER_GPU     memory request of trainer pods per GPU (16Gi)
 KUBETUNE_POLL_SECONDS               how often running jobs are re-read (10)
 KUBETUNE_QUEUE_RETRY_SECONDS        how often queued jobs are re-planned (15)
 KUBETUNE_RESCHEDULE_SECONDS         unschedulable trainer pods this long: move pools (120)
@@ -19,10 +21,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from decimal import Decimal
 from typing import get_args
 
 from kubetune.api import Objective
-from kubetune.builders import BuildSettings
+from kubetune.builders import QUANTITY, BuildSettings
 from kubetune.planner import PlannerSettings
 from kubetune.reconcile import ControllerSettings
 
@@ -37,6 +40,19 @@ def _float(env: Mapping[str, str], name: str, default: float) -> float:
         return float(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not a number") from None
+
+
+def _quantity(env: Mapping[str, str], name: str, default: str) -> str:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    match = QUANTITY.match(raw)
+    if match is None or Decimal(match.group(1)) <= 0:
+        raise ValueError(
+            f"{name}={raw!r} is not a positive Kubernetes quantity; to fix: set it to a "
+            f"number with an optional unit, e.g. {default!r}, or unset it for {default}"
+        )
+    return raw
 
 
 def _objective(env: Mapping[str, str], name: str, default: Objective) -> Objective:
@@ -63,6 +79,10 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> ControllerSetting
             _float(
                 env, "KUBETUNE_TERMINATION_GRACE_SECONDS", BuildSettings.termination_grace_seconds
             )
+        ),
+        cpu_per_gpu=_quantity(env, "KUBETUNE_TRAINER_CPU_PER_GPU", BuildSettings.cpu_per_gpu),
+        memory_per_gpu=_quantity(
+            env, "KUBETUNE_TRAINER_MEMORY_PER_GPU", BuildSettings.memory_per_gpu
         ),
     )
     planner = PlannerSettings(
