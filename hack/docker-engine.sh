@@ -21,6 +21,10 @@
 #   KUBETUNE_DOCKER_START_TIMEOUT    seconds to wait for `docker info` (default 90)
 #   KUBETUNE_DOCKER_STOP_TIMEOUT     seconds between SIGTERM and SIGKILL (default 30)
 #   KUBETUNE_DOCKER_NO_INSTALL=1     never apt-get install; exit 2 when dockerd is missing
+#   KUBETUNE_DOCKER_BOUNDED_RUNC     auto | 1 | 0 (default auto): make hack/kind-images/runc-bounded
+#                                    the default runtime, so privileged containers (kind's nodes)
+#                                    start where this machine's capability bounding set lacks some
+#                                    capability; auto does so only when it does
 #
 # Exit codes: 0 ok; 1 the engine failed to start or stop (the log tail is printed);
 # 2 a prerequisite is missing (the message says which and how to fix it); 3 `status`: not running.
@@ -188,6 +192,25 @@ default_mtu() {
   return 0
 }
 
+# Does this process's capability bounding set lack a capability the kernel knows? Privileged
+# containers then fail in runc ("unable to apply caps"), and the runc-bounded wrapper is needed.
+bounding_set_incomplete() {
+  local last bnd
+  last="$(cat /proc/sys/kernel/cap_last_cap 2>/dev/null)" || return 1
+  bnd="$(awk '/^CapBnd:/ {print $2}' /proc/self/status)"
+  [[ -n "$bnd" ]] || return 1
+  (( 16#$bnd != (1 << (last + 1)) - 1 ))
+}
+
+use_bounded_runc() {
+  case "${KUBETUNE_DOCKER_BOUNDED_RUNC:-auto}" in
+    1 | true | yes) return 0 ;;
+    0 | false | no) return 1 ;;
+    auto) bounding_set_incomplete ;;
+    *) missing "KUBETUNE_DOCKER_BOUNDED_RUNC=${KUBETUNE_DOCKER_BOUNDED_RUNC}: use auto, 1 or 0" ;;
+  esac
+}
+
 # The log of the latest start only (each start writes a "=== date dockerd args" header).
 last_run_log() {
   [[ -f "$logfile" ]] || return 0
@@ -239,6 +262,13 @@ cmd_start() {
     --log-level info
   )
   [[ -n "$mtu" ]] && args+=(--mtu "$mtu")
+  local wrapper
+  wrapper="$(cd "$(dirname "$0")" && pwd)/kind-images/runc-bounded"
+  if use_bounded_runc; then
+    [[ -x "$wrapper" ]] || missing "$wrapper is missing or not executable"
+    args+=(--add-runtime "runc-bounded=$wrapper" --default-runtime runc-bounded)
+    say "the capability bounding set lacks some capabilities: default runtime is $wrapper"
+  fi
   say "starting dockerd: storage driver $driver${mtu:+, MTU $mtu}, data root $data_root, socket $DOCKER_HOST"
   {
     echo "=== $(date -u +%Y-%m-%dT%H:%M:%SZ) dockerd ${args[*]}"
