@@ -430,6 +430,19 @@ def test_simulated_oom_exits_43_with_peak_memory(
     assert read_log(tmp_path / "metrics.jsonl", "oom")
 
 
+def test_min_step_seconds_paces_every_step(
+    tmp_path: Path, tiny_llama: Path, alpaca_data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = trainer_config(
+        tmp_path, tiny_llama, alpaca_data, "lora", faults={"min_step_seconds": 0.3}
+    )
+    assert run_main(tmp_path, cfg, monkeypatch) == 0
+    steps = read_log(tmp_path / "metrics.jsonl", "step")
+    assert len(steps) == 8
+    assert all(e["step_seconds"] >= 0.3 for e in steps), [e["step_seconds"] for e in steps]
+    assert steps[-1]["time"] - steps[0]["time"] >= 7 * 0.3
+
+
 def test_bad_config_and_bad_data_exit_2(
     tmp_path: Path, tiny_llama: Path, alpaca_data: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

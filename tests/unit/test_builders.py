@@ -479,15 +479,41 @@ def test_fault_annotation_reaches_the_listed_attempts(
     assert build_trainer_config(job, tiny_lora_plan(), SETTINGS, attempt).faults.oom_at_step == step
 
 
+def test_step_seconds_annotation_slows_every_attempt() -> None:
+    job = tiny_lora_job()
+    job.metadata["annotations"] = {"kubetune.io/test-faults": '{"stepSeconds": 0.25}'}
+    for attempt in (1, 2):
+        faults = build_trainer_config(job, tiny_lora_plan(), SETTINGS, attempt).faults
+        assert faults.min_step_seconds == 0.25 and faults.oom_at_step is None
+    job.metadata["annotations"] = {
+        "kubetune.io/test-faults": '{"stepSeconds": 1, "oomAtStep": 4, "attempts": [2]}'
+    }
+    assert build_trainer_config(job, tiny_lora_plan(), SETTINGS, 1).faults.min_step_seconds is None
+    faults = build_trainer_config(job, tiny_lora_plan(), SETTINGS, 2).faults
+    assert (faults.min_step_seconds, faults.oom_at_step) == (1.0, 4)
+
+
 @pytest.mark.parametrize(
-    "annotation", ["{", "[]", '{"oomAtStep": 0}', '{"oom": 3}', '{"oomAtStep": 3, "attempts": 1}']
+    "annotation",
+    [
+        "{",
+        "[]",
+        "{}",
+        '{"oomAtStep": 0}',
+        '{"oomAtStep": true}',
+        '{"oom": 3}',
+        '{"oomAtStep": 3, "attempts": 1}',
+        '{"stepSeconds": 0}',
+        '{"stepSeconds": 61}',
+        '{"stepSeconds": "1"}',
+    ],
 )
 def test_bad_fault_annotation_is_a_spec_error(annotation: str) -> None:
     job = tiny_lora_job()
     job.metadata["annotations"] = {"kubetune.io/test-faults": annotation}
     with pytest.raises(SpecError, match=r"kubetune\.io/test-faults") as info:
         build_trainer_config(job, tiny_lora_plan(), SETTINGS, 1)
-    assert "oomAtStep" in str(info.value)
+    assert "oomAtStep" in str(info.value) and "stepSeconds" in str(info.value)
 
 
 def test_trainer_config_pvc_model_full() -> None:

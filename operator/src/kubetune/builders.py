@@ -434,17 +434,29 @@ def fault_injection(job: FineTuneJob, attempt: int) -> FaultInjection:
     raw = annotations.get(ANNOTATION_TEST_FAULTS)
     if not raw:
         return FaultInjection()
-    how = 'expected a JSON object such as {"oomAtStep": 6, "attempts": [1]}'
+    how = (
+        'expected a JSON object such as {"oomAtStep": 6, "attempts": [1]} or '
+        '{"stepSeconds": 0.3}: oomAtStep a step >= 1, attempts a list of attempt numbers '
+        "(default: every attempt), stepSeconds a least time per step in (0, 60]"
+    )
     try:
         spec = json.loads(raw)
     except ValueError as exc:
         raise SpecError(f"annotation {ANNOTATION_TEST_FAULTS} is not JSON ({exc})", how) from None
-    if not isinstance(spec, dict) or set(spec) - {"oomAtStep", "attempts"}:
+    if not isinstance(spec, dict) or set(spec) - {"oomAtStep", "attempts", "stepSeconds"}:
         raise SpecError(f"annotation {ANNOTATION_TEST_FAULTS}={raw!r} is not understood", how)
-    step, attempts = spec.get("oomAtStep"), spec.get("attempts")
+    step, attempts, seconds = spec.get("oomAtStep"), spec.get("attempts"), spec.get("stepSeconds")
     if (
-        not isinstance(step, int)
-        or step < 1
+        (step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 1))
+        or (step is None and seconds is None)
+        or (
+            seconds is not None
+            and (
+                not isinstance(seconds, (int, float))
+                or isinstance(seconds, bool)
+                or not 0 < seconds <= 60
+            )
+        )
         or (
             attempts is not None
             and not (isinstance(attempts, list) and all(isinstance(a, int) for a in attempts))
@@ -453,7 +465,9 @@ def fault_injection(job: FineTuneJob, attempt: int) -> FaultInjection:
         raise SpecError(f"annotation {ANNOTATION_TEST_FAULTS}={raw!r} is not understood", how)
     if attempts is not None and attempt not in attempts:
         return FaultInjection()
-    return FaultInjection(oom_at_step=step)
+    return FaultInjection(
+        oom_at_step=step, min_step_seconds=None if seconds is None else float(seconds)
+    )
 
 
 def build_config_map(

@@ -108,6 +108,13 @@ class FaultInjection(_Strict):
     """Test-only switches to force failure paths; never set by the planner."""
 
     oom_at_step: int | None = None
+    min_step_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        le=60,
+        description="Each optimizer step takes at least this long (the trainer waits): keeps "
+        "tiny test runs slow enough to interrupt at a chosen step.",
+    )
 
 
 class TrainerConfig(_Strict):

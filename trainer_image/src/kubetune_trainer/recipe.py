@@ -365,6 +365,8 @@ class FineTuneRecipe:
                 stats = self._train_step(rng_at_start)
             except torch.OutOfMemoryError as e:
                 raise self._oom(e) from e
+            if cfg.faults.min_step_seconds is not None:
+                time.sleep(max(0.0, cfg.faults.min_step_seconds - (time.monotonic() - t0)))
             dt = time.monotonic() - t0
             self.step += 1
             self.batches.advance()
