@@ -27,6 +27,7 @@ unit: setup
 test: lint
 	$(VENV)/bin/pytest -m "not e2e"
 	$(VENV)/bin/pytest -m e2e
+	VENV=$(VENV) hack/kind-e2e.sh --if-cached
 
 crds: setup
 	$(PY) -m kubetune.crdgen

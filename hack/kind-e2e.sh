@@ -5,10 +5,24 @@
 #
 #   hack/kind-e2e.sh            # create the cluster, build + load images, install, test, delete
 #   KEEP=1 hack/kind-e2e.sh     # leave the cluster running afterwards
+#   hack/kind-e2e.sh --if-cached  # the same, but only where an earlier run left the images
+#                                 # (else print SKIPPED and why, exit 0): what `make test` runs
 #
-# Needs: a running Docker engine, kind, kubectl and helm on PATH, and the project's
-# virtualenv (make setup). KIND_NODE_IMAGE picks the node image (default: kind's own);
-# DOCKER_BUILD_ARGS is passed to both `docker build`s (e.g. --build-arg BASE_IMAGE=...).
+# Two ways to get the images:
+#   KIND_IMAGES=local (default)  nothing is pulled from any registry: a Docker engine of the
+#       project's own is started if none answers (hack/docker-engine.sh), kind is built from the
+#       Go module proxy (hack/build-kind.sh), the Debian base images are debootstrapped
+#       (hack/base-image.sh), the node image is built from Go modules (hack/kind-node-image.sh),
+#       and kubectl/helm come from the local control plane's build (python -m
+#       kubetune.dev.binaries). Each step is cached under ~/.cache/kubetune; see
+#       docs/kind-images.md for the cold and warm times.
+#   KIND_IMAGES=upstream  a host with a registry: kind's own node image (or KIND_NODE_IMAGE),
+#       the Dockerfiles' default base images, and docker, kind, kubectl and helm from PATH.
+#
+# Other settings: KIND_NODE_IMAGE (node image; local default: kubetune/kind-node:v1.37.1),
+# KIND_VERSION (local: v0.33.0), OPERATOR_BASE_IMAGE / TRAINER_BASE_IMAGE (the Dockerfiles'
+# BASE_IMAGE; local defaults: kubetune/python:bookworm / kubetune/debian:bookworm),
+# DOCKER_BUILD_ARGS (extra arguments for both `docker build`s). Arguments are passed to pytest.
 # Exit code 2 means a prerequisite is missing; the message says which.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,20 +30,80 @@ cd "$(dirname "$0")/.."
 CLUSTER=${KIND_CLUSTER_NAME:-kubetune-e2e}
 OPERATOR_IMAGE=${OPERATOR_IMAGE:-kubetune/operator:e2e}
 TRAINER_IMAGE=${TRAINER_IMAGE:-kubetune/trainer:e2e}
+KIND_IMAGES=${KIND_IMAGES:-local}
 VENV=${VENV:-.venv}
+CACHE="${XDG_CACHE_HOME:-$HOME/.cache}/kubetune"
+READY="$CACHE/kind-e2e.ready"  # written once the local images have been built here
+MIN_FREE_GB=${KIND_MIN_FREE_GB:-30}  # the trainer image (6.4 GB) unpacked in two nodes, and more
+IF_CACHED=0
+if [ "${1:-}" = --if-cached ]; then IF_CACHED=1; shift; fi
 WORK=$(mktemp -d)
 KUBECONFIG_FILE="$WORK/kubeconfig"
 
+stamp() { echo "== $(date -u +%H:%M:%S) $*"; }
 need() { command -v "$1" >/dev/null 2>&1 || { echo "kind-e2e: $1 not found on PATH ($2)" >&2; exit 2; }; }
+skip() { echo "kind-e2e: SKIPPED, the kind e2e suite did not run: $1"; rm -rf "$WORK"; exit 0; }
+t0=$(date +%s)
+[ -x "$VENV/bin/pytest" ] || { echo "kind-e2e: $VENV/bin/pytest missing: run make setup" >&2; exit 2; }
+
+started_engine=0
+stop_engine() { [ "$started_engine" = 1 ] && [ "${KEEP:-0}" != 1 ] && hack/docker-engine.sh stop || true; }
+
+if [ "$IF_CACHED" = 1 ]; then
+  [ "$KIND_IMAGES" = local ] || skip "--if-cached needs KIND_IMAGES=local"
+  [ -s "$READY" ] || skip "no kind images built on this machine yet ($READY missing). A cold \
+build takes about 15 minutes; run hack/kind-e2e.sh once and later runs of make test include it"
+  docker info >/dev/null 2>&1 || command -v dockerd >/dev/null 2>&1 ||
+    skip "no Docker engine here and dockerd is not installed"
+fi
+
+case "$KIND_IMAGES" in
+  local)
+    stamp "engine, kind, kubectl, helm, base and node images (cached under ~/.cache/kubetune)"
+    if ! docker info >/dev/null 2>&1; then
+      hack/docker-engine.sh start
+      started_engine=1
+      trap stop_engine EXIT
+    fi
+    if [ "$IF_CACHED" = 1 ]; then
+      # shellcheck disable=SC2046
+      docker image inspect $(cat "$READY") >/dev/null 2>&1 ||
+        { stop_engine; skip "the engine no longer holds every image listed in $READY"; }
+    fi
+    KIND_VERSION=${KIND_VERSION:-v0.33.0}
+    KIND_BIN=$(KIND_VERSION=$KIND_VERSION hack/build-kind.sh)
+    PATH="$(dirname "$KIND_BIN"):$("$VENV/bin/python" -m kubetune.dev.binaries build):$PATH"
+    hack/base-image.sh python
+    KIND_NODE_IMAGE=${KIND_NODE_IMAGE:-$(KIND_VERSION=$KIND_VERSION hack/kind-node-image.sh)}
+    OPERATOR_BASE_IMAGE=${OPERATOR_BASE_IMAGE:-kubetune/python:bookworm}
+    TRAINER_BASE_IMAGE=${TRAINER_BASE_IMAGE:-kubetune/debian:bookworm}
+    mkdir -p "$CACHE"
+    echo "$KIND_NODE_IMAGE $OPERATOR_BASE_IMAGE $TRAINER_BASE_IMAGE" >"$READY"
+    stamp "prerequisites ready in $(( $(date +%s) - t0 ))s"
+    ;;
+  upstream) ;;
+  *) echo "kind-e2e: KIND_IMAGES=$KIND_IMAGES: use local or upstream" >&2; exit 2 ;;
+esac
 need docker "install Docker, e.g. Debian's docker.io"
-need kind "go install sigs.k8s.io/kind@v0.31.0"
+need kind "go install sigs.k8s.io/kind@v0.33.0"
 need kubectl "any recent kubectl"
 need helm "go install helm.sh/helm/v4/cmd/helm@latest or a helm release"
 docker info >/dev/null 2>&1 || { echo "kind-e2e: no Docker engine answers on this machine" >&2; exit 2; }
-[ -x "$VENV/bin/pytest" ] || { echo "kind-e2e: $VENV/bin/pytest missing: run make setup" >&2; exit 2; }
-
-stamp() { echo "== $(date -u +%H:%M:%S) $*"; }
-t0=$(date +%s)
+# A cluster of that name left by an earlier run (KEEP=1, or a run that was killed) is replaced.
+if kind get clusters 2>/dev/null | grep -qx "$CLUSTER"; then
+  stamp "deleting the cluster $CLUSTER left by an earlier run"
+  kind delete cluster --name "$CLUSTER"
+fi
+root_dir=$(docker info --format '{{.DockerRootDir}}' 2>/dev/null || echo /)
+free_gb=$(( $(df -Pk "$root_dir" 2>/dev/null | awk 'NR == 2 {print $4}') / 1048576 ))
+if [ "$free_gb" -lt "$MIN_FREE_GB" ]; then
+  msg="only ${free_gb} GB free under $root_dir; the cluster needs about ${MIN_FREE_GB} GB (the \
+trainer image unpacked in two nodes); free some space or set KIND_MIN_FREE_GB"
+  [ "$IF_CACHED" = 1 ] && { stop_engine; skip "$msg"; }
+  echo "kind-e2e: $msg" >&2
+  stop_engine
+  exit 2
+fi
 
 cleanup() {
   if [ "${KEEP:-0}" = 1 ]; then
@@ -38,10 +112,25 @@ cleanup() {
     kind delete cluster --name "$CLUSTER" >/dev/null 2>&1 || true
     rm -rf "$WORK"
   fi
+  stop_engine
 }
 trap cleanup EXIT
 
+
+# Build the images while nothing else runs: both builds are cached by layer, so a rebuild after
+# a code change only redoes the project's own layers.
+stamp "building images"
+# shellcheck disable=SC2086
+docker build ${DOCKER_BUILD_ARGS:-} ${OPERATOR_BASE_IMAGE:+--build-arg BASE_IMAGE="$OPERATOR_BASE_IMAGE"} \
+  -f operator/Dockerfile -t "$OPERATOR_IMAGE" .
+# shellcheck disable=SC2086
+docker build ${DOCKER_BUILD_ARGS:-} ${TRAINER_BASE_IMAGE:+--build-arg BASE_IMAGE="$TRAINER_BASE_IMAGE"} \
+  -f trainer_image/Dockerfile -t "$TRAINER_IMAGE" .
+
 stamp "creating kind cluster $CLUSTER (one control plane, two workers as GPU pools local-cpu, local-cpu-b)"
+# failCgroupV1: false lets kubelet run on hosts still on cgroup v1 (it changes nothing on v2).
+# restrict_oom_score_adj: where the engine lacks CAP_SYS_RESOURCE nothing in the nodes may
+# lower oom_score_adj; containerd then clamps what kubelet asks for (harmless elsewhere).
 cat >"$WORK/kind.yaml" <<YAML
 kind: Cluster
 apiVersion: kind.x-k8s.io/v1alpha4
@@ -53,6 +142,14 @@ nodes:
   - role: worker
     labels:
       kubetune.io/pool: local-cpu-b
+kubeadmConfigPatches:
+  - |
+    kind: KubeletConfiguration
+    failCgroupV1: false
+containerdConfigPatches:
+  - |-
+    [plugins."io.containerd.grpc.v1.cri"]
+      restrict_oom_score_adj = true
 YAML
 kind create cluster --name "$CLUSTER" --config "$WORK/kind.yaml" --kubeconfig "$KUBECONFIG_FILE" \
   --wait 180s ${KIND_NODE_IMAGE:+--image "$KIND_NODE_IMAGE"}
@@ -66,13 +163,13 @@ for worker in "$CLUSTER-worker" "$CLUSTER-worker2"; do
     -p '[{"op":"add","path":"/status/capacity/nvidia.com~1gpu","value":"2"}]'
 done
 
-stamp "building images"
-# shellcheck disable=SC2086
-docker build ${DOCKER_BUILD_ARGS:-} -f operator/Dockerfile -t "$OPERATOR_IMAGE" .
-# shellcheck disable=SC2086
-docker build ${DOCKER_BUILD_ARGS:-} -f trainer_image/Dockerfile -t "$TRAINER_IMAGE" .
+# The operator (and nothing else) runs on the control plane.
+kubectl taint node "$CLUSTER-control-plane" node-role.kubernetes.io/control-plane:NoSchedule- || true
+
 stamp "loading images into the nodes"
-kind load docker-image --name "$CLUSTER" "$OPERATOR_IMAGE" "$TRAINER_IMAGE"
+# The trainer image (several GB of CUDA torch) only where trainer pods run: the workers.
+kind load docker-image --name "$CLUSTER" --nodes "$CLUSTER-worker,$CLUSTER-worker2" "$TRAINER_IMAGE"
+kind load docker-image --name "$CLUSTER" "$OPERATOR_IMAGE"
 
 stamp "helm install"
 helm install kubetune charts/kubetune --namespace kubetune-system --create-namespace --wait \
@@ -80,7 +177,8 @@ helm install kubetune charts/kubetune --namespace kubetune-system --create-names
   --set image.pullPolicy=Never \
   --set operator.trainerImage="$TRAINER_IMAGE" --set operator.trainerImagePullPolicy=Never \
   --set operator.pollSeconds=1 --set operator.queueRetrySeconds=2 \
-  --set operator.terminationGraceSeconds=60 --set operator.rescheduleSeconds=5
+  --set operator.terminationGraceSeconds=60 --set operator.rescheduleSeconds=5 \
+  --set operator.trainerCPUPerGPU=250m --set operator.trainerMemoryPerGPU=1Gi
 
 stamp "running the e2e suite against kind"
 KUBETUNE_E2E_TARGET=kind KUBETUNE_KIND_KUBECONFIG="$KUBECONFIG_FILE" KIND_CLUSTER_NAME="$CLUSTER" \

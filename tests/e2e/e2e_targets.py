@@ -90,6 +90,8 @@ class Target:
     volumes_follow_pods = True
     """Whether a volume written on one node can be mounted on the other (a job that moves
     pools takes its checkpoint volume along)."""
+    cheap_volume_reads = True
+    """Whether reading a file of a volume is quick (a local folder), not a pod per read."""
 
     def kubectl_argv(self) -> list[str]:
         """kubectl with the target's kubeconfig, for commands run as their own process."""
@@ -111,6 +113,13 @@ class Target:
     def kill_operator(self) -> None:
         """Stop the operator at once (SIGKILL): no cleanup of its own."""
         raise NotImplementedError
+
+    def hard_kill(self, pod: str) -> None:
+        """SIGKILL a trainer pod's training mid-step, as when its node dies: no checkpoint.
+
+        Here the pod is force-deleted, and the local pod runner kills its processes at once.
+        """
+        self.kubectl("delete", "pod", pod, "-n", NAMESPACE, "--grace-period=0", "--force")
 
     def start_operator(self) -> None:
         raise NotImplementedError
@@ -244,6 +253,7 @@ class KindTarget(Target):
 
     name = "kind"
     volumes_follow_pods = False  # kind's local-path volumes are pinned to the node
+    cheap_volume_reads = False  # each read is a pod
     OPERATOR_NAMESPACE = "kubetune-system"
     OPERATOR_SELECTOR = "app.kubernetes.io/name=kubetune"
 
@@ -273,7 +283,8 @@ class KindTarget(Target):
             f"make_model(Path('/data/{MODEL_PATH}'), arch='llama'); "
             f"write_jsonl(Path('/data/{DATASET_PATH}'), make_records('alpaca', 256))"
         )
-        self._run_pod("e2e-prepare-data", ["python", "-c", script], timeout=600)
+        # On the first pool's node: the local-path volume stays on the node it was made on.
+        self._run_pod("e2e-prepare-data", ["python", "-c", script], timeout=600, node=self.nodes[0])
 
     def kubectl_argv(self) -> list[str]:
         return [self.kubectl_bin, f"--kubeconfig={self.kubeconfig}"]
@@ -293,16 +304,39 @@ class KindTarget(Target):
         return result
 
     def _run_pod(
-        self, name: str, command: list[str], claim: str = DATA_CLAIM, timeout: float = 120
+        self,
+        name: str,
+        command: list[str],
+        claim: str = DATA_CLAIM,
+        timeout: float = 120,
+        node: str | None = None,
     ) -> str:
-        """Run a one-off pod of the trainer image with `claim` at /data; its output."""
+        """Run a one-off pod of the trainer image with `claim` at /data; its output.
+
+        It runs where the trainer image is, on a pool node (it tolerates the pools' taint):
+        `node` if given, else wherever the claim's volume is.
+        """
         pod_name = f"{name}-{uuid.uuid4().hex[:6]}"
+        on_pool_node = {"key": "kubetune.io/pool", "operator": "Exists"}
+        placement: dict[str, Any] = {
+            "tolerations": POOL["spec"]["tolerations"],
+            "affinity": {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [{"matchExpressions": [on_pool_node]}]
+                    }
+                }
+            },
+        }
+        if node:
+            placement["nodeSelector"] = {"kubernetes.io/hostname": node}
         self.apply(
             {
                 "apiVersion": "v1",
                 "kind": "Pod",
                 "metadata": {"name": pod_name},
                 "spec": {
+                    **placement,
                     "restartPolicy": "Never",
                     "containers": [
                         {
@@ -342,6 +376,27 @@ class KindTarget(Target):
             "e2e-list", ["sh", "-c", f"cd /data/{path} 2>/dev/null && find . -type f"], claim
         )
         return sorted(line.removeprefix("./") for line in out.split() if line.strip())
+
+    def hard_kill(self, pod: str) -> None:
+        """SIGKILL the training processes inside the pod (`kubectl exec`).
+
+        A force delete is no hard kill under a real kubelet: the API object goes at once while
+        the old container may still run, so its replacement would train beside it on the same
+        volume. Killing the workers makes the launcher exit 1 and the pod fail, as a crash does.
+        """
+        script = (
+            "import os, signal\n"
+            "for pid in filter(str.isdigit, os.listdir('/proc')):\n"
+            "    if int(pid) in (1, os.getpid()):\n"
+            "        continue\n"
+            "    try:\n"
+            "        cmd = open(f'/proc/{pid}/cmdline', 'rb').read().split(b'\\0')\n"
+            "    except OSError:\n"
+            "        continue\n"
+            "    if b'kubetune_trainer' in cmd:\n"
+            "        os.kill(int(pid), signal.SIGKILL)\n"
+        )
+        self.kubectl("exec", "-n", NAMESPACE, pod, "-c", "trainer", "--", "python", "-c", script)
 
     def _scale(self, replicas: int) -> None:
         self.kubectl(
