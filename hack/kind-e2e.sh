@@ -44,7 +44,11 @@ stamp() { echo "== $(date -u +%H:%M:%S) $*"; }
 need() { command -v "$1" >/dev/null 2>&1 || { echo "kind-e2e: $1 not found on PATH ($2)" >&2; exit 2; }; }
 skip() { echo "kind-e2e: SKIPPED, the kind e2e suite did not run: $1"; rm -rf "$WORK"; exit 0; }
 t0=$(date +%s)
-[ -x "$VENV/bin/pytest" ] || { echo "kind-e2e: $VENV/bin/pytest missing: run make setup" >&2; exit 2; }
+if [ ! -x "$VENV/bin/pytest" ]; then
+  [ "$IF_CACHED" = 1 ] && { echo "kind-e2e: $VENV/bin/pytest missing: run make setup" >&2; exit 2; }
+  stamp "creating the project's virtualenv $VENV (make setup)"
+  make setup VENV="$VENV"
+fi
 
 started_engine=0
 stop_engine() { [ "$started_engine" = 1 ] && [ "${KEEP:-0}" != 1 ] && hack/docker-engine.sh stop || true; }
