@@ -56,7 +56,7 @@ stop_engine() { [ "$started_engine" = 1 ] && [ "${KEEP:-0}" != 1 ] && hack/docke
 if [ "$IF_CACHED" = 1 ]; then
   [ "$KIND_IMAGES" = local ] || skip "--if-cached needs KIND_IMAGES=local"
   [ -s "$READY" ] || skip "no kind images built on this machine yet ($READY missing). A cold \
-build takes about 15 minutes; run hack/kind-e2e.sh once and later runs of make test include it"
+build and run takes about 30 minutes; run hack/kind-e2e.sh once and later runs of make test include it"
   docker info >/dev/null 2>&1 || command -v dockerd >/dev/null 2>&1 ||
     skip "no Docker engine here and dockerd is not installed"
 fi
