@@ -34,6 +34,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "trainer_image" / "src"))
+sys.path.insert(0, str(ROOT / "operator" / "src"))  # `report` only: the estimator
 
 # Published configs (config.json fields the estimator reads too); weights are random.
 ARCHS: dict[str, dict[str, Any]] = {
@@ -273,7 +274,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def estimate_for(row: dict[str, Any]) -> tuple[float, float, float]:
     """(allocated-comparable, reserved-comparable, whole per-GPU) estimate in GiB."""
-    sys.path.insert(0, str(ROOT / "operator" / "src"))
     from kubetune.arch import arch_from_hf_config
     from kubetune.estimator import TrainingSetup, comparable_bytes, estimate_vram
 

@@ -50,6 +50,7 @@ if [ ! -x "$VENV/bin/pytest" ]; then
   make setup VENV="$VENV"
 fi
 
+# Set to 1 (with an EXIT trap calling stop_engine) when this script starts the engine.
 started_engine=0
 stop_engine() { [ "$started_engine" = 1 ] && [ "${KEEP:-0}" != 1 ] && hack/docker-engine.sh stop || true; }
 
@@ -72,7 +73,7 @@ case "$KIND_IMAGES" in
     if [ "$IF_CACHED" = 1 ]; then
       # shellcheck disable=SC2046
       docker image inspect $(cat "$READY") >/dev/null 2>&1 ||
-        { stop_engine; skip "the engine no longer holds every image listed in $READY"; }
+        skip "the engine no longer holds every image listed in $READY"
     fi
     KIND_VERSION=${KIND_VERSION:-v0.33.0}
     KIND_BIN=$(KIND_VERSION=$KIND_VERSION hack/build-kind.sh)
@@ -103,9 +104,8 @@ free_gb=$(( $(df -Pk "$root_dir" 2>/dev/null | awk 'NR == 2 {print $4}') / 10485
 if [ "$free_gb" -lt "$MIN_FREE_GB" ]; then
   msg="only ${free_gb} GB free under $root_dir; the cluster needs about ${MIN_FREE_GB} GB (the \
 trainer image unpacked in two nodes); free some space or set KIND_MIN_FREE_GB"
-  [ "$IF_CACHED" = 1 ] && { stop_engine; skip "$msg"; }
+  [ "$IF_CACHED" = 1 ] && skip "$msg"
   echo "kind-e2e: $msg" >&2
-  stop_engine
   exit 2
 fi
 

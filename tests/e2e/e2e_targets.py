@@ -115,11 +115,8 @@ class Target:
         raise NotImplementedError
 
     def hard_kill(self, pod: str) -> None:
-        """SIGKILL a trainer pod's training mid-step, as when its node dies: no checkpoint.
-
-        Here the pod is force-deleted, and the local pod runner kills its processes at once.
-        """
-        self.kubectl("delete", "pod", pod, "-n", NAMESPACE, "--grace-period=0", "--force")
+        """SIGKILL a trainer pod's training mid-step, as when its node dies: no checkpoint."""
+        raise NotImplementedError
 
     def start_operator(self) -> None:
         raise NotImplementedError
@@ -182,6 +179,10 @@ class LocalTarget(Target):
             self.close()
             raise
         say(f"e2e target local ready in {time.monotonic() - t0:.1f}s")
+
+    def hard_kill(self, pod: str) -> None:
+        # The local pod runner kills a force-deleted pod's processes at once.
+        self.kubectl("delete", "pod", pod, "-n", NAMESPACE, "--grace-period=0", "--force")
 
     def kubectl_argv(self) -> list[str]:
         return [str(self.cluster.binaries.kubectl), f"--kubeconfig={self.cluster.kubeconfig}"]

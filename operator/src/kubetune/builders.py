@@ -446,22 +446,13 @@ def fault_injection(job: FineTuneJob, attempt: int) -> FaultInjection:
     if not isinstance(spec, dict) or set(spec) - {"oomAtStep", "attempts", "stepSeconds"}:
         raise SpecError(f"annotation {ANNOTATION_TEST_FAULTS}={raw!r} is not understood", how)
     step, attempts, seconds = spec.get("oomAtStep"), spec.get("attempts"), spec.get("stepSeconds")
-    if (
-        (step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 1))
-        or (step is None and seconds is None)
-        or (
-            seconds is not None
-            and (
-                not isinstance(seconds, (int, float))
-                or isinstance(seconds, bool)
-                or not 0 < seconds <= 60
-            )
-        )
-        or (
-            attempts is not None
-            and not (isinstance(attempts, list) and all(isinstance(a, int) for a in attempts))
-        )
-    ):
+    # JSON numbers arrive as int or float; true/false are bools, which isinstance calls ints.
+    step_ok = step is None or (type(step) is int and step >= 1)
+    seconds_ok = seconds is None or (type(seconds) in (int, float) and 0 < seconds <= 60)
+    attempts_ok = attempts is None or (
+        isinstance(attempts, list) and all(isinstance(a, int) for a in attempts)
+    )
+    if not (step_ok and seconds_ok and attempts_ok) or (step is None and seconds is None):
         raise SpecError(f"annotation {ANNOTATION_TEST_FAULTS}={raw!r} is not understood", how)
     if attempts is not None and attempt not in attempts:
         return FaultInjection()
