@@ -8,16 +8,19 @@ PY_PATHS := $(wildcard operator trainer_image tests hack benchmarks)
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# The product with its trainer and dev extras, plus the local tooling (operator/dev), which is
+# a distribution of its own so that `pip install kubetune` never contains it.
+$(VENV)/.installed: pyproject.toml operator/dev/pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install $(PIP_FLAGS) --upgrade pip
-	$(PY) -m pip install $(PIP_FLAGS) -e ".[dev,trainer]"
+	$(PY) -m pip install $(PIP_FLAGS) -e ".[dev,trainer]" -e ./operator/dev
 	touch $@
 
 lint: setup
 	$(VENV)/bin/ruff check $(PY_PATHS)
 	$(VENV)/bin/ruff format --check $(PY_PATHS)
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 unit: setup
 	$(VENV)/bin/pytest -m unit
@@ -30,7 +33,7 @@ test: lint
 	VENV=$(VENV) hack/kind-e2e.sh --if-cached
 
 crds: setup
-	$(PY) -m kubetune.crdgen
+	$(VENV)/bin/kubetune crds --out crds/
 
 demo: setup
 	$(VENV)/bin/kubetune demo

@@ -274,8 +274,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def estimate_for(row: dict[str, Any]) -> tuple[float, float, float]:
     """(allocated-comparable, reserved-comparable, whole per-GPU) estimate in GiB."""
-    from kubetune.arch import arch_from_hf_config
-    from kubetune.estimator import TrainingSetup, comparable_bytes, estimate_vram
+    from kubetune.planning.arch import arch_from_hf_config
+    from kubetune.planning.estimator import TrainingSetup, comparable_bytes, estimate_vram
 
     arch = arch_from_hf_config(ARCHS[row["model"]], name=row["model"])
     setup = TrainingSetup(

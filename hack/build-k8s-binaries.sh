@@ -2,7 +2,7 @@
 # Build (or locate, when already cached) the local control-plane binaries used by the
 # integration tests: etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl,
 # kwok and helm, compiled from the Go module proxy. Versions are pinned in
-# operator/src/kubetune/dev/binaries.py; see docs/control-plane-build.md.
+# operator/dev/src/kubetune_dev/binaries.py; see docs/control-plane-build.md.
 #
 #   hack/build-k8s-binaries.sh            # build what is missing, print the bin dir
 #   hack/build-k8s-binaries.sh path       # print the bin dir only
@@ -20,10 +20,10 @@ else
 fi
 
 # The module is pure standard library: running it from the source tree needs no install.
-export PYTHONPATH="${repo_root}/operator/src${PYTHONPATH:+:${PYTHONPATH}}"
+export PYTHONPATH="${repo_root}/operator/dev/src${PYTHONPATH:+:${PYTHONPATH}}"
 export PYTHONUNBUFFERED=1
 
 if [[ $# -eq 0 ]]; then
   set -- build
 fi
-exec "${python}" -m kubetune.dev.binaries "$@"
+exec "${python}" -m kubetune_dev.binaries "$@"

@@ -14,7 +14,7 @@
 #       Go module proxy (hack/build-kind.sh), the Debian base images are debootstrapped
 #       (hack/base-image.sh), the node image is built from Go modules (hack/kind-node-image.sh),
 #       and kubectl/helm come from the local control plane's build (python -m
-#       kubetune.dev.binaries). Each step is cached under ~/.cache/kubetune; see
+#       kubetune_dev.binaries). Each step is cached under ~/.cache/kubetune; see
 #       docs/kind-images.md for the cold and warm times.
 #   KIND_IMAGES=upstream  a host with a registry: kind's own node image (or KIND_NODE_IMAGE),
 #       the Dockerfiles' default base images, and docker, kind, kubectl and helm from PATH.
@@ -77,7 +77,7 @@ case "$KIND_IMAGES" in
     fi
     KIND_VERSION=${KIND_VERSION:-v0.33.0}
     KIND_BIN=$(KIND_VERSION=$KIND_VERSION hack/build-kind.sh)
-    PATH="$(dirname "$KIND_BIN"):$("$VENV/bin/python" -m kubetune.dev.binaries build):$PATH"
+    PATH="$(dirname "$KIND_BIN"):$("$VENV/bin/python" -m kubetune_dev.binaries build):$PATH"
     hack/base-image.sh python
     KIND_NODE_IMAGE=${KIND_NODE_IMAGE:-$(KIND_VERSION=$KIND_VERSION hack/kind-node-image.sh)}
     OPERATOR_BASE_IMAGE=${OPERATOR_BASE_IMAGE:-kubetune/python:bookworm}

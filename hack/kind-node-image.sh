@@ -12,7 +12,7 @@
 #   bin/node-<kube>/        kubeadm, kubelet, kube-proxy (k8s.io/kubernetes at <kube>), plus
 #                           copies of kube-apiserver, kube-controller-manager, kube-scheduler,
 #                           kubectl and etcd from the project's own build (bin/k8s-<kube>/,
-#                           made by `python -m kubetune.dev.binaries build`)
+#                           made by `python -m kubetune_dev.binaries build`)
 #   bin/kind-node/<name>-<version>/  containerd + ctr + containerd-shim-runc-v2, crictl, CNI plugins
 #                           (host-local, loopback, ptp, portmap), coredns,
 #                           local-path-provisioner, pause (gcc -static)
@@ -147,11 +147,11 @@ fi
 # Binaries
 # ---------------------------------------------------------------------------------------------
 log "Kubernetes $KUBE_VERSION binaries -> $KBIN"
-if [ "$KUBE_VERSION" != "$(PYTHONPATH="$ROOT/operator/src" python3 -c 'from kubetune.dev.binaries import KUBERNETES_VERSION as v; print(v)')" ]; then
-  die "KUBE_VERSION=$KUBE_VERSION differs from KUBERNETES_VERSION in operator/src/kubetune/dev/binaries.py" 2
+if [ "$KUBE_VERSION" != "$(PYTHONPATH="$ROOT/operator/dev/src" python3 -c 'from kubetune_dev.binaries import KUBERNETES_VERSION as v; print(v)')" ]; then
+  die "KUBE_VERSION=$KUBE_VERSION differs from KUBERNETES_VERSION in operator/dev/src/kubetune_dev/binaries.py" 2
 fi
-cp_dir=$(PYTHONPATH="$ROOT/operator/src" python3 -m kubetune.dev.binaries build) ||
-  die "the control-plane build (python -m kubetune.dev.binaries build) failed"
+cp_dir=$(PYTHONPATH="$ROOT/operator/dev/src" python3 -m kubetune_dev.binaries build) ||
+  die "the control-plane build (python -m kubetune_dev.binaries build) failed"
 for b in kube-apiserver kube-controller-manager kube-scheduler kubectl etcd; do
   if ! cmp -s "$cp_dir/$b" "$KBIN/$b"; then
     cp "$cp_dir/$b" "$KBIN/.$b.partial" && mv -f "$KBIN/.$b.partial" "$KBIN/$b"
@@ -166,8 +166,8 @@ sed 's#^module .*#module kubetune.local/build/kind-node#' "$WORK/kubernetes-$KUB
 cmp -s "$kwork/go.mod.new" "$kwork/go.mod" || { mv -f "$kwork/go.mod.new" "$kwork/go.mod"; cp "$WORK/kubernetes-$KUBE_VERSION/go.sum" "$kwork/go.sum"; }
 rm -f "$kwork/go.mod.new"
 release_date=$(sed -n 's/.*"Time":"\([^"]*\)".*/\1/p' "$GOMODCACHE/cache/download/k8s.io/kubernetes/@v/$KUBE_VERSION.info")
-kube_ldflags=$(PYTHONPATH="$ROOT/operator/src" python3 -c \
-  'import sys; from kubetune.dev.binaries import kubernetes_ldflags as f; print(" ".join(f(sys.argv[1], sys.argv[2])))' \
+kube_ldflags=$(PYTHONPATH="$ROOT/operator/dev/src" python3 -c \
+  'import sys; from kubetune_dev.binaries import kubernetes_ldflags as f; print(" ".join(f(sys.argv[1], sys.argv[2])))' \
   "$KUBE_VERSION" "${release_date:-1970-01-01T00:00:00Z}")
 for b in kubeadm kubelet kube-proxy; do
   [ -x "$KBIN/$b" ] && continue

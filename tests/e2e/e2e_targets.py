@@ -159,10 +159,10 @@ class LocalTarget(Target):
     name = "local"
 
     def __init__(self, root: Path) -> None:
-        from kubetune.crdgen import render_all
-        from kubetune.dev.binaries import ensure_binaries
-        from kubetune.dev.cluster import LocalCluster
-        from kubetune.dev.demo import prepare_data
+        from kubetune.api.crdgen import render_all
+        from kubetune_dev.binaries import ensure_binaries
+        from kubetune_dev.cluster import LocalCluster
+        from kubetune_dev.demo import prepare_data
 
         self.cluster = LocalCluster(root, ensure_binaries(say))
         t0 = time.monotonic()
@@ -196,7 +196,7 @@ class LocalTarget(Target):
         return result
 
     def _claim_root(self, claim: str) -> Path | None:
-        from kubetune.dev.demo import claim_path
+        from kubetune_dev.demo import claim_path
 
         path = claim_path(self.cluster, NAMESPACE, claim)
         return Path(path) if path else None
@@ -215,7 +215,7 @@ class LocalTarget(Target):
         return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
 
     def kill_operator(self) -> None:
-        from kubetune.dev.cluster import process_alive
+        from kubetune_dev.cluster import process_alive
 
         pid = self.cluster.state.pids.pop("operator", None)
         self.cluster.state.save()
@@ -230,7 +230,7 @@ class LocalTarget(Target):
         self.cluster.start_operator(OPERATOR_SETTINGS)
 
     def operator_running(self) -> bool:
-        from kubetune.dev.cluster import process_alive
+        from kubetune_dev.cluster import process_alive
 
         pid = self.cluster.state.pids.get("operator")
         return pid is not None and process_alive(pid)

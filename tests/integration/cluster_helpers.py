@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from kubetune.dev.cluster import LocalCluster
+from kubetune_dev.cluster import LocalCluster
 
 
 class Cluster:

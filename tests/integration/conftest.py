@@ -19,10 +19,10 @@ import pytest
 import yaml
 from cluster_helpers import Cluster
 
-from kubetune.cli import simulated_pool_docs
-from kubetune.crdgen import render_all
-from kubetune.dev.binaries import ensure_binaries
-from kubetune.dev.cluster import LocalCluster, process_alive
+from kubetune.api.crdgen import render_all
+from kubetune_dev.binaries import ensure_binaries
+from kubetune_dev.cli import simulated_pool_docs
+from kubetune_dev.cluster import LocalCluster, process_alive
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -51,11 +51,11 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
-from kubetune.api import API_VERSION, GROUP, VERSION
-from kubetune.builders import child_names
-from kubetune.cli import simulated_pool_docs
-from kubetune.dev.cluster import ADMIN, LocalCluster, process_alive
-from kubetune.models_table import MODELS
+from kubetune.api.v1alpha1 import API_VERSION, GROUP, VERSION
+from kubetune.control.builders import child_names
+from kubetune.planning.models_table import MODELS
+from kubetune_dev.cli import simulated_pool_docs
+from kubetune_dev.cluster import ADMIN, LocalCluster, process_alive
 
 pytestmark = pytest.mark.integration
 

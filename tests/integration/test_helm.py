@@ -28,7 +28,7 @@ import yaml
 from cluster_helpers import Cluster, wait_for
 from test_operator import job_doc, wait_phase
 
-from kubetune.dev.cluster import LocalCluster, free_port, process_alive
+from kubetune_dev.cluster import LocalCluster, free_port, process_alive
 
 pytestmark = pytest.mark.integration
 

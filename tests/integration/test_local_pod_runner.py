@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 from cluster_helpers import Cluster, wait_for
 
-from kubetune.dev.cluster import STORAGE_CLASS, LocalCluster
-from kubetune.dev.podrunner import probe_mount_namespace
+from kubetune_dev.cluster import STORAGE_CLASS, LocalCluster
+from kubetune_dev.podrunner import probe_mount_namespace
 
 pytestmark = pytest.mark.integration
 
@@ -53,7 +53,7 @@ def start_runner(local: LocalCluster, root: Path, node: str, *extra: str) -> Run
             [
                 sys.executable,
                 "-m",
-                "kubetune.dev.podrunner",
+                "kubetune_dev.podrunner",
                 f"--kubeconfig={local.component_kubeconfig('kwok')}",
                 f"--node={node}",
                 f"--work={work}",
@@ -715,7 +715,7 @@ def _processes(token: str) -> list[int]:
 
 def test_runner_cli_rejects_bad_arguments() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "kubetune.dev.podrunner", "--node", "x"],
+        [sys.executable, "-m", "kubetune_dev.podrunner", "--node", "x"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -34,7 +34,7 @@ import pytest
 import yaml
 
 from kubetune.controller.metrics import OperatorMetrics
-from kubetune.dev.cluster import free_port
+from kubetune_dev.cluster import free_port
 from kubetune_trainer.contract import EXIT_PREEMPTED, TrainerConfig
 
 pytestmark = pytest.mark.integration
@@ -89,7 +89,7 @@ SAYS = {
 
 
 def rules_file(tmp: Path) -> Path:
-    from kubetune.dev.binaries import ensure_binaries
+    from kubetune_dev.binaries import ensure_binaries
 
     helm = ensure_binaries(lambda msg: print(msg, file=sys.stderr)).helm
     out = subprocess.run(

@@ -9,8 +9,8 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from kubetune.api import FineTuneJob, FineTuneJobSpec, GPUPool, parse_duration
-from kubetune.crdgen import render_all
+from kubetune.api.crdgen import render_all
+from kubetune.api.v1alpha1 import FineTuneJob, FineTuneJobSpec, GPUPool, parse_duration
 
 pytestmark = pytest.mark.unit
 
@@ -33,10 +33,10 @@ def _crd(name: str) -> dict[str, Any]:
 
 
 def test_committed_crds_match_models() -> None:
-    """Fails when crds/ drifts from kubetune.api; run `python -m kubetune.crdgen` to fix."""
+    """Fails when crds/ drifts from kubetune.api.v1alpha1; `make crds` fixes it."""
     for name, text in render_all().items():
         committed = (ROOT / "crds" / name).read_text()
-        assert committed == text, f"crds/{name} is stale: run `python -m kubetune.crdgen`"
+        assert committed == text, f"crds/{name} is stale: run `make crds`"
 
 
 @pytest.mark.parametrize("name", ["finetunejobs.kubetune.io.yaml", "gpupools.kubetune.io.yaml"])
@@ -171,7 +171,7 @@ def test_uri_pattern_treats_whitespace_like_the_apiserver() -> None:
     """Go's RE2 `\\S` excludes ASCII whitespace only; the model must accept the same URIs."""
     import re
 
-    from kubetune.api import URI_PATTERN
+    from kubetune.api.v1alpha1 import URI_PATTERN
 
     assert re.match(URI_PATTERN, "/data/train\u00a0.jsonl")
     assert not re.match(URI_PATTERN, "/data/train .jsonl")
@@ -198,5 +198,5 @@ def test_examples_validate() -> None:
 
 
 def test_example_catalog_matches_builtin() -> None:
-    builtin = ROOT / "operator/src/kubetune/data/gpupools.yaml"
+    builtin = ROOT / "operator/src/kubetune/planning/data/gpupools.yaml"
     assert (ROOT / "examples/gpupools.yaml").read_text() == builtin.read_text()

@@ -1,4 +1,4 @@
-"""Unit tests for kubetune.arch (architecture table, config.json parsing, parameter counts)."""
+"""kubetune.planning.arch: the architecture table, config.json parsing, parameter counts."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from kubetune import arch as arch_mod
-from kubetune.arch import (
+from kubetune.planning import arch as arch_mod
+from kubetune.planning.arch import (
     ArchitectureError,
     LinearLayer,
     ModelArch,
@@ -22,9 +22,9 @@ from kubetune.arch import (
     find_known_model,
     known_archs,
     known_models,
-    load_arch,
 )
-from kubetune.models_table import MODELS
+from kubetune.planning.models_table import MODELS
+from kubetune.sources import load_arch
 
 pytestmark = pytest.mark.unit
 

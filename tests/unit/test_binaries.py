@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kubetune.dev import binaries as b
+from kubetune_dev import binaries as b
 
 pytestmark = pytest.mark.unit
 

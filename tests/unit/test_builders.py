@@ -1,4 +1,4 @@
-"""Unit tests for kubetune.builders (the manifests of one training attempt).
+"""Unit tests for kubetune.control.builders (the manifests of one training attempt).
 
 Every builder's output for two reference jobs is compared with an expected YAML file in
 `tests/unit/fixtures/builders/` (safe YAML, keys sorted, multi-line strings such as the
@@ -22,8 +22,9 @@ from typing import Any
 import pytest
 import yaml
 
-from kubetune.api import FineTuneJob, GPUPool, PlanStatus
-from kubetune.builders import (
+from kubetune.api.errors import SpecError
+from kubetune.api.v1alpha1 import FineTuneJob, GPUPool, PlanStatus
+from kubetune.control.builders import (
     BuildSettings,
     build_checkpoint_pvc,
     build_children,
@@ -36,7 +37,6 @@ from kubetune.builders import (
     labels,
     owner_reference,
 )
-from kubetune.errors import SpecError
 from kubetune_trainer.contract import (
     EXIT_CONFIG_ERROR,
     EXIT_OOM,

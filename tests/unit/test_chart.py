@@ -109,7 +109,7 @@ def sync_crd_templates() -> list[Path]:
 
 @cache
 def helm_binary() -> str:
-    from kubetune.dev.binaries import ensure_binaries
+    from kubetune_dev.binaries import ensure_binaries
 
     return str(ensure_binaries(lambda msg: print(msg, file=sys.stderr)).helm)
 
@@ -235,7 +235,7 @@ def test_default_render_is_a_standalone_cluster_wide_operator() -> None:
 
 def test_every_operator_setting_reaches_the_container() -> None:
     """Each KUBETUNE_* variable the operator reads is set by the chart."""
-    text = (ROOT / "operator/src/kubetune/settings.py").read_text()
+    text = (ROOT / "operator/src/kubetune/controller/settings.py").read_text()
     read = set(re.findall(r"KUBETUNE_[A-Z_]+", text))
     assert read, "no settings found"
     assert read <= set(env_of(render()))
@@ -335,7 +335,7 @@ def test_gpu_pool_catalog_example_in_values_is_valid(tmp_path: Path) -> None:
     assert [(d["metadata"]["name"], d["spec"]) for d in docs] == [
         (d["metadata"]["name"], d["spec"]) for d in example
     ]
-    from kubetune.api import GPUPool
+    from kubetune.api.v1alpha1 import GPUPool
 
     for doc in docs:
         GPUPool.model_validate(doc)

@@ -6,8 +6,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from kubetune import conditions as c
-from kubetune.settings import settings_from_env
+from kubetune.control import conditions as c
+from kubetune.controller.settings import settings_from_env
 
 pytestmark = pytest.mark.unit
 

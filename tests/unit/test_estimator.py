@@ -12,8 +12,8 @@ from types import ModuleType
 
 import pytest
 
-from kubetune.arch import ModelArch, load_arch
-from kubetune.estimator import (
+from kubetune.planning.arch import ModelArch
+from kubetune.planning.estimator import (
     BREAKDOWN_COMPONENTS,
     GIB,
     NF4_ABSMAX_BYTES_PER_PARAM,
@@ -27,6 +27,7 @@ from kubetune.estimator import (
     resolve_lora_targets,
     trainable_params,
 )
+from kubetune.sources import load_arch
 
 pytestmark = pytest.mark.unit
 

@@ -34,12 +34,12 @@ from lightkube import AsyncClient, KubeConfig
 from lightkube.config.models import Cluster, User
 from lightkube.core.exceptions import ApiError, ConfigError
 
-from kubetune import conditions as c
-from kubetune.api import FineTuneJob, GPUPool
-from kubetune.builders import child_names, labels, owner_reference
+from kubetune.api.v1alpha1 import FineTuneJob, GPUPool
+from kubetune.control import conditions as c
+from kubetune.control.builders import child_names, labels, owner_reference
+from kubetune.control.reconcile import ControllerSettings
 from kubetune.controller import handlers
 from kubetune.controller.kube import FineTuneJobResource, Kube
-from kubetune.reconcile import ControllerSettings
 
 pytestmark = [
     pytest.mark.unit,

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kubetune.api import FineTuneJobStatus
+from kubetune.api.v1alpha1 import FineTuneJobStatus
 from kubetune.controller.metrics import GIB, PHASES, OperatorMetrics
 
 pytestmark = pytest.mark.unit

@@ -8,11 +8,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kubetune.api import FineTuneJobSpec, GPUPool
-from kubetune.arch import load_arch
-from kubetune.cli import default_pools
-from kubetune.errors import InfeasibleError
-from kubetune.planner import (
+from kubetune.api.errors import InfeasibleError
+from kubetune.api.v1alpha1 import FineTuneJobSpec, GPUPool
+from kubetune.planning.catalog import default_pools
+from kubetune.planning.planner import (
     GIB,
     PlannerSettings,
     brute_force_plan,
@@ -20,6 +19,7 @@ from kubetune.planner import (
     rank_key,
     replan_settings_after_oom,
 )
+from kubetune.sources import load_arch
 
 pytestmark = pytest.mark.unit
 

@@ -12,11 +12,12 @@ from typing import Any
 
 import pytest
 
-from kubetune import conditions as c
-from kubetune.api import FineTuneJob, FineTuneJobStatus, GPUPool
-from kubetune.arch import ArchitectureError, load_arch
-from kubetune.cli import default_pools
-from kubetune.reconcile import ControllerSettings, Decision, Observed, reconcile
+from kubetune.api.v1alpha1 import FineTuneJob, FineTuneJobStatus, GPUPool
+from kubetune.control import conditions as c
+from kubetune.control.reconcile import ControllerSettings, Decision, Observed, reconcile
+from kubetune.planning.arch import ArchitectureError
+from kubetune.planning.catalog import default_pools
+from kubetune.sources import load_arch
 from kubetune_trainer.contract import EXIT_CONFIG_ERROR, EXIT_OOM, EXIT_PREEMPTED
 
 pytestmark = pytest.mark.unit
@@ -438,7 +439,7 @@ def test_a_plan_too_large_for_int64_fails_instead_of_breaking_the_status() -> No
 
 
 def test_mark_failed_keeps_the_plan_and_says_why() -> None:
-    from kubetune.reconcile import mark_failed
+    from kubetune.control.reconcile import mark_failed
 
     job, _ = run(make_job())
     assert job.status is not None
@@ -532,7 +533,7 @@ def test_progress_eta_and_checkpoint_come_from_trainer_metrics() -> None:
 
 
 def test_human_duration() -> None:
-    from kubetune.reconcile import human_duration
+    from kubetune.control.reconcile import human_duration
 
     assert human_duration(35) == "35s"
     assert human_duration(250) == "4m10s"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kubetune.api import DatasetSource, GPUSpec, TrainingSettings
-from kubetune.throughput import (
+from kubetune.api.v1alpha1 import DatasetSource, GPUSpec, TrainingSettings
+from kubetune.planning.throughput import (
     DEFAULT_EXAMPLES,
     cost_usd,
     dataset_size,

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import sys
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -12,11 +12,13 @@ import click
 import yaml
 from pydantic import ValidationError
 
-from kubetune.api import FineTuneJob, GPUPool, Objective
-from kubetune.arch import ArchitectureError, ModelArch, known_models, load_arch
-from kubetune.errors import KubetuneError
-from kubetune.estimator import EstimatorError, TrainingSetup, estimate_vram
-from kubetune.planner import Plan, PlannerSettings, plan_job
+from kubetune.api.errors import KubetuneError
+from kubetune.api.v1alpha1 import FineTuneJob, GPUPool, Objective
+from kubetune.planning.arch import ArchitectureError, ModelArch, known_models
+from kubetune.planning.catalog import default_pools
+from kubetune.planning.estimator import EstimatorError, TrainingSetup, estimate_vram
+from kubetune.planning.planner import Plan, PlannerSettings, plan_job
+from kubetune.sources import load_arch
 
 GIB = 1024**3
 
@@ -28,7 +30,55 @@ class _Abort(click.ClickException):
         return self.message
 
 
-@click.group()
+COMMANDS_ENTRY_POINTS = "kubetune.commands"
+"""Entry point group through which other distributions add commands: the local tooling
+(operator/dev, distribution `kubetune-dev`) adds `kubetune dev` and `kubetune demo`."""
+
+_TOOLING_COMMANDS = {
+    "dev": "a local control plane with simulated GPU pools",
+    "demo": "the end-to-end demo on a local control plane",
+}
+
+
+def _registered() -> dict[str, importlib.metadata.EntryPoint]:
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group=COMMANDS_ENTRY_POINTS)}
+
+
+class _Commands(click.Group):
+    """The built-in commands plus the registered ones, each imported only when it runs."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *_registered()})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        command = super().get_command(ctx, cmd_name)
+        if command is not None:
+            return command
+        entry = _registered().get(cmd_name)
+        if entry is not None:
+            loaded = entry.load()
+            if not isinstance(loaded, click.Command):
+                raise _Abort(f"entry point {entry.value} is not a click command")
+            return loaded
+        if cmd_name in _TOOLING_COMMANDS:
+            return _missing_tooling(cmd_name)
+        return None
+
+
+def _missing_tooling(name: str) -> click.Command:
+    @click.command(name, context_settings={"ignore_unknown_options": True})
+    @click.argument("args", nargs=-1, type=click.UNPROCESSED)
+    def missing(args: tuple[str, ...]) -> None:
+        raise _Abort(
+            f"`kubetune {name}` ({_TOOLING_COMMANDS[name]}) is part of the local tooling, "
+            "which is not installed. To fix: run `make setup` in a kubetune checkout, or "
+            "`pip install -e operator/dev` there."
+        )
+
+    return missing
+
+
+@click.group(cls=_Commands)
 @click.version_option(package_name="kubetune")
 def main() -> None:
     """kubetune: right-sized, cost-aware LLM fine-tuning on Kubernetes."""
@@ -166,11 +216,6 @@ def _load_yaml_docs(path: str) -> list[dict[str, Any]]:
         raise _Abort(f"cannot read {path}: {exc}") from exc
 
 
-def default_pools() -> list[GPUPool]:
-    text = resources.files("kubetune").joinpath("data/gpupools.yaml").read_text()
-    return [GPUPool.model_validate(d) for d in yaml.safe_load_all(text) if d]
-
-
 def load_pools(path: str | None) -> list[GPUPool]:
     if path is None:
         return default_pools()
@@ -305,7 +350,7 @@ def plan(
 )
 def crds(outdir: str | None) -> None:
     """Print (or write) the CustomResourceDefinitions."""
-    from kubetune.crdgen import render_all
+    from kubetune.api.crdgen import render_all
 
     files = render_all()
     if outdir is None:
@@ -337,113 +382,6 @@ def operator(namespace: tuple[str, ...], standalone: bool, liveness: str) -> Non
 
     sys.argv = args
     kopf_main()
-
-
-# ---------------------------------------------------------------------- dev cluster
-
-#: Simulated pools of `kubetune dev up`: pool from the built-in catalog → nodes.
-SIMULATED_POOLS = {"l40s": 4, "a100-80gb": 4, "h100": 2, "rtx4090-spot": 4}
-
-
-def simulated_pool_docs() -> list[dict[str, Any]]:
-    docs = []
-    for pool in default_pools():
-        if pool.name in SIMULATED_POOLS:
-            doc = pool.to_wire()
-            doc["spec"]["maxNodes"] = SIMULATED_POOLS[pool.name]
-            docs.append(doc)
-    return docs
-
-
-@main.group()
-def dev() -> None:
-    """A local control plane with simulated GPU pools (test and demo infrastructure)."""
-
-
-def _root(root: str | None) -> Path:
-    from kubetune.dev.cluster import default_root
-
-    return Path(root) if root else default_root()
-
-
-@dev.command("up")
-@click.option(
-    "--root", type=click.Path(), help="State folder (default: ~/.cache/kubetune/dev/default)."
-)
-@click.option(
-    "--pools/--no-pools", default=True, show_default=True, help="Create simulated GPU pools."
-)
-def dev_up(root: str | None, pools: bool) -> None:
-    """Build or find the binaries, start the cluster, install CRDs and simulated pools."""
-    from kubetune.crdgen import render_all
-    from kubetune.dev.binaries import ensure_binaries
-    from kubetune.dev.cluster import ClusterError, LocalCluster
-
-    binaries = ensure_binaries(lambda msg: click.echo(msg, err=True))
-    cluster = LocalCluster(_root(root), binaries)
-    try:
-        cluster.start()
-        cluster.apply([yaml.safe_load(text) for text in render_all().values()])
-        cluster.kubectl("wait", "--for=condition=Established", "crd", "--all", "--timeout=30s")
-        if pools:
-            cluster.add_simulated_pools(simulated_pool_docs())
-    except ClusterError as exc:
-        cluster.stop()
-        raise _Abort(str(exc)) from exc
-    click.echo(f"export KUBECONFIG={cluster.kubeconfig}")
-    click.echo(f"export PATH={binaries.kubectl.parent}:$PATH", err=True)
-
-
-@dev.command("down")
-@click.option("--root", type=click.Path(), help="State folder of the cluster.")
-def dev_down(root: str | None) -> None:
-    """Stop every process of the local cluster."""
-    from kubetune.dev.cluster import State, stop_processes
-
-    state = State.load(_root(root))
-    if state is None:
-        click.echo("no local cluster is running")
-        return
-    names = sorted(state.pids)
-    left = stop_processes(state)
-    if left:
-        raise _Abort(f"could not stop: {', '.join(left)}")
-    click.echo(f"stopped {len(names)} processes: {', '.join(names)}")
-
-
-@dev.command("status")
-@click.option("--root", type=click.Path(), help="State folder of the cluster.")
-def dev_status(root: str | None) -> None:
-    """Show which components of the local cluster are running."""
-    from kubetune.dev.cluster import State, process_alive
-
-    state = State.load(_root(root))
-    if state is None:
-        click.echo("no local cluster")
-        return
-    for name, pid in sorted(state.pids.items()):
-        click.echo(f"{name:<26}{pid:>8}  {'running' if process_alive(pid) else 'stopped'}")
-    click.echo(f"export KUBECONFIG={Path(state.root) / 'kubeconfig'}")
-
-
-@main.command()
-@click.option(
-    "--root", type=click.Path(), help="State folder (default: ~/.cache/kubetune/dev/demo)."
-)
-@click.option("--keep", is_flag=True, help="Leave the cluster running afterwards.")
-@click.option("--timeout", type=float, default=900, show_default=True, help="Seconds to wait.")
-def demo(root: str | None, keep: bool, timeout: float) -> None:
-    """Run examples/tiny-cpu-lora.yaml end to end on a local cluster (trainer on CPU)."""
-    from kubetune.dev.cluster import default_root
-    from kubetune.dev.demo import run_demo
-
-    code = run_demo(
-        Path(root) if root else default_root("demo"),
-        keep,
-        lambda msg: click.echo(msg, err=False),
-        timeout,
-    )
-    sys.exit(code)
 
 
 if __name__ == "__main__":

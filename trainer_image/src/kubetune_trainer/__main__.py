@@ -78,13 +78,13 @@ def main(argv: list[str] | None = None) -> int:
 def _run(config_path: str | None) -> int:
     from pydantic import ValidationError
 
-    from kubetune_trainer.contract import ContractError, load_config
+    from kubetune_trainer.contract import ContractError, parse_config
 
     if not config_path:
         log.error("no config: pass --config FILE or set KUBETUNE_CONFIG")
         return EXIT_CONFIG_ERROR
     try:
-        cfg = load_config(config_path)
+        cfg = parse_config(Path(config_path).read_text(), config_path)
     except (OSError, ValueError, ContractError, ValidationError) as e:
         message = f"config {config_path}: {e}"
         log.error("%s", message)

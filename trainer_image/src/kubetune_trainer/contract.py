@@ -1,8 +1,9 @@
 """The versioned JSON contract between the operator and the trainer.
 
 The operator renders a `TrainerConfig` into a ConfigMap; the trainer reads it from the
-file named by `--config` (or `$KUBETUNE_CONFIG`). This module depends on pydantic only, so
-the operator can import it without torch and the trainer without Kubernetes.
+file named by `--config` (or `$KUBETUNE_CONFIG`). This module depends on pydantic only and
+does no I/O, so the operator's pure core can import it without torch, and the trainer without
+Kubernetes.
 
 Bump `CONTRACT_VERSION` on any incompatible change; the trainer refuses versions it does
 not know with a message that names both.
@@ -11,7 +12,6 @@ not know with a message that names both.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -139,13 +139,13 @@ class ContractError(ValueError):
     pass
 
 
-def load_config(path: str | Path) -> TrainerConfig:
-    """Read and validate a config file, refusing unknown contract versions."""
-    raw = json.loads(Path(path).read_text())
-    version = raw.get("contract_version")
+def parse_config(text: str, source: str) -> TrainerConfig:
+    """Validate a config's JSON text (read from `source`), refusing unknown contract versions."""
+    raw = json.loads(text)
+    version = raw.get("contract_version") if isinstance(raw, dict) else None
     if version != CONTRACT_VERSION:
         raise ContractError(
-            f"{path}: contract_version {version!r}, this trainer understands "
+            f"{source}: contract_version {version!r}, this trainer understands "
             f"{CONTRACT_VERSION}; to fix: use a trainer image that matches the operator"
         )
     return TrainerConfig.model_validate(raw)

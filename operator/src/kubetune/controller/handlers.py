@@ -1,4 +1,4 @@
-"""kopf handlers: thin glue between kopf, the Kubernetes API and `kubetune.reconcile`.
+"""kopf handlers: thin glue between kopf, the Kubernetes API and `kubetune.control.reconcile`.
 
 Run with `kopf run -m kubetune.controller.handlers --all-namespaces` (or `kubetune operator`).
 
@@ -25,13 +25,13 @@ from lightkube import AsyncClient
 from lightkube.core.exceptions import ApiError
 from pydantic import ValidationError
 
-from kubetune import conditions as c
-from kubetune.api import GROUP, VERSION, FineTuneJob, FineTuneJobStatus, GPUPool
-from kubetune.arch import load_arch
+from kubetune.api.v1alpha1 import GROUP, VERSION, FineTuneJob, FineTuneJobStatus, GPUPool
+from kubetune.control import conditions as c
+from kubetune.control.reconcile import ControllerSettings, Decision, mark_failed, reconcile
 from kubetune.controller import metrics
 from kubetune.controller.kube import Kube
-from kubetune.reconcile import ControllerSettings, Decision, mark_failed, reconcile
-from kubetune.settings import settings_from_env
+from kubetune.controller.settings import settings_from_env
+from kubetune.sources import load_arch
 
 log = logging.getLogger("kubetune")
 

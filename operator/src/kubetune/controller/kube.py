@@ -22,9 +22,9 @@ from lightkube.resources.core_v1 import Node, Pod
 from lightkube.types import CascadeType
 from prometheus_client.parser import text_string_to_metric_families
 
-from kubetune.api import GROUP, VERSION, FineTuneJob, GPUPool
-from kubetune.builders import LABEL_ATTEMPT, LABEL_JOB, labels
-from kubetune.reconcile import Observed
+from kubetune.api.v1alpha1 import GROUP, VERSION, FineTuneJob, GPUPool
+from kubetune.control.builders import LABEL_ATTEMPT, LABEL_JOB, labels
+from kubetune.control.reconcile import Observed
 
 FineTuneJobResource = create_namespaced_resource(GROUP, VERSION, "FineTuneJob", "finetunejobs")
 GPUPoolResource = create_global_resource(GROUP, VERSION, "GPUPool", "gpupools")

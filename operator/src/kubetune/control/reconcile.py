@@ -22,8 +22,8 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
-from kubetune import conditions as c
-from kubetune.api import (
+from kubetune.api.errors import InfeasibleError, SpecError
+from kubetune.api.v1alpha1 import (
     INT64_MAX,
     CheckpointStatus,
     CostStatus,
@@ -36,11 +36,11 @@ from kubetune.api import (
     RecoveryReason,
     parse_duration,
 )
-from kubetune.arch import ArchitectureError, ModelArch
-from kubetune.builders import BuildSettings, build_children, child_names
-from kubetune.errors import InfeasibleError, SpecError
-from kubetune.estimator import EstimatorError
-from kubetune.planner import PlannerSettings, plan_job, replan_settings_after_oom
+from kubetune.control import conditions as c
+from kubetune.control.builders import BuildSettings, build_children, child_names
+from kubetune.planning.arch import ArchitectureError, ModelArch
+from kubetune.planning.estimator import EstimatorError
+from kubetune.planning.planner import PlannerSettings, plan_job, replan_settings_after_oom
 from kubetune_trainer.contract import EXIT_CONFIG_ERROR, EXIT_OOM, EXIT_PREEMPTED, EXIT_STOPPED
 
 Manifest = dict[str, Any]

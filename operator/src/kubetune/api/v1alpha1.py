@@ -1,6 +1,6 @@
 """The kubetune API: `FineTuneJob` and `GPUPool`, spec and status, as pydantic models.
 
-These models are the single source of truth for the CRDs: `kubetune.crdgen` renders
+These models are the single source of truth for the CRDs: `kubetune.api.crdgen` renders
 `crds/*.yaml` from them (descriptions, defaults, enums, CEL rules), and the handlers
 validate every object they read through them. Field names are camelCase on the wire
 (aliases) and snake_case in Python.

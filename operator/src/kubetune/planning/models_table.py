@@ -2,7 +2,7 @@
 
 Each entry holds the fields of the model's public ``config.json`` that matter for sizing a
 fine-tuning run, written with the Hugging Face key names so that a new model can be added by
-copying them from its hub page.  :mod:`kubetune.arch` parses every entry with the same code
+copying them from its hub page.  :mod:`kubetune.planning.arch` parses every entry with the same code
 path it uses for a downloaded ``config.json``, so the table also exercises the parser.
 
 ``published_params`` is the parameter count the model card (or, where noted, the technical

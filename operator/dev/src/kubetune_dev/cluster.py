@@ -29,8 +29,8 @@ from typing import Any
 
 import yaml
 
-from kubetune.dev.binaries import Binaries
-from kubetune.dev.pki import Pki, create_pki
+from kubetune_dev.binaries import Binaries
+from kubetune_dev.pki import Pki, create_pki
 
 Progress = Callable[[str], None]
 
@@ -373,7 +373,7 @@ class LocalCluster:
             [
                 sys.executable,
                 "-m",
-                "kubetune.dev.provisioner",
+                "kubetune_dev.provisioner",
                 f"--kubeconfig={self.component_kubeconfig('provisioner')}",
                 f"--volumes={self.volumes}",
                 f"--storage-class={STORAGE_CLASS}",
@@ -496,7 +496,7 @@ class LocalCluster:
         argv = [
             sys.executable,
             "-m",
-            "kubetune.dev.podrunner",
+            "kubetune_dev.podrunner",
             f"--kubeconfig={self.component_kubeconfig('podrunner')}",
             f"--node={node}",
             f"--work={self.root / 'pods'}",

@@ -24,10 +24,10 @@ from collections.abc import Mapping
 from decimal import Decimal
 from typing import get_args
 
-from kubetune.api import Objective
-from kubetune.builders import QUANTITY, BuildSettings
-from kubetune.planner import PlannerSettings
-from kubetune.reconcile import ControllerSettings
+from kubetune.api.v1alpha1 import Objective
+from kubetune.control.builders import QUANTITY, BuildSettings
+from kubetune.control.reconcile import ControllerSettings
+from kubetune.planning.planner import PlannerSettings
 
 _TRUE = {"1", "true", "yes", "on"}
 

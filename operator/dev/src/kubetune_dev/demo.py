@@ -17,9 +17,9 @@ from typing import Any
 
 import yaml
 
-from kubetune.crdgen import render_all
-from kubetune.dev.binaries import ensure_binaries
-from kubetune.dev.cluster import ClusterError, LocalCluster
+from kubetune.api.crdgen import render_all
+from kubetune_dev.binaries import ensure_binaries
+from kubetune_dev.cluster import ClusterError, LocalCluster
 
 Say = Callable[[str], None]
 

@@ -7,7 +7,7 @@ training step, split into named components whose sum is exactly
 :attr:`VramEstimate.per_gpu_bytes`.
 
 Every term, its formula and its source is documented in ``docs/estimator.md``; the constants
-were checked against published measurements (``kubetune/data/measurements.yaml``, report in
+were checked against published measurements (``kubetune/planning/data/measurements.yaml``, report in
 ``docs/estimator-calibration.md``).  In short:
 
 * **static state**: weights (bf16 / fp32, or NF4 plus quantization constants), LoRA adapter
@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Literal, get_args
 
-from kubetune.arch import LinearLayer, ModelArch
+from kubetune.planning.arch import LinearLayer, ModelArch
 
 __all__ = [
     "ALL_LINEAR",

@@ -4,7 +4,7 @@ Test and demo infrastructure, not part of the product. The local control plane s
 nodes with kwok, which only pretends to run pods; this runner plays the kubelet of *one* real node
 so that the trainer actually trains in the e2e tier and in `kubetune demo`::
 
-    python -m kubetune.dev.podrunner --kubeconfig K --node NAME --work DIR \\
+    python -m kubetune_dev.podrunner --kubeconfig K --node NAME --work DIR \\
         [--volumes-root R] [--pod-ip-base 127.0.100.] [--labels k=v,...] \\
         [--taints k=v:Effect,...] [--gpus N] [--cpu N] [--memory 16Gi]
 
@@ -639,13 +639,16 @@ def plan_mounts(
 def runtime_paths() -> list[str]:
     """Host folders a pod's command needs from the runner's Python environment."""
     import kubetune
+    import kubetune_dev
     import kubetune_trainer
 
     paths = {
         sys.prefix,
         sys.base_prefix,
-        str(Path(kubetune.__file__).resolve().parents[1]),
-        str(Path(kubetune_trainer.__file__).resolve().parents[1]),
+        *(
+            str(Path(pkg.__file__ or "").resolve().parents[1])
+            for pkg in (kubetune, kubetune_dev, kubetune_trainer)
+        ),
     }
     return sorted(p for p in paths if os.path.isdir(p))
 
@@ -1763,7 +1766,7 @@ class PodRunner:
                 [
                     sys.executable,
                     "-m",
-                    "kubetune.dev.podrunner",
+                    "kubetune_dev.podrunner",
                     "--exec-container",
                     str(spec_path),
                 ],
@@ -2174,7 +2177,7 @@ def materialise(volume: VolumePlan) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m kubetune.dev.podrunner",
+        prog="python -m kubetune_dev.podrunner",
         description="Run the pods bound to one node as local processes (test/demo only).",
     )
     p.add_argument("--kubeconfig", required=True, help="credentials allowed to manage nodes/pods")

@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
-from kubetune.api import (
+from kubetune.api.errors import InfeasibleError
+from kubetune.api.v1alpha1 import (
     FineTuneJobSpec,
     GPUPool,
     Method,
@@ -27,10 +28,9 @@ from kubetune.api import (
     PlanStatus,
     parse_duration,
 )
-from kubetune.arch import ModelArch
-from kubetune.errors import InfeasibleError
-from kubetune.estimator import TrainingSetup, VramEstimate, estimate_vram
-from kubetune.throughput import (
+from kubetune.planning.arch import ModelArch
+from kubetune.planning.estimator import TrainingSetup, VramEstimate, estimate_vram
+from kubetune.planning.throughput import (
     DatasetSize,
     cost_usd,
     dataset_size,

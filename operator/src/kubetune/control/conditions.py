@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from kubetune.api import Condition
+from kubetune.api.v1alpha1 import Condition
 
 # Condition types
 PLANNED = "Planned"

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, Literal
 
-from kubetune.api import API_VERSION, FineTuneJob, GPUPool, PlanStatus
-from kubetune.errors import SpecError
+from kubetune.api.errors import SpecError
+from kubetune.api.v1alpha1 import API_VERSION, FineTuneJob, GPUPool, PlanStatus
 from kubetune_trainer.contract import (
     EXIT_CONFIG_ERROR,
     EXIT_OOM,
