@@ -24,6 +24,7 @@ import yaml
 
 from kubetune.api.errors import SpecError
 from kubetune.api.v1alpha1 import FineTuneJob, GPUPool, PlanStatus
+from kubetune.api.vocabulary import PlanReason
 from kubetune.control.builders import (
     BuildSettings,
     build_checkpoint_pvc,
@@ -160,7 +161,7 @@ def full_8b_job() -> FineTuneJob:
 def full_8b_plan() -> PlanStatus:
     return PlanStatus(
         revision=2,
-        reason="OOM",
+        reason=PlanReason.OUT_OF_MEMORY,
         method="full",
         pool="h100",
         gpu_product="NVIDIA-H100-80GB-HBM3",

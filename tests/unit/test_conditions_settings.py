@@ -6,6 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from kubetune.api.vocabulary import ConditionType, Reason
 from kubetune.control import conditions as c
 from kubetune.controller.settings import settings_from_env
 
@@ -15,25 +16,35 @@ T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 def test_transition_time_moves_only_on_flip() -> None:
-    conds = c.set_condition([], c.RUNNING, False, c.PODS_STARTING, now=T0)
+    conds = c.set_condition([], ConditionType.RUNNING, False, Reason.PODS_STARTING, now=T0)
     later = c.set_condition(
-        conds, c.RUNNING, False, c.PODS_STARTING, "still", now=T0 + timedelta(hours=1)
+        conds,
+        ConditionType.RUNNING,
+        False,
+        Reason.PODS_STARTING,
+        "still",
+        now=T0 + timedelta(hours=1),
     )
     assert later[0].last_transition_time == "2026-01-01T00:00:00Z"
     assert later[0].message == "still"
-    flipped = c.set_condition(later, c.RUNNING, True, c.TRAINING, now=T0 + timedelta(hours=2))
+    flipped = c.set_condition(
+        later, ConditionType.RUNNING, True, Reason.TRAINING, now=T0 + timedelta(hours=2)
+    )
     assert flipped[0].last_transition_time == "2026-01-01T02:00:00Z"
-    assert flipped[0].reason == c.TRAINING
+    assert flipped[0].reason == Reason.TRAINING
 
 
 def test_other_conditions_are_kept() -> None:
-    conds = c.set_condition([], c.PLANNED, True, c.PLAN_READY, now=T0)
-    conds = c.set_condition(conds, c.RUNNING, True, c.TRAINING, now=T0, generation=3)
-    assert [x.type for x in conds] == [c.PLANNED, c.RUNNING]
+    conds = c.set_condition([], ConditionType.PLANNED, True, Reason.PLAN_READY, now=T0)
+    conds = c.set_condition(
+        conds, ConditionType.RUNNING, True, Reason.TRAINING, now=T0, generation=3
+    )
+    assert [x.type for x in conds] == [ConditionType.PLANNED, ConditionType.RUNNING]
     assert (
-        c.is_true(conds, c.PLANNED) and c.get_condition(conds, c.RUNNING).observed_generation == 3
+        c.is_true(conds, ConditionType.PLANNED)
+        and c.get_condition(conds, ConditionType.RUNNING).observed_generation == 3
     )  # type: ignore[union-attr]
-    assert not c.is_true(conds, c.FAILED)
+    assert not c.is_true(conds, ConditionType.FAILED)
 
 
 def test_settings_from_env() -> None:

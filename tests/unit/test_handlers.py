@@ -35,7 +35,7 @@ from lightkube.config.models import Cluster, User
 from lightkube.core.exceptions import ApiError, ConfigError
 
 from kubetune.api.v1alpha1 import FineTuneJob, GPUPool
-from kubetune.control import conditions as c
+from kubetune.api.vocabulary import ConditionType, Reason
 from kubetune.control.builders import child_names, labels, owner_reference
 from kubetune.control.reconcile import ControllerSettings
 from kubetune.controller import handlers
@@ -758,13 +758,13 @@ async def test_new_job_is_planned_and_launched(
     assert trainer["spec"]["completionMode"] == "Indexed"
     pod_spec = trainer["spec"]["template"]["spec"]
     assert pod_spec["nodeSelector"] == pool(plan["pool"])["spec"]["nodeSelector"]
-    assert condition(status, c.PLANNED)["status"] == "True"
-    assert condition(status, c.PLANNED)["reason"] == c.PLAN_READY
-    assert condition(status, c.RUNNING)["status"] == "False"
-    assert condition(status, c.RUNNING)["reason"] == c.PODS_STARTING
+    assert condition(status, ConditionType.PLANNED)["status"] == "True"
+    assert condition(status, ConditionType.PLANNED)["reason"] == Reason.PLAN_READY
+    assert condition(status, ConditionType.RUNNING)["status"] == "False"
+    assert condition(status, ConditionType.RUNNING)["reason"] == Reason.PODS_STARTING
     assert status["cost"]["estimatedUSD"] == plan["estimatedCostUSD"]
 
-    assert [(t, r) for t, r, _ in posted] == [("Normal", c.PLAN_READY), ("Normal", "Launched")]
+    assert [(t, r) for t, r, _ in posted] == [("Normal", Reason.PLAN_READY), ("Normal", "Launched")]
     assert posted[1][2] == f"Attempt 1 on pool {plan['pool']}"
 
 
@@ -825,7 +825,7 @@ async def test_job_with_no_pools_waits_without_creating_anything(
     assert children(apiserver) == {"pvc": [], "configmap": [], "service": [], "job": []}
     assert status["phase"] == "Planning"
     assert status["attempt"] == 0
-    assert condition(status, c.PLANNED)["reason"] == c.NO_POOLS
+    assert condition(status, ConditionType.PLANNED)["reason"] == Reason.NO_POOLS
     assert status["message"].startswith("no GPUPool exists yet")
     assert posted == []
 
@@ -839,8 +839,8 @@ async def test_invalid_job_fails_with_a_warning(
     status = await reconcile_once(body)
 
     assert status["phase"] == "Failed"
-    assert condition(status, c.FAILED)["reason"] == c.INVALID_SPEC
-    assert [(t, r) for t, r, _ in posted] == [("Warning", c.INVALID_SPEC)]
+    assert condition(status, ConditionType.FAILED)["reason"] == Reason.INVALID_SPEC
+    assert [(t, r) for t, r, _ in posted] == [("Warning", Reason.INVALID_SPEC)]
     assert list(apiserver) == []  # decided without a single API call
 
 
@@ -953,7 +953,7 @@ async def test_operator_launches_an_applied_job(
 
     status = apiserver.objects[FTJ, NAMESPACE, "tiny-cpu-lora"]["status"]
     assert status["attempt"] == 1
-    assert condition(status, c.PLANNED)["status"] == "True"
+    assert condition(status, ConditionType.PLANNED)["status"] == "True"
     names = child_names("tiny-cpu-lora", 1)
     assert children(apiserver) == {
         "pvc": [names.pvc],
@@ -977,7 +977,7 @@ async def test_operator_posts_plan_and_launch_events(
     def reasons() -> set[str]:
         return {r.data.get("reason") for r in requests(apiserver, kmock.action.CREATE, EVENTS)}
 
-    await eventually(lambda: {c.PLAN_READY, "Launched"} <= reasons(), timeout=2)
+    await eventually(lambda: {Reason.PLAN_READY, "Launched"} <= reasons(), timeout=2)
 
 
 def test_parse_trainer_metrics_keeps_only_trainer_samples() -> None:

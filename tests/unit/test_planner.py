@@ -13,7 +13,10 @@ from kubetune.api.v1alpha1 import FineTuneJobSpec, GPUPool
 from kubetune.planning.catalog import default_pools
 from kubetune.planning.planner import (
     GIB,
+    Limit,
+    Plan,
     PlannerSettings,
+    Rejection,
     brute_force_plan,
     plan_job,
     rank_key,
@@ -118,12 +121,20 @@ def test_fixed_gpu_count_is_respected() -> None:
     assert plan.chosen.nodes == 2
 
 
+def rejected(plan: Plan) -> dict[str, Rejection]:
+    by_pool = {r.pool: r for r in plan.rejected}
+    assert len(by_pool) == len(plan.rejected), "one rejection per pool"
+    assert [r.pool for r in plan.rejected] == sorted(by_pool), "sorted by pool"
+    return by_pool
+
+
 def test_spot_never_excludes_spot_pools() -> None:
     plan = plan_job(
         spec(resources={"spot": "never"}), POOLS, load_arch("meta-llama/Llama-3.1-8B"), NO_LIVE
     )
     assert not plan.chosen.spot
-    assert "spot" in plan.rejected["rtx4090-spot"]
+    why = rejected(plan)["rtx4090-spot"]
+    assert why.limit is Limit.SPOT and "spot" in why.message
 
 
 def test_allowed_pools_filter() -> None:
@@ -131,7 +142,9 @@ def test_allowed_pools_filter() -> None:
         spec(resources={"pools": ["h100"]}), POOLS, load_arch("meta-llama/Llama-3.1-8B"), NO_LIVE
     )
     assert plan.chosen.pool == "h100"
-    assert plan.rejected["l40s"] == "not listed in spec.resources.pools"
+    why = rejected(plan)["l40s"]
+    assert why.limit is Limit.NOT_LISTED
+    assert why.message == "not listed in spec.resources.pools"
 
 
 def test_full_70b_needs_many_gpus_and_small_gpus_are_rejected_with_numbers() -> None:
@@ -139,7 +152,8 @@ def test_full_70b_needs_many_gpus_and_small_gpus_are_rejected_with_numbers() -> 
     plan = plan_job(s, POOLS, load_arch(s.model.uri), NO_LIVE)
     assert plan.chosen.total_gpus >= 8
     assert plan.chosen.gpu_memory_gib >= 80
-    assert "GiB per GPU" in plan.rejected["l4"]
+    why = rejected(plan)["l4"]
+    assert why.limit is Limit.MEMORY and "GiB per GPU" in why.message
 
 
 def test_infeasible_says_how_to_fix() -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from kubetune.api.v1alpha1 import FineTuneJob, FineTuneJobStatus, GPUPool
+from kubetune.api.vocabulary import ConditionType, PlanReason, Reason, RecoveryReason
 from kubetune.control import conditions as c
 from kubetune.control.reconcile import ControllerSettings, Decision, Observed, reconcile
 from kubetune.planning.arch import ArchitectureError
@@ -98,8 +99,8 @@ def test_new_job_is_planned_and_launched() -> None:
     assert s.attempt == 1
     assert kinds(d) == ["PersistentVolumeClaim", "ConfigMap", "Service", "Job"]
     assert d.create[-1]["metadata"]["name"] == "demo-a1"
-    assert c.is_true(s.conditions, c.PLANNED)
-    assert [e.reason for e in d.events] == [c.PLAN_READY, "Launched"]
+    assert c.is_true(s.conditions, ConditionType.PLANNED)
+    assert [e.reason for e in d.events] == [Reason.PLAN_READY, Reason.LAUNCHED]
     assert s.progress is not None and s.progress.total_steps == s.plan.total_steps
     assert s.cost is not None and s.cost.estimated_usd == s.plan.estimated_cost_usd
     assert s.observed_generation == 1
@@ -111,10 +112,10 @@ def test_reconcile_is_idempotent_once_running() -> None:
     job, d1 = run(job, running, now=T0 + timedelta(seconds=10))
     job2, d2 = run(job, running, now=T0 + timedelta(seconds=20))
     assert d1.create == [] and d2.create == []
-    assert c.is_true(job2.status.conditions, c.RUNNING)  # type: ignore[union-attr]
+    assert c.is_true(job2.status.conditions, ConditionType.RUNNING)  # type: ignore[union-attr]
     # lastTransitionTime moves only when the status flips.
-    t1 = c.get_condition(job.status.conditions, c.RUNNING).last_transition_time  # type: ignore[union-attr]
-    t2 = c.get_condition(job2.status.conditions, c.RUNNING).last_transition_time  # type: ignore[union-attr]
+    t1 = c.get_condition(job.status.conditions, ConditionType.RUNNING).last_transition_time  # type: ignore[union-attr]
+    t2 = c.get_condition(job2.status.conditions, ConditionType.RUNNING).last_transition_time  # type: ignore[union-attr]
     assert t1 == t2
     assert [e.reason for e in d2.events] == []
 
@@ -122,8 +123,8 @@ def test_reconcile_is_idempotent_once_running() -> None:
 def test_no_pools_waits_instead_of_failing() -> None:
     job, d = run(make_job(), pools=[])
     assert job.status is not None and job.status.phase == "Planning"
-    cond = c.get_condition(job.status.conditions, c.PLANNED)
-    assert cond is not None and cond.reason == c.NO_POOLS
+    cond = c.get_condition(job.status.conditions, ConditionType.PLANNED)
+    assert cond is not None and cond.reason == Reason.NO_POOLS
     assert d.create == [] and d.requeue_after == SETTINGS.queue_retry_seconds
 
 
@@ -134,7 +135,7 @@ def test_infeasible_job_fails_with_advice() -> None:
     s = job.status
     assert s is not None and s.phase == "Failed"
     assert "To fix:" in (s.message or "")
-    assert c.get_condition(s.conditions, c.FAILED).reason == c.INFEASIBLE  # type: ignore[union-attr]
+    assert c.get_condition(s.conditions, ConditionType.FAILED).reason == Reason.INFEASIBLE  # type: ignore[union-attr]
     assert d.create == []
     assert d.events[-1].type == "Warning"
 
@@ -147,7 +148,10 @@ def test_unknown_architecture_fails_permanently() -> None:
         make_job(model={"uri": "acme/x"}), observed(None), SETTINGS, now=T0, load_arch=loader
     )
     assert d.status.phase == "Failed"
-    assert c.get_condition(d.status.conditions, c.FAILED).reason == c.UNKNOWN_ARCHITECTURE  # type: ignore[union-attr]
+    assert (
+        c.get_condition(d.status.conditions, ConditionType.FAILED).reason
+        == Reason.UNKNOWN_ARCHITECTURE
+    )  # type: ignore[union-attr]
 
 
 def _busy(pools: list[GPUPool], free: int) -> list[GPUPool]:
@@ -167,11 +171,11 @@ def _busy(pools: list[GPUPool], free: int) -> list[GPUPool]:
 def test_queued_until_capacity_frees() -> None:
     job, d = run(make_job(), pools=_busy(default_pools(), free=0))
     assert job.status is not None and job.status.phase == "Queued"
-    assert c.is_true(job.status.conditions, c.QUEUED)
+    assert c.is_true(job.status.conditions, ConditionType.QUEUED)
     assert d.create == [] and d.requeue_after == SETTINGS.queue_retry_seconds
     job, d = run(job, pools=_busy(default_pools(), free=8), now=T0 + timedelta(minutes=1))
     assert job.status is not None and job.status.phase == "Running"
-    assert not c.is_true(job.status.conditions, c.QUEUED)
+    assert not c.is_true(job.status.conditions, ConditionType.QUEUED)
     assert kinds(d)[-1] == "Job"
 
 
@@ -197,7 +201,7 @@ def test_suspend_stops_the_trainer_and_resume_relaunches() -> None:
     assert job.status is not None and job.status.phase == "Running"
     assert job.status.attempt == 2
     assert d.create[-1]["metadata"]["name"] == "demo-a2"
-    assert not c.is_true(job.status.conditions, c.SUSPENDED)
+    assert not c.is_true(job.status.conditions, ConditionType.SUSPENDED)
 
 
 def test_oom_replans_with_a_safer_layout_then_gives_up() -> None:
@@ -237,7 +241,7 @@ def test_oom_replans_with_a_safer_layout_then_gives_up() -> None:
     job, d = run(job, oom, now=T0 + timedelta(minutes=9))
     s = job.status
     assert s is not None and s.phase == "Failed"
-    assert c.get_condition(s.conditions, c.FAILED).reason == c.OOM_LIMIT  # type: ignore[union-attr]
+    assert c.get_condition(s.conditions, ConditionType.FAILED).reason == Reason.OOM_LIMIT  # type: ignore[union-attr]
     assert "maxOOMReplans=2" in (s.message or "")
 
 
@@ -266,7 +270,9 @@ def test_generic_failure_relaunches_until_the_limit() -> None:
     )
     job, _d = run(job, crash2)
     assert job.status is not None and job.status.phase == "Failed"
-    assert c.get_condition(job.status.conditions, c.FAILED).reason == c.RESTART_LIMIT  # type: ignore[union-attr]
+    assert (
+        c.get_condition(job.status.conditions, ConditionType.FAILED).reason == Reason.RESTART_LIMIT
+    )  # type: ignore[union-attr]
 
 
 def test_preemption_is_recorded_once() -> None:
@@ -277,8 +283,8 @@ def test_preemption_is_recorded_once() -> None:
     s = job.status
     assert s is not None and s.restarts == 1
     assert [r.reason for r in s.recoveries] == ["Preemption"]
-    assert [e.reason for e in first.events].count(c.PREEMPTED) == 1
-    assert c.PREEMPTED not in [e.reason for e in second.events]
+    assert [e.reason for e in first.events].count(Reason.PREEMPTED) == 1
+    assert Reason.PREEMPTED not in [e.reason for e in second.events]
     evicted = observed(
         batch_job(active=1),
         [pod("demo-a1-0", EXIT_PREEMPTED), pod("demo-a1-0b", 137, disrupted=True)],
@@ -308,7 +314,7 @@ def test_a_killed_pod_is_a_pod_failure_recorded_once() -> None:
     assert s is not None and s.restarts == 1 and s.phase == "Running"
     (rec,) = s.recoveries
     assert rec.reason == "PodFailure" and rec.message.startswith("pod demo-a1-0 failed (exit")
-    assert c.TRAINER_FAILED in [e.reason for e in first.events]
+    assert Reason.TRAINER_FAILED in [e.reason for e in first.events]
 
 
 @pytest.mark.parametrize(("failed", "reason"), [(0, "Preemption"), (1, "PodFailure")])
@@ -359,11 +365,14 @@ def test_a_pod_without_room_moves_the_job_to_another_pool() -> None:
     s = job.status
     assert s is not None and s.plan is not None
     assert s.attempt == 2 and s.plan.revision == 2 and s.plan.pool != first.pool
-    assert s.plan.reason.startswith("Unschedulable: pod demo-a1-0-bbbbb found no room")
-    assert [r.reason for r in s.recoveries] == ["Rescheduled"]
+    assert s.plan.reason == PlanReason.UNSCHEDULABLE
+    assert (s.plan.message or "").startswith("pod demo-a1-0-bbbbb found no room")
+    assert [(r.reason, r.pod) for r in s.recoveries] == [
+        (RecoveryReason.RESCHEDULED, "demo-a1-0-bbbbb")
+    ]
     assert d.delete_jobs == ["demo-a1"]
     assert d.create[-1]["metadata"]["name"] == "demo-a2"
-    assert "Rescheduled" in [e.reason for e in d.events]
+    assert Reason.RESCHEDULED in [e.reason for e in d.events]
 
 
 def test_a_pod_stuck_on_its_volume_does_not_move() -> None:
@@ -382,7 +391,7 @@ def test_moving_pools_counts_against_the_restart_limit() -> None:
     job, d = run(job, stuck, now=T0 + timedelta(hours=1))
     s = job.status
     assert s is not None and s.phase == "Failed"
-    assert c.get_condition(s.conditions, c.FAILED).reason == c.RESTART_LIMIT  # type: ignore[union-attr]
+    assert c.get_condition(s.conditions, ConditionType.FAILED).reason == Reason.RESTART_LIMIT  # type: ignore[union-attr]
     assert d.delete_jobs == ["demo-a1"]
 
 
@@ -410,7 +419,7 @@ def test_a_launch_the_status_never_recorded_is_adopted() -> None:
     assert s is not None and s.attempt == 2 and s.phase == "Running"
     assert d.create == []
     assert d.delete_jobs == ["demo-a1"]
-    assert "Adopted" in [e.reason for e in d.events]
+    assert Reason.ADOPTED in [e.reason for e in d.events]
 
 
 def test_a_finished_job_deletes_every_batch_job_left() -> None:
@@ -426,7 +435,7 @@ def test_unknown_lora_targets_fail_the_job_with_the_fix() -> None:
     job, d = run(make_job(lora={"targetModules": ["foo_proj"]}))
     s = job.status
     assert s is not None and s.phase == "Failed" and d.create == []
-    assert c.get_condition(s.conditions, c.FAILED).reason == c.INVALID_SPEC  # type: ignore[union-attr]
+    assert c.get_condition(s.conditions, ConditionType.FAILED).reason == Reason.INVALID_SPEC  # type: ignore[union-attr]
     assert "foo_proj" in (s.message or "") and "To fix" in (s.message or "")
 
 
@@ -438,15 +447,16 @@ def test_a_plan_too_large_for_int64_fails_instead_of_breaking_the_status() -> No
     FineTuneJobStatus.model_validate(s.to_wire())
 
 
-def test_mark_failed_keeps_the_plan_and_says_why() -> None:
-    from kubetune.control.reconcile import mark_failed
+def test_failing_outside_reconcile_keeps_the_plan_and_says_why() -> None:
+    from kubetune.control.lifecycle import failed
 
     job, _ = run(make_job())
     assert job.status is not None
-    failed = mark_failed(job.status, c.INVALID_SPEC, "rejected", T0)
-    assert failed.phase == "Failed" and failed.message == "rejected"
-    assert failed.plan == job.status.plan
-    assert c.get_condition(failed.conditions, c.FAILED).reason == c.INVALID_SPEC  # type: ignore[union-attr]
+    status = failed(job.status, Reason.INVALID_SPEC, "rejected", T0)
+    assert status.phase == "Failed" and status.message == "rejected"
+    assert status.plan == job.status.plan
+    cond = c.get_condition(status.conditions, ConditionType.FAILED)
+    assert cond is not None and cond.reason == Reason.INVALID_SPEC
     assert job.status.phase == "Running"  # the original is untouched
 
 
@@ -471,7 +481,7 @@ def test_budget_stops_the_job() -> None:
     job, d = run(job, running, now=T0 + timedelta(hours=1.01 / rate))
     s = job.status
     assert s is not None and s.phase == "Failed"
-    assert c.get_condition(s.conditions, c.FAILED).reason == c.BUDGET_EXCEEDED  # type: ignore[union-attr]
+    assert c.get_condition(s.conditions, ConditionType.FAILED).reason == Reason.BUDGET_EXCEEDED  # type: ignore[union-attr]
     assert s.cost is not None and s.cost.accrued_usd >= 1.0
     assert d.delete_jobs == ["demo-a1"]
 
@@ -480,7 +490,10 @@ def test_deadline_stops_the_job() -> None:
     job, _ = run(make_job(resources={"deadline": "100h"}))
     job, _d = run(job, observed(batch_job(active=1)), now=T0 + timedelta(hours=101))
     assert job.status is not None and job.status.phase == "Failed"
-    assert c.get_condition(job.status.conditions, c.FAILED).reason == c.DEADLINE_EXCEEDED  # type: ignore[union-attr]
+    assert (
+        c.get_condition(job.status.conditions, ConditionType.FAILED).reason
+        == Reason.DEADLINE_EXCEEDED
+    )  # type: ignore[union-attr]
 
 
 def test_missing_children_are_recreated() -> None:
@@ -526,14 +539,14 @@ def test_progress_eta_and_checkpoint_come_from_trainer_metrics() -> None:
     assert p.eta_seconds == pytest.approx((total - 10) * 2.0)
     assert p.summary == f"10/{total} ({int(100 * 10 / total)}%)"
     assert job.status.checkpoint is not None and job.status.checkpoint.latest_step == 10  # type: ignore[union-attr]
-    assert "Checkpoint" in [e.reason for e in d.events]
+    assert Reason.CHECKPOINT in [e.reason for e in d.events]
     # The same checkpoint is not announced twice.
     _, d = run(job, obs)
-    assert "Checkpoint" not in [e.reason for e in d.events]
+    assert Reason.CHECKPOINT not in [e.reason for e in d.events]
 
 
 def test_human_duration() -> None:
-    from kubetune.control.reconcile import human_duration
+    from kubetune.control.progress import human_duration
 
     assert human_duration(35) == "35s"
     assert human_duration(250) == "4m10s"

@@ -16,9 +16,25 @@ from kubetune.api.errors import KubetuneError
 from kubetune.api.v1alpha1 import FineTuneJob, GPUPool, Objective
 from kubetune.planning.arch import ArchitectureError, ModelArch, known_models
 from kubetune.planning.catalog import default_pools
-from kubetune.planning.estimator import EstimatorError, TrainingSetup, estimate_vram
+from kubetune.planning.estimator import (
+    ATTENTIONS,
+    Attention,
+    EstimatorError,
+    TrainingSetup,
+    estimate_vram,
+)
 from kubetune.planning.planner import Plan, PlannerSettings, plan_job
 from kubetune.sources import load_arch
+from kubetune_trainer.contract import (
+    METHODS,
+    OPTIMIZERS,
+    PRECISIONS,
+    SHARDINGS,
+    Method,
+    Optimizer,
+    Precision,
+    Sharding,
+)
 
 GIB = 1024**3
 
@@ -102,9 +118,7 @@ def _arch(config: str | None, model: str | None, allow_network: bool) -> ModelAr
 )
 @click.option("--model", help="Known model id, e.g. meta-llama/Llama-3.1-8B.")
 @click.option("--list-models", is_flag=True, help="List the built-in architectures and exit.")
-@click.option(
-    "--method", type=click.Choice(["full", "lora", "qlora"]), default="lora", show_default=True
-)
+@click.option("--method", type=click.Choice(METHODS), default="lora", show_default=True)
 @click.option("--lora-rank", type=int, default=16, show_default=True)
 @click.option(
     "--lora-targets",
@@ -117,26 +131,22 @@ def _arch(config: str | None, model: str | None, allow_network: bool) -> ModelAr
 @click.option(
     "--gpus", type=int, default=1, show_default=True, help="GPUs the model is sharded over."
 )
-@click.option(
-    "--sharding", type=click.Choice(["full", "grad-op", "none"]), default="full", show_default=True
-)
+@click.option("--sharding", type=click.Choice(SHARDINGS), default="full", show_default=True)
 @click.option("--cpu-offload/--no-cpu-offload", default=False, show_default=True)
 @click.option(
     "--precision",
-    type=click.Choice(["bf16", "amp-bf16", "fp32"]),
+    type=click.Choice(PRECISIONS),
     default="bf16",
     show_default=True,
 )
 @click.option(
     "--optimizer",
-    type=click.Choice(["adamw", "adamw-8bit", "paged-adamw-8bit"]),
+    type=click.Choice(OPTIMIZERS),
     default="adamw",
     show_default=True,
 )
 @click.option("--grad-ckpt/--no-grad-ckpt", default=True, show_default=True)
-@click.option(
-    "--attention", type=click.Choice(["sdpa", "eager"]), default="sdpa", show_default=True
-)
+@click.option("--attention", type=click.Choice(ATTENTIONS), default="sdpa", show_default=True)
 @click.option("--chunked-ce/--no-chunked-ce", default=False, show_default=True)
 @click.option("--double-quant/--no-double-quant", default=True, show_default=True)
 @click.option("--allow-network", is_flag=True, help="Fetch config.json of unknown hub models.")
@@ -145,18 +155,18 @@ def estimate(
     config: str | None,
     model: str | None,
     list_models: bool,
-    method: str,
+    method: Method,
     lora_rank: int,
     lora_targets: str,
     micro_batch: int,
     seq_len: int,
     gpus: int,
-    sharding: str,
+    sharding: Sharding,
     cpu_offload: bool,
-    precision: str,
-    optimizer: str,
+    precision: Precision,
+    optimizer: Optimizer,
     grad_ckpt: bool,
-    attention: str,
+    attention: Attention,
     chunked_ce: bool,
     double_quant: bool,
     allow_network: bool,
@@ -170,19 +180,19 @@ def estimate(
     arch = _arch(config, model, allow_network)
     targets = tuple(t.strip() for t in lora_targets.split(",") if t.strip())
     setup = TrainingSetup(
-        method=method,  # type: ignore[arg-type]
+        method=method,
         micro_batch=micro_batch,
         seq_len=seq_len,
         gpus=gpus,
-        sharding=sharding,  # type: ignore[arg-type]
+        sharding=sharding,
         cpu_offload=cpu_offload,
-        precision=precision,  # type: ignore[arg-type]
-        optimizer=optimizer,  # type: ignore[arg-type]
+        precision=precision,
+        optimizer=optimizer,
         grad_ckpt=grad_ckpt,
         lora_rank=lora_rank,
         lora_targets=targets,
         qlora_double_quant=double_quant,
-        attention=attention,  # type: ignore[arg-type]
+        attention=attention,
         chunked_ce=chunked_ce,
     )
     try:
@@ -282,8 +292,8 @@ def format_plan(plan: Plan, objective_defaulted: bool = False) -> str:
     )
     if plan.rejected:
         lines.append("rejected pools:")
-        for pool, why in sorted(plan.rejected.items()):
-            lines.append(f"  {pool}: {why}")
+        for rejection in plan.rejected:
+            lines.append(f"  {rejection.pool}: {rejection.message}")
     return "\n".join(lines)
 
 

@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -42,11 +41,11 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from kubetune_trainer.contract import CHECKPOINT_NAME, CHECKPOINT_TMP_PREFIX, checkpoint_dir_name
 from kubetune_trainer.distributed import DistEnv, barrier
 
 log = logging.getLogger(__name__)
 
-STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "trainer_state.json"
 FORMAT_VERSION = 1
 
@@ -61,7 +60,7 @@ def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
         return []
     found = []
     for p in root.iterdir():
-        m = STEP_DIR.match(p.name)
+        m = CHECKPOINT_NAME.match(p.name)
         if m and p.is_dir() and _is_complete(p):
             found.append((int(m.group(1)), p))
     return sorted(found)
@@ -122,8 +121,8 @@ class Checkpointer:
     ) -> tuple[Path, float]:
         """Write step-<step> atomically; returns its path and the seconds it took."""
         t0 = time.monotonic()
-        final = self.root / f"step-{step}"
-        tmp = self.root / f".tmp-step-{step}"
+        final = self.root / checkpoint_dir_name(step)
+        tmp = self.root / f"{CHECKPOINT_TMP_PREFIX}{step}"
         if self.env.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
             if tmp.exists():
@@ -165,8 +164,8 @@ class Checkpointer:
         for p in self.root.iterdir():
             # Leftovers of interrupted saves; a step-N folder is only ever made complete (by
             # rename), so an incomplete one was damaged after the fact and never completes.
-            broken = STEP_DIR.match(p.name) is not None and not _is_complete(p)
-            if p.name.startswith(".tmp-step-") or broken:
+            broken = CHECKPOINT_NAME.match(p.name) is not None and not _is_complete(p)
+            if p.name.startswith(CHECKPOINT_TMP_PREFIX) or broken:
                 shutil.rmtree(p, ignore_errors=True)
 
     def latest(self) -> tuple[int, Path] | None:

@@ -12,11 +12,44 @@ not know with a message that names both.
 from __future__ import annotations
 
 import json
-from typing import Literal
+import re
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
 CONTRACT_VERSION = 1
+
+# The words operator and trainer share. The operator's API (kubetune.api.v1alpha1), its
+# estimator, planner and CLI import these; nothing defines them a second time.
+Method = Literal["full", "lora", "qlora"]
+"""Full fine-tuning, LoRA adapters on bf16 weights, or LoRA adapters on NF4 weights."""
+Precision = Literal["bf16", "amp-bf16", "fp32"]
+"""`bf16`: bf16 weights, gradients and optimizer states; `amp-bf16`: fp32 master weights with
+bf16 compute; `fp32`: everything in fp32."""
+Optimizer = Literal["adamw", "adamw-8bit", "paged-adamw-8bit"]
+Sharding = Literal["full", "grad-op", "none"]
+"""FSDP FULL_SHARD (parameters, gradients and optimizer states / N), SHARD_GRAD_OP
+(gradients and optimizer states / N), or none (one GPU)."""
+DatasetFormat = Literal["alpaca", "sharegpt", "chat", "instruction-response", "text"]
+SourceKind = Literal["path", "hub", "s3"]
+
+METHODS: tuple[Method, ...] = get_args(Method)
+PRECISIONS: tuple[Precision, ...] = get_args(Precision)
+OPTIMIZERS: tuple[Optimizer, ...] = get_args(Optimizer)
+SHARDINGS: tuple[Sharding, ...] = get_args(Sharding)
+DATASET_FORMATS: tuple[DatasetFormat, ...] = get_args(DatasetFormat)
+
+# Checkpoints: the trainer writes `<checkpoint.dir>/step-<N>/` by renaming a finished
+# `.tmp-step-<N>/`; the operator reports the newest by the same name.
+CHECKPOINT_PREFIX = "step-"
+CHECKPOINT_TMP_PREFIX = f".tmp-{CHECKPOINT_PREFIX}"
+CHECKPOINT_NAME = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
+
+
+def checkpoint_dir_name(step: int) -> str:
+    """`step-<step>`: the folder of the checkpoint taken after optimizer step `step`."""
+    return f"{CHECKPOINT_PREFIX}{step}"
+
 
 # Exit codes of the trainer process; the operator's podFailurePolicy keys on them.
 EXIT_OK = 0
@@ -42,15 +75,15 @@ class JobRef(_Strict):
 
 class ModelRef(_Strict):
     source: str = Field(description="Local directory, or a hub id when kind is 'hub'.")
-    kind: Literal["path", "hub", "s3"] = "path"
+    kind: SourceKind = "path"
     revision: str | None = None
     token_env: str | None = Field(default=None, description="Env var holding a hub token.")
 
 
 class DatasetRef(_Strict):
     source: str
-    kind: Literal["path", "hub", "s3"] = "path"
-    format: Literal["alpaca", "sharegpt", "chat", "instruction-response", "text"] = "alpaca"
+    kind: SourceKind = "path"
+    format: DatasetFormat = "alpaca"
     validation_split: float = 0.0
 
 
@@ -75,15 +108,15 @@ class TrainingConfig(_Strict):
     gradient_accumulation: int = 1
     packing: bool = True
     gradient_checkpointing: bool = True
-    precision: Literal["bf16", "amp-bf16", "fp32"] = "bf16"
-    optimizer: Literal["adamw", "adamw-8bit", "paged-adamw-8bit"] = "adamw"
+    precision: Precision = "bf16"
+    optimizer: Optimizer = "adamw"
     seed: int = 42
 
 
 class ParallelConfig(_Strict):
     nodes: int = 1
     gpus_per_node: int = 1
-    sharding: Literal["full", "grad-op", "none"] = "full"
+    sharding: Sharding = "full"
     cpu_offload: bool = False
 
 
@@ -120,7 +153,7 @@ class FaultInjection(_Strict):
 class TrainerConfig(_Strict):
     contract_version: int = CONTRACT_VERSION
     job: JobRef
-    method: Literal["full", "lora", "qlora"]
+    method: Method
     model: ModelRef
     dataset: DatasetRef
     lora: LoraConfig | None = None

@@ -12,23 +12,21 @@ import re
 from datetime import timedelta
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
+
+from kubetune.api.vocabulary import Phase, PlanReason, RecoveryReason
+from kubetune_trainer.contract import DatasetFormat, Method, Optimizer, Precision, Sharding
 
 GROUP = "kubetune.io"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 
-Method = Literal["full", "lora", "qlora"]
-MethodChoice = Literal["auto", "full", "lora", "qlora"]
-Precision = Literal["bf16", "amp-bf16", "fp32"]
-Optimizer = Literal["adamw", "adamw-8bit", "paged-adamw-8bit"]
+MethodChoice = Literal["auto", Method]
 Objective = Literal["cost", "time"]
 SpotPolicy = Literal["never", "allowed", "preferred"]
-DatasetFormat = Literal["alpaca", "sharegpt", "chat", "instruction-response", "text"]
 AccessMode = Literal["auto", "ReadWriteOnce", "ReadWriteMany"]
 RetentionPolicy = Literal["retain", "delete"]
-Phase = Literal["Pending", "Planning", "Queued", "Running", "Suspended", "Succeeded", "Failed"]
 
 DURATION_PATTERN = r"^([0-9]+(\.[0-9]+)?(h|m|s))+$"
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
@@ -477,7 +475,11 @@ class PlanStatus(_Model):
     memory_scale: float = Field(
         default=1.0, description="Factor applied to memory estimates (raised after an OOM)."
     )
-    reason: str = Field(default="Initial", description="Why this plan was made.")
+    reason: PlanReason = Field(default=PlanReason.INITIAL, description="Why this plan was made.")
+    message: str | None = Field(
+        default=None,
+        description="What made the re-plan necessary, e.g. the layout that ran out of memory.",
+    )
     method: Method = Field(description="Chosen fine-tuning method.")
     pool: str = Field(description="Chosen GPUPool.")
     gpu_product: str = Field(alias="gpuProduct", description="GPU model of the pool.")
@@ -488,7 +490,7 @@ class PlanStatus(_Model):
     gpus_per_node: int = Field(alias="gpusPerNode", description="GPUs per pod.")
     total_gpus: int = Field(alias="totalGPUs", description="nodes × gpusPerNode.")
     spot: bool = Field(default=False, description="Whether the pool is spot/preemptible.")
-    sharding: Literal["full", "grad-op", "none"] = Field(description="FSDP sharding strategy.")
+    sharding: Sharding = Field(description="FSDP sharding strategy.")
     precision: Precision = Field(description="Numeric precision.")
     optimizer: Optimizer = Field(description="Optimizer.")
     micro_batch_size: int = Field(description="Sequences per GPU per forward pass.")
@@ -519,6 +521,22 @@ class PlanStatus(_Model):
         default_factory=list, description="Pools that could not run the job, with the reason."
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _reason_written_as_text(cls, data: Any) -> Any:
+        """Statuses written before plan reasons were a closed set hold the reason and its
+        details in one string ("OutOfMemory: lora 1×h100 ... ran out of memory")."""
+        if not isinstance(data, dict):
+            return data
+        reason = data.get("reason")
+        if isinstance(reason, str) and reason not in PlanReason.__members__.values():
+            head, _, rest = reason.partition(":")
+            if head in PlanReason.__members__.values():
+                data = {**data, "reason": head}
+                if rest.strip() and not data.get("message"):
+                    data["message"] = rest.strip()
+        return data
+
 
 class ProgressStatus(_Model):
     step: int = Field(default=0, description="Optimizer steps done.")
@@ -542,15 +560,26 @@ class CheckpointStatus(_Model):
     path: str | None = Field(default=None, description="Folder inside the checkpoint volume.")
 
 
-RecoveryReason = Literal["OOM", "Preemption", "PodFailure", "NodeLost", "Rescheduled"]
-
-
 class Recovery(_Model):
     reason: RecoveryReason = Field(description="What went wrong.")
     time: str = Field(description="When it was handled (RFC 3339).")
     step: int | None = Field(default=None, description="Checkpoint step the run resumed from.")
     attempt: int | None = Field(default=None, description="The attempt the failure happened in.")
+    pod: str | None = Field(
+        default=None, description="The trainer pod that failed, when one pod did."
+    )
     message: str = Field(default="", description="Details, e.g. the new plan after an OOM.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _pod_written_in_message(cls, data: Any) -> Any:
+        """Statuses written before `pod` existed name the pod only in the message
+        ("pod demo-a1-0-x7k preempted")."""
+        if isinstance(data, dict) and data.get("pod") is None:
+            message = data.get("message")
+            if isinstance(message, str) and message.startswith("pod "):
+                data = {**data, "pod": message.split(" ", 2)[1]}
+        return data
 
 
 class CostStatus(_Model):
@@ -565,7 +594,7 @@ class CostStatus(_Model):
 
 
 class FineTuneJobStatus(_Model):
-    phase: Phase = Field(default="Pending", description="Where the job is in its life.")
+    phase: Phase = Field(default=Phase.PENDING, description="Where the job is in its life.")
     observed_generation: int | None = Field(
         default=None, description="Latest spec generation the operator acted on."
     )

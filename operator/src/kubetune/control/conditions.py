@@ -1,4 +1,5 @@
-"""Conditions with Kubernetes semantics, and the reasons kubetune uses (pure).
+"""Conditions with Kubernetes semantics (pure); their types and reasons are the closed sets
+in `kubetune.api.vocabulary`.
 
 `lastTransitionTime` moves only when a condition's status flips; a changed reason or
 message alone updates those fields and keeps the time, as metav1.Condition prescribes.
@@ -9,37 +10,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from kubetune.api.v1alpha1 import Condition
-
-# Condition types
-PLANNED = "Planned"
-QUEUED = "Queued"
-RUNNING = "Running"
-SUSPENDED = "Suspended"
-SUCCEEDED = "Succeeded"
-FAILED = "Failed"
-
-# Reasons
-PLAN_READY = "PlanReady"
-INFEASIBLE = "Infeasible"
-INVALID_SPEC = "InvalidSpec"
-UNKNOWN_ARCHITECTURE = "UnknownArchitecture"
-NO_POOLS = "NoPools"
-INSUFFICIENT_CAPACITY = "InsufficientCapacity"
-CAPACITY_AVAILABLE = "CapacityAvailable"
-PODS_STARTING = "PodsStarting"
-TRAINING = "Training"
-TRAINER_EXITED = "TrainerExited"
-SUSPEND_REQUESTED = "SuspendRequested"
-RESUMED = "Resumed"
-COMPLETED = "Completed"
-OUT_OF_MEMORY = "OutOfMemory"
-OOM_LIMIT = "OutOfMemoryLimitReached"
-RESTART_LIMIT = "RestartLimitReached"
-TRAINER_FAILED = "TrainerFailed"
-CONFIG_ERROR = "TrainerConfigError"
-PREEMPTED = "Preempted"
-BUDGET_EXCEEDED = "BudgetExceeded"
-DEADLINE_EXCEEDED = "DeadlineExceeded"
+from kubetune.api.vocabulary import ConditionType, Reason
 
 
 def now_rfc3339(now: datetime | None = None) -> str:
@@ -48,9 +19,9 @@ def now_rfc3339(now: datetime | None = None) -> str:
 
 def set_condition(
     conditions: list[Condition],
-    type_: str,
+    type_: ConditionType,
     status: bool | str,
-    reason: str,
+    reason: Reason,
     message: str = "",
     *,
     now: datetime | None = None,
@@ -73,10 +44,10 @@ def set_condition(
     return [updated if cond.type == type_ else cond for cond in conditions]
 
 
-def get_condition(conditions: list[Condition], type_: str) -> Condition | None:
+def get_condition(conditions: list[Condition], type_: ConditionType) -> Condition | None:
     return next((c for c in conditions if c.type == type_), None)
 
 
-def is_true(conditions: list[Condition], type_: str) -> bool:
+def is_true(conditions: list[Condition], type_: ConditionType) -> bool:
     cond = get_condition(conditions, type_)
     return cond is not None and cond.status == "True"

@@ -26,8 +26,10 @@ from lightkube.core.exceptions import ApiError
 from pydantic import ValidationError
 
 from kubetune.api.v1alpha1 import GROUP, VERSION, FineTuneJob, FineTuneJobStatus, GPUPool
-from kubetune.control import conditions as c
-from kubetune.control.reconcile import ControllerSettings, Decision, mark_failed, reconcile
+from kubetune.api.vocabulary import EventType, Reason
+from kubetune.control.conditions import now_rfc3339
+from kubetune.control.lifecycle import failed
+from kubetune.control.reconcile import ControllerSettings, Decision, reconcile
 from kubetune.controller import metrics
 from kubetune.controller.kube import Kube
 from kubetune.controller.settings import settings_from_env
@@ -117,10 +119,9 @@ async def _reconcile_locked(body: kopf.Body, patch: kopf.Patch, logger: kopf.Log
     except ValidationError as exc:
         # Admission normally catches this; an older CRD or a hand-edited status may not.
         message = f"invalid FineTuneJob: {exc.errors()[0]['msg']} at {exc.errors()[0]['loc']}"
-        status = FineTuneJobStatus(phase="Failed", message=message)
-        status.conditions = c.set_condition([], c.FAILED, True, c.INVALID_SPEC, message)
+        status = failed(FineTuneJobStatus(), Reason.INVALID_SPEC, message, datetime.now(UTC))
         patch.status.update(status_patch(dict(body.status), status))
-        kopf.event(body, type="Warning", reason=c.INVALID_SPEC, message=message)
+        kopf.event(body, type=EventType.WARNING, reason=Reason.INVALID_SPEC, message=message)
         metrics.observe_job(raw, status.to_wire())
         return
     kube = _kube()
@@ -140,8 +141,8 @@ async def _reconcile_locked(body: kopf.Body, patch: kopf.Patch, logger: kopf.Log
             f"Kubernetes rejected an object built from this job's spec: {exc.status.message}. "
             "To fix: correct the spec field it names and create the job again"
         )
-        decision.status = mark_failed(decision.status, c.INVALID_SPEC, message, now)
-        kopf.event(body, type="Warning", reason=c.INVALID_SPEC, message=message)
+        decision.status = failed(decision.status, Reason.INVALID_SPEC, message, now)
+        kopf.event(body, type=EventType.WARNING, reason=Reason.INVALID_SPEC, message=message)
     patch.status.update(status_patch(dict(body.status), decision.status))
     metrics.observe_job(raw, decision.status.to_wire())
     if decision.requeue_after is not None:
@@ -188,7 +189,7 @@ async def gpupool_capacity(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None
     changed = {k: v for k, v in capacity.items() if body.status.get(k) != v}
     if changed or not body.status.get("updatedAt"):
         patch.status.update(capacity)
-        patch.status["updatedAt"] = c.now_rfc3339()
+        patch.status["updatedAt"] = now_rfc3339()
     metrics.observe_pool(body, capacity)
 
 

@@ -45,9 +45,19 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kubetune.api.vocabulary import (
+    TERMINAL_PHASES,
+    ConditionType,
+    Phase,
+    PlanReason,
+    RecoveryReason,
+)
+
 __all__ = [
+    "FINISHED_PHASES",
     "METRICS",
     "PHASES",
+    "PLAN_REASONS",
     "RECOVERY_REASONS",
     "OperatorMetrics",
     "forget_job",
@@ -59,8 +69,11 @@ __all__ = [
 ]
 
 GIB = 1024**3
-PHASES = ("Pending", "Planning", "Queued", "Running", "Suspended", "Succeeded", "Failed")
-RECOVERY_REASONS = ("OOM", "Preemption", "PodFailure", "NodeLost")
+PHASES: tuple[str, ...] = tuple(Phase)
+"""Values of the `phase` label, every one present from the start."""
+FINISHED_PHASES: tuple[str, ...] = tuple(p for p in Phase if p in TERMINAL_PHASES)
+RECOVERY_REASONS: tuple[str, ...] = tuple(RecoveryReason)
+PLAN_REASONS: tuple[str, ...] = tuple(PlanReason)
 DEFAULT_PORT = 8000
 PORT_ENV = "KUBETUNE_METRICS_PORT"
 
@@ -106,10 +119,13 @@ def _condition_time(status: Mapping[str, Any], type_: str, wanted: str = "True")
 
 
 def _recoveries(status: Mapping[str, Any]) -> dict[str, int]:
+    """Recoveries by reason; reasons outside the closed set are not counted, so that the
+    `reason` label stays bounded whatever a status holds."""
     counts = dict.fromkeys(RECOVERY_REASONS, 0)
     for rec in status.get("recoveries") or []:
-        reason = str(rec.get("reason") or "Unknown")
-        counts[reason] = counts.get(reason, 0) + 1
+        reason = str(rec.get("reason"))
+        if reason in counts:
+            counts[reason] += 1
     return counts
 
 
@@ -117,7 +133,7 @@ def _recoveries(status: Mapping[str, Any]) -> dict[str, int]:
 class _Job:
     """What the collector needs of one FineTuneJob, distilled from its last status."""
 
-    phase: str = "Pending"
+    phase: str = Phase.PENDING
     pool: str = ""
     method: str = ""
     gpu_product: str = ""
@@ -173,7 +189,8 @@ def _job_families(jobs: Mapping[tuple[str, str], _Job]) -> Iterator[Metric]:
     )
     counts = dict.fromkeys(PHASES, 0)
     for job in jobs.values():
-        counts[job.phase] = counts.get(job.phase, 0) + 1
+        if job.phase in counts:
+            counts[job.phase] += 1
     for phase, n in counts.items():
         by_phase.add_metric([phase], n)
     yield by_phase
@@ -286,7 +303,7 @@ def _pool_families(
     )
     used: dict[str, int] = dict.fromkeys(pools, 0)
     for job in jobs.values():
-        if job.phase == "Running" and job.pool:
+        if job.phase == Phase.RUNNING and job.pool:
             used[job.pool] = used.get(job.pool, 0) + job.gpus
     for pool, n in sorted(used.items()):
         in_use.add_metric([pool], n)
@@ -371,7 +388,7 @@ class OperatorMetrics:
             ["phase"],
             registry=r,
         )
-        for phase in ("Succeeded", "Failed"):
+        for phase in FINISHED_PHASES:
             self.finished.labels(phase)
         for reason in RECOVERY_REASONS:
             self.recoveries.labels(reason)
@@ -423,23 +440,23 @@ class OperatorMetrics:
         old_plan = before.get("plan") or {}
         new_plan = after.get("plan") or {}
         if new_plan and new_plan.get("revision", 1) != old_plan.get("revision"):
-            self.plans.labels(
-                str(new_plan.get("pool", "")),
-                str(new_plan.get("method", "")),
-                str(new_plan.get("reason", "Initial")),
-            ).inc()
+            reason = str(new_plan.get("reason", PlanReason.INITIAL))
+            if reason in PLAN_REASONS:
+                self.plans.labels(
+                    str(new_plan.get("pool", "")), str(new_plan.get("method", "")), reason
+                ).inc()
             if not old_plan and created is not None:
                 self.time_to_plan.observe(max(0.0, now - created))
-        old_phase = before.get("phase") or "Pending"
-        new_phase = after.get("phase") or "Pending"
+        old_phase = before.get("phase") or Phase.PENDING
+        new_phase = after.get("phase") or Phase.PENDING
         if not before.get("startTime") and after.get("startTime") and created is not None:
             started = _parse_time(after.get("startTime")) or now
             self.time_to_running.labels(job.pool).observe(max(0.0, started - created))
-        if old_phase == "Queued" and new_phase != "Queued":
-            since = _condition_time(before, "Queued")
+        if old_phase == Phase.QUEUED and new_phase != Phase.QUEUED:
+            since = _condition_time(before, ConditionType.QUEUED)
             if since is not None:
                 self.queue_wait.labels(str(old_plan.get("pool", ""))).observe(max(0.0, now - since))
-        if new_phase in ("Succeeded", "Failed") and old_phase != new_phase:
+        if new_phase in FINISHED_PHASES and old_phase != new_phase:
             self.finished.labels(new_phase).inc()
         old_rec = _recoveries(before)
         for reason, n in _recoveries(after).items():
@@ -535,7 +552,7 @@ def _distill(
         for reason, n in old.recoveries.items():
             recoveries[reason] = max(n, recoveries.get(reason, 0))
     return _Job(
-        phase=str(status.get("phase") or "Pending"),
+        phase=str(status.get("phase") or Phase.PENDING),
         pool=str(plan.get("pool") or ""),
         method=str(plan.get("method") or ""),
         gpu_product=str(plan.get("gpuProduct") or ""),

@@ -31,18 +31,25 @@ from dataclasses import asdict, dataclass
 from typing import Literal, get_args
 
 from kubetune.planning.arch import LinearLayer, ModelArch
+from kubetune_trainer.contract import (
+    METHODS,
+    OPTIMIZERS,
+    PRECISIONS,
+    SHARDINGS,
+    Method,
+    Optimizer,
+    Precision,
+    Sharding,
+)
 
 __all__ = [
     "ALL_LINEAR",
+    "ATTENTIONS",
     "BREAKDOWN_COMPONENTS",
     "GIB",
     "Attention",
     "EstimatorError",
     "MeasuredMetric",
-    "Method",
-    "Optimizer",
-    "Precision",
-    "Sharding",
     "TrainingSetup",
     "VramEstimate",
     "comparable_bytes",
@@ -52,15 +59,8 @@ __all__ = [
     "trainable_params",
 ]
 
-Method = Literal["full", "lora", "qlora"]
-Precision = Literal["bf16", "amp-bf16", "fp32"]
-"""``bf16``: pure bf16 params/grads/optimizer states; ``amp-bf16``: fp32 master params, grads
-and states with bf16 autocast compute; ``fp32``: everything fp32 including activations."""
-Optimizer = Literal["adamw", "adamw-8bit", "paged-adamw-8bit"]
-Sharding = Literal["full", "grad-op", "none"]
-"""FSDP FULL_SHARD (params, grads, states / N), SHARD_GRAD_OP (grads and states / N; params
-stay unsharded between forward and backward), or none (DDP / single GPU)."""
 Attention = Literal["sdpa", "eager"]
+ATTENTIONS: tuple[Attention, ...] = get_args(Attention)
 BaseDtype = Literal["bf16", "fp32"]
 MeasuredMetric = Literal["allocated", "reserved", "device"]
 """What a published peak measured: ``torch.cuda.max_memory_allocated`` (tensors only),
@@ -257,11 +257,11 @@ def _check_positive_int(name: str, value: object) -> None:
 
 
 def _validate(setup: TrainingSetup) -> None:
-    _check_choice("method", setup.method, get_args(Method))
-    _check_choice("precision", setup.precision, get_args(Precision))
-    _check_choice("optimizer", setup.optimizer, get_args(Optimizer))
-    _check_choice("sharding", setup.sharding, get_args(Sharding))
-    _check_choice("attention", setup.attention, get_args(Attention))
+    _check_choice("method", setup.method, METHODS)
+    _check_choice("precision", setup.precision, PRECISIONS)
+    _check_choice("optimizer", setup.optimizer, OPTIMIZERS)
+    _check_choice("sharding", setup.sharding, SHARDINGS)
+    _check_choice("attention", setup.attention, ATTENTIONS)
     _check_choice("lora_base_dtype", setup.lora_base_dtype, (*get_args(BaseDtype), None))
     for name in ("micro_batch", "seq_len", "gpus"):
         _check_positive_int(name, getattr(setup, name))

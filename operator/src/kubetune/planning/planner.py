@@ -16,18 +16,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from enum import Enum
+from typing import NamedTuple
 
 from kubetune.api.errors import InfeasibleError
 from kubetune.api.v1alpha1 import (
     FineTuneJobSpec,
     GPUPool,
-    Method,
     Objective,
     PlanAlternative,
     PlanRejection,
     PlanStatus,
     parse_duration,
 )
+from kubetune.api.vocabulary import PlanReason
 from kubetune.planning.arch import ModelArch
 from kubetune.planning.estimator import TrainingSetup, VramEstimate, estimate_vram
 from kubetune.planning.throughput import (
@@ -40,11 +42,68 @@ from kubetune.planning.throughput import (
     step_time,
     total_steps,
 )
+from kubetune_trainer.contract import Method, Sharding
 
 GIB = 1024**3
 DEFAULT_SAFETY_FACTOR = 1.10
 MAX_MICRO_BATCH = 64
 METHOD_ORDER: dict[Method, int] = {"lora": 0, "qlora": 1, "full": 2}
+
+
+class Layout(NamedTuple):
+    """What an out-of-memory exit condemns: this pool, method, GPU count, micro-batch and
+    recomputation setting. `status.failedLayouts` keeps them as `key()` strings."""
+
+    pool: str
+    method: Method
+    total_gpus: int
+    micro_batch: int
+    grad_ckpt: bool
+
+    def key(self) -> str:
+        """`pool/method/GPUs/micro-batch/ckpt|nockpt`, e.g. `h100/lora/1/8/nockpt`."""
+        ckpt = "ckpt" if self.grad_ckpt else "nockpt"
+        return f"{self.pool}/{self.method}/{self.total_gpus}/{self.micro_batch}/{ckpt}"
+
+    @classmethod
+    def parse(cls, key: str) -> Layout:
+        pool, method, gpus, micro, ckpt = key.split("/")
+        if method not in METHOD_ORDER:
+            raise ValueError(f"{key!r}: unknown method {method!r}")
+        return cls(pool, method, int(gpus), int(micro), ckpt == "ckpt")
+
+    @classmethod
+    def of(cls, plan: PlanStatus) -> Layout:
+        return cls(
+            plan.pool,
+            plan.method,
+            plan.total_gpus,
+            plan.micro_batch_size,
+            plan.gradient_checkpointing,
+        )
+
+
+class Limit(Enum):
+    """The constraint that ruled a pool out; it picks the "To fix:" advice."""
+
+    NOT_LISTED = "not in spec.resources.pools"
+    SPOT = "spot not allowed"
+    MEMORY = "memory"
+    DEADLINE = "deadline"
+    BUDGET = "budget"
+    OUT_OF_MEMORY_BEFORE = "ran out of memory before"
+    BATCH_SPLIT = "global batch does not split"
+    NODES = "too many nodes"
+    NOTHING_TO_TRY = "nothing to try"
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """Why no configuration on `pool` was acceptable: the limit and its explanation."""
+
+    pool: str
+    limit: Limit
+    message: str
 
 
 @dataclass(frozen=True)
@@ -61,8 +120,8 @@ class PlannerSettings:
     """Respect GPUPool status (free GPUs); off for offline `kubetune plan`."""
     min_total_gpus: int = 1
     """Re-plans after OOM may require more GPUs than before."""
-    forbid: frozenset[tuple[str, Method, int, int, bool]] = frozenset()
-    """(pool, method, total GPUs, micro-batch, checkpointing) layouts known to OOM."""
+    forbid: frozenset[Layout] = frozenset()
+    """Layouts known to run out of memory."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +130,7 @@ class Candidate:
     method: Method
     nodes: int
     gpus_per_node: int
-    sharding: str
+    sharding: Sharding
     micro_batch: int
     grad_accum: int
     grad_ckpt: bool
@@ -90,15 +149,16 @@ class Candidate:
         return self.nodes * self.gpus_per_node
 
     @property
-    def layout(self) -> tuple[str, Method, int, int, bool]:
-        return (self.pool, self.method, self.total_gpus, self.micro_batch, self.grad_ckpt)
+    def layout(self) -> Layout:
+        return Layout(self.pool, self.method, self.total_gpus, self.micro_batch, self.grad_ckpt)
 
 
 @dataclass
 class Plan:
     chosen: Candidate
     alternatives: list[Candidate]
-    rejected: dict[str, str]
+    rejected: list[Rejection]
+    """One per pool that could not run the job, by pool name."""
     total_steps: int
     total_tokens: int
     dataset: DatasetSize
@@ -109,13 +169,18 @@ class Plan:
         return self.chosen.queued
 
     def to_status(
-        self, pools: Sequence[GPUPool], revision: int = 1, reason: str = "Initial"
+        self,
+        pools: Sequence[GPUPool],
+        revision: int = 1,
+        reason: PlanReason = PlanReason.INITIAL,
+        message: str | None = None,
     ) -> PlanStatus:
         c = self.chosen
         pool = next(p for p in pools if p.name == c.pool)
         return PlanStatus(
             revision=revision,
             reason=reason,
+            message=message,
             method=c.method,
             pool=c.pool,
             gpu_product=pool.spec.gpu.product,
@@ -154,7 +219,7 @@ class Plan:
                 )
                 for a in self.alternatives
             ],
-            rejected=[PlanRejection(pool=p, reason=r) for p, r in sorted(self.rejected.items())],
+            rejected=[PlanRejection(pool=r.pool, reason=r.message) for r in self.rejected],
         )
 
 
@@ -227,7 +292,7 @@ def _micro_batches(global_batch: int, data_parallel: int, fixed: int | None) -> 
 
 
 def _setup(
-    spec: FineTuneJobSpec, method: Method, gpus: int, sharding: str, micro: int, ckpt: bool
+    spec: FineTuneJobSpec, method: Method, gpus: int, sharding: Sharding, micro: int, ckpt: bool
 ) -> TrainingSetup:
     lora = spec.lora_or_default
     return TrainingSetup(
@@ -235,7 +300,7 @@ def _setup(
         micro_batch=micro,
         seq_len=spec.training.sequence_length,
         gpus=gpus,
-        sharding=sharding,  # type: ignore[arg-type]
+        sharding=sharding,
         precision=spec.training.precision,
         optimizer=spec.training.optimizer,
         grad_ckpt=ckpt,
@@ -269,7 +334,7 @@ class _Context:
         method: Method,
         nodes: int,
         gpn: int,
-        sharding: str,
+        sharding: Sharding,
         micro: int,
         ckpt: bool,
     ) -> Candidate:
@@ -358,15 +423,19 @@ def rank_key(c: Candidate, objective: str, spot_policy: str) -> tuple[float | in
 
 
 def _eligible_pools(
-    spec: FineTuneJobSpec, pools: Sequence[GPUPool], rejected: dict[str, str]
+    spec: FineTuneJobSpec, pools: Sequence[GPUPool], rejected: list[Rejection]
 ) -> list[GPUPool]:
     allowed = set(spec.resources.pools)
     out = []
     for pool in pools:
         if allowed and pool.name not in allowed:
-            rejected[pool.name] = "not listed in spec.resources.pools"
+            rejected.append(
+                Rejection(pool.name, Limit.NOT_LISTED, "not listed in spec.resources.pools")
+            )
         elif pool.spec.spot and spec.resources.spot == "never":
-            rejected[pool.name] = "spot pool, and spec.resources.spot is 'never'"
+            rejected.append(
+                Rejection(pool.name, Limit.SPOT, "spot pool, and spec.resources.spot is 'never'")
+            )
         else:
             out.append(pool)
     return out
@@ -374,7 +443,7 @@ def _eligible_pools(
 
 def _groups(
     ctx: _Context, pool: GPUPool, report: _PoolReport
-) -> Iterator[tuple[Method, int, int, str, list[tuple[int, bool]], str | bool | None]]:
+) -> Iterator[tuple[Method, int, int, Sharding, list[tuple[int, bool]], str | bool | None]]:
     """Every (method, layout, sharding) group with its configurations, fastest first."""
     spec = ctx.spec
     ckpts = (
@@ -405,7 +474,7 @@ def _groups(
                     )
                 )
                 continue
-            shardings = ["none"] if total == 1 else ["full", "grad-op"]
+            shardings: list[Sharding] = ["none"] if total == 1 else ["full", "grad-op"]
             configs = [(m, ck) for m in micros for ck in ckpts]
             for sharding in shardings:
                 yield method, nodes, gpn, sharding, configs, capacity
@@ -433,30 +502,41 @@ def _consider(ctx: _Context, c: Candidate, report: _PoolReport) -> bool:
     return True
 
 
-def _explain(report: _PoolReport, ctx: _Context) -> str:
+def _explain(pool: str, report: _PoolReport, ctx: _Context) -> Rejection:
+    """The closest miss on `pool`, most actionable limit first."""
     if report.fastest_s is not None:
-        return (
+        return Rejection(
+            pool,
+            Limit.DEADLINE,
             f"fastest fitting configuration takes {_hours(report.fastest_s)}, "
-            f"over the deadline {ctx.spec.resources.deadline}"
+            f"over the deadline {ctx.spec.resources.deadline}",
         )
     if report.cheapest is not None:
-        return (
+        return Rejection(
+            pool,
+            Limit.BUDGET,
             f"cheapest fitting configuration costs ${report.cheapest:,.2f}, "
-            f"over maxCostUSD ${ctx.budget or 0:,.2f}"
+            f"over maxCostUSD ${ctx.budget or 0:,.2f}",
         )
     if report.smallest_fit_gib is not None:
-        return (
+        return Rejection(
+            pool,
+            Limit.MEMORY,
             f"needs at least {report.smallest_fit_gib:.1f} GiB per GPU (estimate × safety "
             f"{ctx.settings.safety_factor:g}) in its smallest configuration; "
-            f"GPUs have {report.memory_gib:g} GiB"
+            f"GPUs have {report.memory_gib:g} GiB",
         )
     if report.forbidden:
-        return "every configuration that fits ran out of memory before"
+        return Rejection(
+            pool,
+            Limit.OUT_OF_MEMORY_BEFORE,
+            "every configuration that fits ran out of memory before",
+        )
     if report.batch:
-        return report.batch
+        return Rejection(pool, Limit.BATCH_SPLIT, report.batch)
     if report.capacity:
-        return report.capacity
-    return "no configuration to try"
+        return Rejection(pool, Limit.NODES, report.capacity)
+    return Rejection(pool, Limit.NOTHING_TO_TRY, "no configuration to try")
 
 
 def _hours(seconds: float) -> str:
@@ -465,8 +545,8 @@ def _hours(seconds: float) -> str:
 
 def _search(
     ctx: _Context, pools: Sequence[GPUPool], exhaustive: bool
-) -> tuple[list[Candidate], dict[str, str]]:
-    rejected: dict[str, str] = {}
+) -> tuple[list[Candidate], list[Rejection]]:
+    rejected: list[Rejection] = []
     accepted: list[Candidate] = []
     for pool in _eligible_pools(ctx.spec, pools, rejected):
         report = _PoolReport()
@@ -485,8 +565,8 @@ def _search(
                     # same group would miss it too.
                     break
         if len(accepted) == before:
-            rejected[pool.name] = _explain(report, ctx)
-    return accepted, rejected
+            rejected.append(_explain(pool.name, report, ctx))
+    return accepted, sorted(rejected, key=lambda r: r.pool)
 
 
 def _ordered(
@@ -508,7 +588,7 @@ def _ordered(
 
 
 def _finish(
-    ctx: _Context, accepted: list[Candidate], rejected: dict[str, str], alternatives: int
+    ctx: _Context, accepted: list[Candidate], rejected: list[Rejection], alternatives: int
 ) -> Plan:
     objective = objective_of(ctx.spec, ctx.settings)
     spot = ctx.spec.resources.spot
@@ -534,16 +614,16 @@ def _finish(
     )
 
 
-def _infeasible(ctx: _Context, rejected: dict[str, str]) -> InfeasibleError:
+def _infeasible(ctx: _Context, rejected: list[Rejection]) -> InfeasibleError:
     if not rejected:
         return InfeasibleError(
             "No GPUPool exists, so the job has nowhere to run.",
             "create GPUPool objects (see examples/gpupools.yaml or the chart's gpuPools value).",
         )
-    lines = "; ".join(f"{pool}: {why}" for pool, why in sorted(rejected.items()))
+    lines = "; ".join(f"{r.pool}: {r.message}" for r in rejected)
+    limits = {r.limit for r in rejected}
     hints: list[str] = []
-    text = " ".join(rejected.values())
-    if "GiB per GPU" in text:
+    if Limit.MEMORY in limits:
         if ctx.spec.method in ("full", "lora"):
             hints.append("use method qlora or auto")
         if ctx.spec.resources.gpus != "auto":
@@ -552,13 +632,13 @@ def _infeasible(ctx: _Context, rejected: dict[str, str]) -> InfeasibleError:
             hints.append("enable training.gradientCheckpointing")
         hints.append(f"shorten training.sequenceLength (now {ctx.spec.training.sequence_length})")
         hints.append("add a pool with larger GPUs")
-    if "deadline" in text:
+    if Limit.DEADLINE in limits:
         hints.append("relax resources.deadline or allow faster pools")
-    if "maxCostUSD" in text:
+    if Limit.BUDGET in limits:
         hints.append("raise resources.maxCostUSD or allow cheaper pools (spot)")
-    if "resources.pools" in text or "spot" in text:
+    if limits & {Limit.NOT_LISTED, Limit.SPOT}:
         hints.append("widen resources.pools / resources.spot")
-    if "split evenly" in text:
+    if Limit.BATCH_SPLIT in limits:
         hints.append(
             "make training.globalBatchSize a multiple of the GPU count (a power of two works best)"
         )
@@ -602,20 +682,16 @@ def replan_settings_after_oom(
     """
     seen = max(previous.gpu_memory_gib, measured_peak_gib or 0.0)
     scale = max(settings.memory_scale * 1.15, seen * 1.05 / max(previous.per_gpu_memory_gib, 1e-3))
-    failed = (
-        previous.pool,
-        previous.method,
-        previous.total_gpus,
-        previous.micro_batch_size,
-        previous.gradient_checkpointing,
-    )
-    return replace(settings, memory_scale=scale, forbid=settings.forbid | {failed})
+    return replace(settings, memory_scale=scale, forbid=settings.forbid | {Layout.of(previous)})
 
 
 __all__ = [
     "Candidate",
+    "Layout",
+    "Limit",
     "Plan",
     "PlannerSettings",
+    "Rejection",
     "brute_force_plan",
     "objective_of",
     "plan_job",

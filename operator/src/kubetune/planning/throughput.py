@@ -20,7 +20,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kubetune.api.v1alpha1 import DatasetSource, GPUSpec, Method, TrainingSettings
+from kubetune.api.v1alpha1 import DatasetSource, GPUSpec, TrainingSettings
+from kubetune_trainer.contract import Method
 
 MFU: dict[Method, float] = {"full": 0.40, "lora": 0.35, "qlora": 0.25}
 COMM_OVERLAP = 0.7

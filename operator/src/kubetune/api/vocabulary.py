@@ -1,0 +1,112 @@
+"""Every word the operator writes into status, conditions, Events and metric labels.
+
+Each set is closed and defined once, here: the CRD's enums are rendered from these classes,
+the reconcile logic names its transitions and reasons with them, and the operator's metrics
+pre-create their label values from them (tests/unit/test_vocabulary.py compares all three).
+What varies from job to job — pod names, seconds, layouts, sizes — goes into messages and
+status fields, never into one of these words, so that a label built from one stays bounded.
+
+The words the operator shares with the trainer (methods, precisions, optimizers, sharding,
+exit codes, checkpoint names) are the trainer contract's: `kubetune_trainer.contract`.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Phase(StrEnum):
+    """Where a FineTuneJob is in its life (`status.phase`); control/lifecycle.py has the
+    transitions between them."""
+
+    PENDING = "Pending"
+    """Created; nothing decided yet."""
+    PLANNING = "Planning"
+    """Being planned, or waiting for a GPUPool to exist."""
+    QUEUED = "Queued"
+    """Planned onto a pool whose GPUs are busy; re-planned until capacity frees."""
+    RUNNING = "Running"
+    """A trainer attempt exists (its pods may still be starting)."""
+    SUSPENDED = "Suspended"
+    """Stopped by `spec.suspend`, resumable from its checkpoint."""
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+
+TERMINAL_PHASES: frozenset[Phase] = frozenset({Phase.SUCCEEDED, Phase.FAILED})
+
+
+class ConditionType(StrEnum):
+    """The conditions of a FineTuneJob (`status.conditions[].type`)."""
+
+    PLANNED = "Planned"
+    QUEUED = "Queued"
+    RUNNING = "Running"
+    SUSPENDED = "Suspended"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+
+class Reason(StrEnum):
+    """Reasons of conditions and Kubernetes Events (`reason`), in CamelCase as Kubernetes has
+    them. A message beside the reason carries the details."""
+
+    # planning
+    PLAN_READY = "PlanReady"
+    NO_POOLS = "NoPools"
+    INFEASIBLE = "Infeasible"
+    INVALID_SPEC = "InvalidSpec"
+    UNKNOWN_ARCHITECTURE = "UnknownArchitecture"
+    INSUFFICIENT_CAPACITY = "InsufficientCapacity"
+    CAPACITY_AVAILABLE = "CapacityAvailable"
+    # running
+    LAUNCHED = "Launched"
+    PODS_STARTING = "PodsStarting"
+    TRAINING = "Training"
+    CHECKPOINT = "Checkpoint"
+    ADOPTED = "Adopted"
+    SUSPEND_REQUESTED = "SuspendRequested"
+    RESUMED = "Resumed"
+    # recovery
+    PREEMPTED = "Preempted"
+    TRAINER_FAILED = "TrainerFailed"
+    OUT_OF_MEMORY = "OutOfMemory"
+    RESCHEDULED = "Rescheduled"
+    # the end
+    COMPLETED = "Completed"
+    TRAINER_CONFIG_ERROR = "TrainerConfigError"
+    OOM_LIMIT = "OutOfMemoryLimitReached"
+    RESTART_LIMIT = "RestartLimitReached"
+    BUDGET_EXCEEDED = "BudgetExceeded"
+    DEADLINE_EXCEEDED = "DeadlineExceeded"
+
+
+class RecoveryReason(StrEnum):
+    """What went wrong in a failure the operator handled (`status.recoveries[].reason`)."""
+
+    OOM = "OOM"
+    """The trainer ran out of GPU memory: re-planned with a safer layout."""
+    PREEMPTION = "Preemption"
+    """A trainer pod was preempted or evicted: replaced, resumed from the checkpoint."""
+    POD_FAILURE = "PodFailure"
+    """A trainer pod or the whole attempt failed otherwise: relaunched."""
+    RESCHEDULED = "Rescheduled"
+    """A trainer pod found no room in its pool: moved to another pool."""
+
+
+class PlanReason(StrEnum):
+    """Why a plan was made (`status.plan.reason`, the `reason` label of `kubetune_plans_total`).
+    `status.plan.message` says what exactly happened."""
+
+    INITIAL = "Initial"
+    OUT_OF_MEMORY = "OutOfMemory"
+    """The previous layout ran out of GPU memory."""
+    UNSCHEDULABLE = "Unschedulable"
+    """A trainer pod found no room in the previous pool."""
+
+
+class EventType(StrEnum):
+    """Kubernetes Event types."""
+
+    NORMAL = "Normal"
+    WARNING = "Warning"

@@ -1,0 +1,206 @@
+"""What the trainer's batch Job and pods say happened (pure reads of Kubernetes objects).
+
+The reconcile logic asks these questions of the objects the controller observed: did the
+batch Job finish or fail, how did the trainer exit (the contract's exit codes, and the
+termination message), was a pod preempted, has a pending pod been unschedulable, and which
+pods of this attempt ended since the last look. Everything here reads plain dicts in the
+Kubernetes wire format and returns named values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from kubetune.api.v1alpha1 import Recovery
+from kubetune.api.vocabulary import RecoveryReason
+from kubetune_trainer.contract import EXIT_CONFIG_ERROR, EXIT_OOM, EXIT_PREEMPTED, EXIT_STOPPED
+
+TRAINER_CONTAINER = "trainer"
+JOB_ENDING_EXITS = (EXIT_OOM, EXIT_CONFIG_ERROR, EXIT_STOPPED)
+"""Trainer exits on which the batch Job's podFailurePolicy fails the whole Job."""
+_TELLING_EXITS = (EXIT_OOM, EXIT_CONFIG_ERROR, EXIT_STOPPED)
+"""Exits that decide what happens next, most telling first."""
+_POD_DONE = ("Succeeded", "Failed")
+
+
+def parse_time(text: str | None) -> datetime | None:
+    """A status timestamp (RFC 3339, whole seconds, UTC) as a datetime."""
+    if not text:
+        return None
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+
+
+def pod_name(pod: Mapping[str, Any]) -> str:
+    return str((pod.get("metadata") or {}).get("name", ""))
+
+
+def pod_phase(pod: Mapping[str, Any]) -> str | None:
+    phase = (pod.get("status") or {}).get("phase")
+    return None if phase is None else str(phase)
+
+
+def job_condition(job_status: Mapping[str, Any], type_: str) -> bool:
+    """Whether the batch Job's condition `type_` (Complete, Failed, ...) is True."""
+    return any(
+        cond.get("type") == type_ and cond.get("status") == "True"
+        for cond in job_status.get("conditions") or []
+    )
+
+
+def job_succeeded(job_status: Mapping[str, Any]) -> bool:
+    return job_condition(job_status, "Complete") or job_condition(job_status, "SuccessCriteriaMet")
+
+
+def job_failed(job_status: Mapping[str, Any]) -> bool:
+    return job_condition(job_status, "Failed") or job_condition(job_status, "FailureTarget")
+
+
+def _trainer_terminations(pod: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    out = []
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        if cs.get("name") != TRAINER_CONTAINER:
+            continue
+        for key in ("state", "lastState"):
+            term = (cs.get(key) or {}).get("terminated")
+            if term:
+                out.append(term)
+    return out
+
+
+@dataclass(frozen=True)
+class TrainerExit:
+    """How the trainer ended: its exit code (None when none was recorded) and the tail of its
+    termination message."""
+
+    code: int | None
+    detail: str
+
+    def describe(self) -> str:
+        """`exit code 1` or `pod failure`, as recovery messages put it."""
+        return f"exit code {self.code}" if self.code is not None else "pod failure"
+
+
+def trainer_exit(pods: Sequence[Mapping[str, Any]]) -> TrainerExit:
+    """The most telling trainer exit among the pods: OOM, then config error, then any."""
+    seen: list[TrainerExit] = []
+    for pod in pods:
+        for term in _trainer_terminations(pod):
+            code = term.get("exitCode")
+            if code is None or code == 0:
+                continue
+            detail = (term.get("message") or term.get("reason") or "").strip()
+            seen.append(TrainerExit(int(code), detail[-500:]))
+    for wanted in _TELLING_EXITS:
+        for found in seen:
+            if found.code == wanted:
+                return found
+    if seen:
+        return seen[0]
+    return TrainerExit(None, "no trainer exit code recorded")
+
+
+def peak_gib(detail: str) -> float | None:
+    """The trainer writes `peak_gib=<float>` into its termination message on OOM."""
+    for token in detail.replace(",", " ").split():
+        if token.startswith("peak_gib="):
+            try:
+                return float(token.split("=", 1)[1])
+            except ValueError:
+                return None
+    return None
+
+
+def was_preempted(pod: Mapping[str, Any]) -> bool:
+    """Disrupted (DisruptionTarget: preemption, eviction, drain) or exited with the
+    preemption code after checkpointing on SIGTERM."""
+    status = pod.get("status") or {}
+    if any(
+        cond.get("type") == "DisruptionTarget" and cond.get("status") == "True"
+        for cond in status.get("conditions") or []
+    ):
+        return True
+    return any(t.get("exitCode") == EXIT_PREEMPTED for t in _trainer_terminations(pod))
+
+
+def unschedulable_since(pod: Mapping[str, Any]) -> datetime | None:
+    """When a Pending pod was found unschedulable for lack of room (PodScheduled=False,
+    Unschedulable). A volume problem (a missing or unbound claim) does not count: another
+    pool cannot fix it."""
+    status = pod.get("status") or {}
+    if status.get("phase") not in (None, "Pending") or (pod.get("spec") or {}).get("nodeName"):
+        return None
+    for cond in status.get("conditions") or []:
+        if (
+            cond.get("type") == "PodScheduled"
+            and cond.get("status") == "False"
+            and cond.get("reason") == "Unschedulable"
+            and "volume" not in str(cond.get("message", "")).lower()
+            and "persistentvolumeclaim" not in str(cond.get("message", "")).lower()
+        ):
+            return parse_time(cond.get("lastTransitionTime"))
+    return None
+
+
+@dataclass(frozen=True)
+class PodEnd:
+    """A trainer pod of the current attempt that ended early; the batch Job replaces it."""
+
+    pod: str
+    reason: RecoveryReason
+    message: str
+
+
+def ended_pods(
+    pods: Sequence[Mapping[str, Any]],
+    last_seen: Sequence[str],
+    recoveries: Sequence[Recovery],
+    attempt: int,
+    job_failed_count: int,
+) -> tuple[list[PodEnd], list[str]]:
+    """The pods of `attempt` that ended since the last look, and the pods alive now.
+
+    A pod is seen ending (phase Failed: preempted when it was disrupted or exited with the
+    preemption code, else a pod failure), or it is simply gone at the next look (deleted soon
+    after it ended). A gone pod counts as a failure when the batch Job's `failed` counter —
+    which leaves out the failures its podFailurePolicy ignores, i.e. preemptions — is ahead
+    of the failures recorded so far, else as a preemption. Pods already recorded in
+    `recoveries`, and exits that fail the whole batch Job, are not reported.
+    """
+    mine = [r for r in recoveries if r.attempt == attempt]
+    recorded = {
+        r.pod
+        for r in mine
+        if r.pod and r.reason in (RecoveryReason.PREEMPTION, RecoveryReason.POD_FAILURE)
+    }
+    failures = sum(1 for r in mine if r.reason == RecoveryReason.POD_FAILURE)
+    ends: list[PodEnd] = []
+    current = {pod_name(pod): pod for pod in pods}
+    for name, pod in current.items():
+        if name in recorded or pod_phase(pod) != "Failed":
+            continue
+        end = trainer_exit([pod])
+        if end.code in JOB_ENDING_EXITS:
+            continue  # the batch Job fails on it; the failure handling takes it from there
+        if was_preempted(pod):
+            ends.append(PodEnd(name, RecoveryReason.PREEMPTION, f"pod {name} preempted"))
+        else:
+            why = f"exit code {end.code}" if end.code is not None else "failed"
+            ends.append(
+                PodEnd(name, RecoveryReason.POD_FAILURE, f"pod {name} failed ({why}: {end.detail})")
+            )
+    for name in last_seen:
+        if name in current or name in recorded:
+            continue
+        if job_failed_count > failures + sum(
+            1 for e in ends if e.reason == RecoveryReason.POD_FAILURE
+        ):
+            ends.append(PodEnd(name, RecoveryReason.POD_FAILURE, f"pod {name} failed and is gone"))
+        else:
+            ends.append(
+                PodEnd(name, RecoveryReason.PREEMPTION, f"pod {name} preempted and is gone")
+            )
+    alive = sorted(name for name, pod in current.items() if pod_phase(pod) not in _POD_DONE)
+    return ends, alive

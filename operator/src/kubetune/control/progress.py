@@ -1,0 +1,127 @@
+"""Progress, ETA, checkpoint and cost of a running job, from the trainer's metrics (pure).
+
+The trainer serves `kubetune_trainer_*` metrics; the controller scrapes the rank-0 pod and
+hands the samples to `reconcile`, which keeps `status.progress`, `status.checkpoint` and
+`status.cost` current with the functions here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from datetime import datetime
+
+from kubetune.api.v1alpha1 import (
+    CheckpointStatus,
+    CostStatus,
+    FineTuneJobSpec,
+    FineTuneJobStatus,
+    PlanStatus,
+    ProgressStatus,
+)
+from kubetune.control.conditions import now_rfc3339
+from kubetune.control.pods import parse_time
+from kubetune_trainer.contract import checkpoint_dir_name
+
+
+def human_duration(seconds: float) -> str:
+    """1h20m, 4m10s, 35s."""
+    total = int(max(0.0, seconds))
+    hours, rest = divmod(total, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    if minutes:
+        return f"{minutes}m{secs:02d}s"
+    return f"{secs}s"
+
+
+def _summary(progress: ProgressStatus) -> str:
+    return f"{progress.step}/{progress.total_steps} ({progress.percent}%)"
+
+
+def start_attempt(status: FineTuneJobStatus, plan: PlanStatus, now: datetime) -> None:
+    """Progress and cost as a new attempt of `plan` starts: its total steps, price and rate."""
+    progress = status.progress or ProgressStatus()
+    progress.total_steps = plan.total_steps
+    progress.summary = f"{progress.step}/{plan.total_steps} ({progress.percent}%)"
+    status.progress = progress
+    cost = status.cost or CostStatus()
+    cost.estimated_usd = plan.estimated_cost_usd
+    cost.rate_usd_per_hour = plan.price_per_hour_usd
+    cost.updated_at = now_rfc3339(now)
+    status.cost = cost
+
+
+def accrue(cost: CostStatus | None, now: datetime) -> None:
+    """Add the plan's price for the time since the last update while the batch Job existed.
+
+    GPUs are billed from the moment pods are bound, so Pending pods count too. Timestamps
+    have one-second resolution: measure against the whole second that is recorded, or every
+    update would add up to a second too much.
+    """
+    if cost is None or cost.rate_usd_per_hour is None:
+        return
+    whole = now.replace(microsecond=0)
+    last = parse_time(cost.updated_at) or whole
+    seconds = max(0.0, (whole - last).total_seconds())
+    cost.accrued_usd = round(cost.accrued_usd + cost.rate_usd_per_hour * seconds / 3600, 6)
+    cost.updated_at = now_rfc3339(whole)
+
+
+def read_metrics(
+    status: FineTuneJobStatus,
+    spec: FineTuneJobSpec,
+    metrics: Mapping[str, float],
+    now: datetime,
+) -> int | None:
+    """Progress, ETA and the newest checkpoint from the trainer's own metrics; returns the
+    step of a checkpoint that is new since the last look, else None."""
+    m = {k: v for k, v in metrics.items() if math.isfinite(v)}  # NaN is not valid JSON
+    plan = status.plan
+    assert plan is not None
+    progress = status.progress or ProgressStatus()
+    progress.step = int(m.get("step", progress.step))
+    progress.total_steps = int(m.get("total_steps") or plan.total_steps)
+    progress.epoch = round(float(m.get("epoch", progress.epoch)), 3)
+    progress.percent = min(100, int(100 * progress.step / max(1, progress.total_steps)))
+    if "loss" in m:
+        progress.loss = round(float(m["loss"]), 4)
+    if "eval_loss" in m:
+        progress.eval_loss = round(float(m["eval_loss"]), 4)
+    tps = float(m.get("tokens_per_second", 0.0))
+    if tps > 0:
+        progress.tokens_per_second = round(tps, 1)
+        tokens_per_step = spec.training.global_batch_size * spec.training.sequence_length
+        left = (progress.total_steps - progress.step) * tokens_per_step / tps
+        progress.eta_seconds = round(left, 1)
+        progress.eta = human_duration(left)
+    progress.summary = _summary(progress)
+    progress.updated_at = now_rfc3339(now)
+    status.progress = progress
+    step = int(m.get("last_checkpoint_step", 0))
+    if step > 0 and (status.checkpoint is None or status.checkpoint.latest_step != step):
+        status.checkpoint = CheckpointStatus(
+            latest_step=step, time=now_rfc3339(now), path=checkpoint_dir_name(step)
+        )
+        return step
+    return None
+
+
+def complete(status: FineTuneJobStatus, now: datetime) -> None:
+    """Progress at 100 % and the last step's checkpoint, once the trainer exited 0.
+
+    The trainer exits 0 only after it checkpointed the last step (its contract); the last
+    metrics read may have come before that checkpoint.
+    """
+    total = (status.progress or status.plan or ProgressStatus()).total_steps
+    if total and (status.checkpoint is None or status.checkpoint.latest_step != total):
+        status.checkpoint = CheckpointStatus(
+            latest_step=total, time=now_rfc3339(now), path=checkpoint_dir_name(total)
+        )
+    if status.progress is not None:
+        status.progress.step = status.progress.total_steps
+        status.progress.percent = 100
+        status.progress.eta_seconds = 0
+        status.progress.eta = "0s"
+        status.progress.summary = _summary(status.progress)
