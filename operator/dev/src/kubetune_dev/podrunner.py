@@ -590,7 +590,7 @@ class Mount:
     read_only: bool = False
 
 
-def _depth(path: str) -> int:
+def path_depth(path: str) -> int:
     return len(PurePosixPath(path).parts)
 
 
@@ -633,7 +633,7 @@ def plan_mounts(
         p = PurePosixPath(path)
         if path not in targets and any(p != t and p.is_relative_to(t) for t in volume_targets):
             mounts.append(Mount(path, path, True))
-    return sorted(mounts, key=lambda m: _depth(m.target))
+    return sorted(mounts, key=lambda m: path_depth(m.target))
 
 
 def runtime_paths() -> list[str]:
@@ -1335,7 +1335,7 @@ class Api:
         return self.call("PATCH", path, body, content_type=content_type, timeout=timeout)
 
 
-def _ns_path(namespace: str, plural: str, name: str = "", group: str = "") -> str:
+def ns_path(namespace: str, plural: str, name: str = "", group: str = "") -> str:
     base = f"/apis/{group}" if group else "/api/v1"
     path = f"{base}/namespaces/{quote(namespace)}/{plural}"
     return f"{path}/{quote(name)}" if name else path
@@ -1349,7 +1349,7 @@ class ApiLookup:
         self.volumes_root = volumes_root
 
     def config_map(self, namespace: str, name: str) -> dict[str, bytes] | None:
-        obj = self.api.get(_ns_path(namespace, "configmaps", name))
+        obj = self.api.get(ns_path(namespace, "configmaps", name))
         if obj is None:
             return None
         data = {k: str(v).encode() for k, v in (obj.get("data") or {}).items()}
@@ -1358,13 +1358,13 @@ class ApiLookup:
         return data
 
     def secret(self, namespace: str, name: str) -> dict[str, bytes] | None:
-        obj = self.api.get(_ns_path(namespace, "secrets", name))
+        obj = self.api.get(ns_path(namespace, "secrets", name))
         if obj is None:
             return None
         return {k: base64.b64decode(v) for k, v in (obj.get("data") or {}).items()}
 
     def claim_path(self, namespace: str, claim: str) -> str:
-        pvc = self.api.get(_ns_path(namespace, "persistentvolumeclaims", claim))
+        pvc = self.api.get(ns_path(namespace, "persistentvolumeclaims", claim))
         if pvc is None:
             raise NotReady("FailedMount", f'persistentvolumeclaim "{claim}" not found')
         volume = (pvc.get("spec") or {}).get("volumeName")
@@ -1399,7 +1399,7 @@ class ApiLookup:
         try:
             out = self.api.call(
                 "POST",
-                _ns_path(str(meta.get("namespace")), "serviceaccounts", sa) + "/token",
+                ns_path(str(meta.get("namespace")), "serviceaccounts", sa) + "/token",
                 body,
             )
         except ApiError as exc:
@@ -1541,7 +1541,7 @@ class PodRunner:
                 self.register_node()
                 return
             raise
-        lease_path = _ns_path("kube-node-lease", "leases", cfg.node, "coordination.k8s.io/v1")
+        lease_path = ns_path("kube-node-lease", "leases", cfg.node, "coordination.k8s.io/v1")
         lease = lease_manifest(cfg.node, self.node_uid, micro_time(), cfg.lease_seconds)
         try:
             self.api.patch(lease_path, {"spec": lease["spec"]}, "merge")
@@ -1550,7 +1550,7 @@ class PodRunner:
                 raise
             self.api.call(
                 "POST",
-                _ns_path("kube-node-lease", "leases", "", "coordination.k8s.io/v1"),
+                ns_path("kube-node-lease", "leases", "", "coordination.k8s.io/v1"),
                 lease,
             )
         self.next_heartbeat = now + cfg.heartbeat_seconds  # a failed one is retried next tick
@@ -1947,7 +1947,7 @@ class PodRunner:
         self, pod: Mapping[str, Any], status: dict[str, Any], timeout: float | None = None
     ) -> None:
         meta = pod["metadata"]
-        path = _ns_path(str(meta["namespace"]), "pods", str(meta["name"])) + "/status"
+        path = ns_path(str(meta["namespace"]), "pods", str(meta["name"])) + "/status"
         body = {"metadata": {"uid": meta["uid"]}, "status": status}
         self.api.patch(path, body, timeout=timeout)
 
@@ -2007,7 +2007,7 @@ class PodRunner:
         }
         try:
             self.api.call(
-                "DELETE", _ns_path(str(meta["namespace"]), "pods", str(meta["name"])), body
+                "DELETE", ns_path(str(meta["namespace"]), "pods", str(meta["name"])), body
             )
         except ApiError as exc:
             if exc.code not in (404, 409):
@@ -2061,7 +2061,7 @@ class PodRunner:
             cp.alive for rec in self.records.values() for cp in rec.containers
         ):
             return
-        for path in sorted(self.created_paths, key=_depth, reverse=True):
+        for path in sorted(self.created_paths, key=path_depth, reverse=True):
             with contextlib.suppress(OSError):
                 if os.path.isdir(path) and not os.path.islink(path):
                     os.rmdir(path)
@@ -2103,7 +2103,7 @@ class PodRunner:
             "count": 1,
         }
         with contextlib.suppress(Exception):
-            self.api.call("POST", _ns_path(rec.namespace, "events"), event)
+            self.api.call("POST", ns_path(rec.namespace, "events"), event)
 
     # ------------------------------------------------------------------ shutdown
 
