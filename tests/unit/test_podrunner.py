@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kubetune_dev import podrunner as pr
+from kubetune_dev.podrunner import runner as pr
 
 pytestmark = pytest.mark.unit
 

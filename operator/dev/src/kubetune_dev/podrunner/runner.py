@@ -1,58 +1,12 @@
-"""A mini-kubelet for one designated node: runs the pods bound to it as local processes.
+"""The runner loop: the pods bound to one node, reconciled with local processes.
 
-Test and demo infrastructure, not part of the product. The local control plane simulates GPU
-nodes with kwok, which only pretends to run pods; this runner plays the kubelet of *one* real node
-so that the trainer actually trains in the e2e tier and in `kubetune demo`::
-
-    python -m kubetune_dev.podrunner --kubeconfig K --node NAME --work DIR \\
-        [--volumes-root R] [--pod-ip-base 127.0.100.] [--labels k=v,...] \\
-        [--taints k=v:Effect,...] [--gpus N] [--cpu N] [--memory 16Gi]
-
-What it does, like a kubelet:
-
-- registers the Node (not kwok-annotated, so kwok leaves it alone) with the given labels,
-  taints and capacity. `nvidia.com/gpu` is a *simulated* count so that GPU pods schedule here;
-  the processes run on the CPU. It renews the node's Lease in `kube-node-lease` and the Ready
-  condition's heartbeat every 10 s, so the node-lifecycle controller keeps it Ready;
-- polls the pods with `spec.nodeName == NAME` every 0.5 s and, for a new pod, materialises its
-  volumes (configMap, secret, downwardAPI, projected incl. service-account tokens, emptyDir,
-  hostPath, persistentVolumeClaim → the bound PV's hostPath), resolves its env (value with
-  `$(VAR)` expansion, envFrom, fieldRef, resourceFieldRef, configMapKeyRef, secretKeyRef), gives
-  it a loopback IP (`127.0.100.2`, `.3`, ...: all of 127/8 is loopback on Linux) and runs its init
-  containers one after the other, then all its containers at once, each as a local process;
-- runs each container in private mount, UTS and PID namespaces: the pod's volumes bind-mounted
-  at their mount paths, a per-pod `/etc/hosts` (the pod's and its siblings'
-  `<hostname>.<subdomain>` names), a per-container termination-message file at
-  `terminationMessagePath`, the pod's hostname, and the command as PID 1, so that everything it
-  started dies with it (torchrun puts its workers in sessions of their own). Without
-  CAP_SYS_ADMIN it falls back to a path map: the process runs in the host's namespaces and
-  `$KUBETUNE_PATH_MAP` (JSON, mountPath → host path) says where each volume is; nothing is
-  rewritten;
-- reports pod status through `pods/status` (phase, conditions, podIP, startTime, container
-  states with exit code, reason Completed/Error/OOMKilled/StartError and the termination
-  message) and emits the usual Events (Started, Killing, FailedMount);
-- on `deletionTimestamp` (delete, eviction, Job controller) sends SIGTERM to each container's
-  main process, SIGKILL to all of the container after the grace period, reports the terminated
-  status and then deletes the pod with grace period 0, as the kubelet does; a pod whose object
-  vanished is killed at once;
-- on SIGTERM/SIGINT kills every container it started, reports them terminated and exits.
-
-What it does not do: images are ignored (the container's `command` runs with the runner's
-Python environment on PATH; a container without `command` fails with StartError);
-securityContext (runAsUser, readOnlyRootFilesystem, capabilities) and resources are not enforced
-(processes run as the runner's user); probes and lifecycle hooks are not run (a running
-container is ready); restartPolicy is treated as Never (containers are never restarted);
-containerPorts are not isolated (each pod has its own loopback IP, but a process that binds
-0.0.0.0 shares the port space with every other pod); there is no cluster DNS, so Services
-resolve only through the per-pod `/etc/hosts`; `kubectl logs`/`exec` do not work: each
-container's stdout and stderr go to `DIR/<namespace>_<pod>/<container>.log`.
-
-See docs/local-pod-runner.md.
+`PodRunner` registers the Node, keeps its Lease and heartbeat, lists the node's pods every poll,
+and moves each through admit → prepare → init containers → containers → report → final delete,
+single-threaded. See the package docstring for what it does as a kubelet.
 """
 
 from __future__ import annotations
 
-import argparse
 import base64
 import contextlib
 import ctypes
@@ -2170,101 +2124,3 @@ def materialise(volume: VolumePlan) -> None:
     elif volume.create == "file" and not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.touch()
-
-
-# ============================================================================ CLI
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m kubetune_dev.podrunner",
-        description="Run the pods bound to one node as local processes (test/demo only).",
-    )
-    p.add_argument("--kubeconfig", required=True, help="credentials allowed to manage nodes/pods")
-    p.add_argument("--node", required=True, help="name of the node this runner plays")
-    p.add_argument("--work", required=True, type=Path, help="per-pod folders and logs")
-    p.add_argument(
-        "--volumes-root",
-        type=Path,
-        help="backing folders of bound PVs that have no hostPath/local path (default WORK/pv)",
-    )
-    p.add_argument("--pod-ip-base", default=DEFAULT_POD_IP_BASE, help="pod IPs are BASE2..BASE254")
-    p.add_argument("--host-ip", default=DEFAULT_HOST_IP)
-    p.add_argument("--labels", default="", help="extra node labels, k=v,k2=v2")
-    p.add_argument("--taints", default="", help="node taints, key[=value]:Effect,...")
-    p.add_argument("--gpus", type=int, default=0, help="simulated nvidia.com/gpu capacity")
-    p.add_argument("--cpu", help="cpu capacity (default: this machine's CPU count)")
-    p.add_argument("--memory", help="memory capacity, e.g. 16Gi (default: this machine's)")
-    p.add_argument("--pods", type=int, default=110)
-    p.add_argument(
-        "--pass-env",
-        default="LANG,LC_ALL,TZ",
-        help="variables passed from the runner's environment to every container",
-    )
-    p.add_argument("--no-mount-namespace", action="store_true", help="always use the path map")
-    p.add_argument("--poll-seconds", type=float, default=POLL_SECONDS)
-    p.add_argument("--heartbeat-seconds", type=float, default=HEARTBEAT_SECONDS)
-    p.add_argument("--cluster-domain", default=CLUSTER_DOMAIN)
-    p.add_argument("-v", "--verbose", action="store_true")
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args_list = list(sys.argv[1:] if argv is None else argv)
-    if args_list[:1] == ["--exec-container"]:  # internal: become a container's process
-        exec_container(ExecSpec.from_json(Path(args_list[1]).read_text()))
-    args = _parser().parse_args(args_list)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s podrunner %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
-    for noisy in ("httpx", "httpx2", "httpcore"):  # one line per request otherwise
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    namespace_ok = not args.no_mount_namespace
-    if namespace_ok:
-        why = probe_mount_namespace()
-        if why is not None:
-            namespace_ok = False
-            log.warning(
-                "no private mount namespace (%s): containers see the host's filesystem and find "
-                "their volumes through $%s",
-                why,
-                PATH_MAP_ENV,
-            )
-    work = args.work.resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    volumes_root = (args.volumes_root or work / "pv").resolve()
-    config = RunnerConfig(
-        node=args.node,
-        work=work,
-        volumes_root=volumes_root,
-        capacity=default_capacity(args.cpu, args.memory, args.gpus, args.pods),
-        labels=parse_labels(args.labels),
-        taints=parse_taints(args.taints),
-        pod_ip_base=args.pod_ip_base,
-        host_ip=args.host_ip,
-        mount_namespace=namespace_ok,
-        pass_env=tuple(filter(None, args.pass_env.split(","))),
-        poll_seconds=args.poll_seconds,
-        heartbeat_seconds=args.heartbeat_seconds,
-        cluster_domain=args.cluster_domain,
-    )
-    stop = False
-
-    def _stop(signum: int, _frame: Any) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-    api = Api(args.kubeconfig)
-    try:
-        PodRunner(api, config).run(lambda: stop)
-    finally:
-        api.close()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
