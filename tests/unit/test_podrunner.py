@@ -12,11 +12,22 @@ from typing import Any
 import pytest
 
 from kubetune_dev.podrunner import runner as pr
+from kubetune_dev.podrunner.podspec import (
+    NotReady,
+    PodFacts,
+    build_env,
+    container_argv,
+    expand,
+    field_value,
+    hosts_file,
+    parse_quantity,
+    resource_value,
+)
 
 pytestmark = pytest.mark.unit
 
 INDEX_FIELD = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
-FACTS = pr.PodFacts(
+FACTS = PodFacts(
     pod_ip="127.0.100.7",
     host_ip="127.0.0.1",
     node_name="local-0",
@@ -48,7 +59,7 @@ class FakeLookup:
 
     def claim_path(self, namespace: str, claim: str) -> str:
         if claim not in self.claims:
-            raise pr.NotReady("FailedMount", f'persistentvolumeclaim "{claim}" is not bound yet')
+            raise NotReady("FailedMount", f'persistentvolumeclaim "{claim}" is not bound yet')
         return self.claims[claim]
 
     def token(self, pod: Mapping[str, Any], audience: str | None, expiration: int) -> str:
@@ -85,14 +96,14 @@ def make_pod(**spec: Any) -> dict[str, Any]:
     ],
 )
 def test_parse_quantity(text: str, value: Decimal) -> None:
-    assert pr.parse_quantity(text) == value
+    assert parse_quantity(text) == value
 
 
 def test_parse_quantity_rejects_garbage() -> None:
     with pytest.raises(ValueError):
-        pr.parse_quantity("lots")
+        parse_quantity("lots")
     with pytest.raises(ValueError):
-        pr.parse_quantity("3Qi")
+        parse_quantity("3Qi")
 
 
 def test_parse_labels_and_taints() -> None:
@@ -129,42 +140,40 @@ def test_parse_oom_kills() -> None:
     ],
 )
 def test_expand_follows_kubernetes_rules(text: str, out: str) -> None:
-    assert pr.expand(text, {"A": "1", "B": "two"}) == out
+    assert expand(text, {"A": "1", "B": "two"}) == out
 
 
 def test_field_values() -> None:
     pod = make_pod(serviceAccountName="trainer")
-    assert pr.field_value(pod, "metadata.name", FACTS) == "ft-a1-0-abcde"
-    assert pr.field_value(pod, "metadata.namespace", FACTS) == "team"
-    assert pr.field_value(pod, "metadata.uid", FACTS) == "uid-1"
-    assert pr.field_value(pod, INDEX_FIELD, FACTS) == "3"
-    assert pr.field_value(pod, 'metadata.labels["app"]', FACTS) == "trainer"
-    assert pr.field_value(pod, "metadata.labels['nope']", FACTS) == ""
-    assert pr.field_value(pod, "status.podIP", FACTS) == "127.0.100.7"
-    assert pr.field_value(pod, "status.hostIP", FACTS) == "127.0.0.1"
-    assert pr.field_value(pod, "spec.nodeName", FACTS) == "local-0"
-    assert pr.field_value(pod, "spec.serviceAccountName", FACTS) == "trainer"
-    assert pr.field_value(pod, "metadata.labels", FACTS) == 'app="trainer"'
-    with pytest.raises(pr.NotReady):
-        pr.field_value(pod, "spec.containers", FACTS)
+    assert field_value(pod, "metadata.name", FACTS) == "ft-a1-0-abcde"
+    assert field_value(pod, "metadata.namespace", FACTS) == "team"
+    assert field_value(pod, "metadata.uid", FACTS) == "uid-1"
+    assert field_value(pod, INDEX_FIELD, FACTS) == "3"
+    assert field_value(pod, 'metadata.labels["app"]', FACTS) == "trainer"
+    assert field_value(pod, "metadata.labels['nope']", FACTS) == ""
+    assert field_value(pod, "status.podIP", FACTS) == "127.0.100.7"
+    assert field_value(pod, "status.hostIP", FACTS) == "127.0.0.1"
+    assert field_value(pod, "spec.nodeName", FACTS) == "local-0"
+    assert field_value(pod, "spec.serviceAccountName", FACTS) == "trainer"
+    assert field_value(pod, "metadata.labels", FACTS) == 'app="trainer"'
+    with pytest.raises(NotReady):
+        field_value(pod, "spec.containers", FACTS)
 
 
 def test_resource_field_ref_defaults() -> None:
     container = {"resources": {"requests": {"cpu": "1500m", "memory": "1Gi"}}}
-    assert pr.resource_value(container, {"resource": "requests.cpu"}, FACTS.allocatable) == "2"
+    assert resource_value(container, {"resource": "requests.cpu"}, FACTS.allocatable) == "2"
     assert (
-        pr.resource_value(
-            container, {"resource": "requests.cpu", "divisor": "1m"}, FACTS.allocatable
-        )
+        resource_value(container, {"resource": "requests.cpu", "divisor": "1m"}, FACTS.allocatable)
         == "1500"
     )
     ref = {"resource": "requests.memory", "divisor": "1Mi"}
-    assert pr.resource_value(container, ref, FACTS.allocatable) == "1024"
+    assert resource_value(container, ref, FACTS.allocatable) == "1024"
     # An unset limit is the node's allocatable amount; an unset request with no limit is 0.
-    assert pr.resource_value(container, {"resource": "limits.cpu"}, FACTS.allocatable) == "2"
-    assert pr.resource_value({}, {"resource": "requests.nvidia.com/gpu"}, {}) == "0"
-    with pytest.raises(pr.NotReady):
-        pr.resource_value({}, {"resource": "cpu"}, {})
+    assert resource_value(container, {"resource": "limits.cpu"}, FACTS.allocatable) == "2"
+    assert resource_value({}, {"resource": "requests.nvidia.com/gpu"}, {}) == "0"
+    with pytest.raises(NotReady):
+        resource_value({}, {"resource": "cpu"}, {})
 
 
 def test_build_env_order_sources_and_expansion() -> None:
@@ -195,7 +204,7 @@ def test_build_env_order_sources_and_expansion() -> None:
             {"name": "CPUS", "valueFrom": {"resourceFieldRef": {"resource": "limits.cpu"}}},
         ],
     }
-    env = pr.build_env(make_pod(), container, lookup, FACTS)
+    env = build_env(make_pod(), container, lookup, FACTS)
     assert env == {
         "CFG_LR": "0.1",
         "CFG_MODE": "cm",
@@ -219,24 +228,24 @@ def test_build_env_order_sources_and_expansion() -> None:
 )
 def test_build_env_missing_source_is_not_ready(item: dict[str, Any]) -> None:
     lookup = FakeLookup(config_maps={"settings": {"A": "1"}})
-    with pytest.raises(pr.NotReady) as err:
-        pr.build_env(make_pod(), {"env": [item]}, lookup, FACTS)
+    with pytest.raises(NotReady) as err:
+        build_env(make_pod(), {"env": [item]}, lookup, FACTS)
     assert err.value.reason == "CreateContainerConfigError"
 
 
 def test_build_env_missing_env_from() -> None:
     container = {"envFrom": [{"secretRef": {"name": "gone"}}]}
-    with pytest.raises(pr.NotReady, match='secret "gone" not found'):
-        pr.build_env(make_pod(), container, FakeLookup(), FACTS)
+    with pytest.raises(NotReady, match='secret "gone" not found'):
+        build_env(make_pod(), container, FakeLookup(), FACTS)
     optional = {"envFrom": [{"secretRef": {"name": "gone", "optional": True}}]}
-    assert pr.build_env(make_pod(), optional, FakeLookup(), FACTS) == {}
+    assert build_env(make_pod(), optional, FakeLookup(), FACTS) == {}
 
 
 def test_container_argv() -> None:
     container = {"command": ["torchrun"], "args": ["--nnodes=$(N)", "-m", "x", "$$(N)"]}
-    assert pr.container_argv(container, {"N": "2"}) == ["torchrun", "--nnodes=2", "-m", "x", "$(N)"]
-    with pytest.raises(pr.NotReady) as err:
-        pr.container_argv({"name": "c", "args": ["x"]}, {})
+    assert container_argv(container, {"N": "2"}) == ["torchrun", "--nnodes=2", "-m", "x", "$(N)"]
+    with pytest.raises(NotReady) as err:
+        container_argv({"name": "c", "args": ["x"]}, {})
     assert err.value.reason == "StartError"
 
 
@@ -287,22 +296,22 @@ def test_plan_volumes_of_a_trainer_pod(tmp_path: Path) -> None:
 
 def test_plan_volumes_waits_for_what_is_missing(tmp_path: Path) -> None:
     claim = make_pod(volumes=[{"name": "c", "persistentVolumeClaim": {"claimName": "x"}}])
-    with pytest.raises(pr.NotReady, match="not bound"):
+    with pytest.raises(NotReady, match="not bound"):
         pr.plan_volumes(claim, tmp_path, FakeLookup(), FACTS)
     cm = make_pod(volumes=[{"name": "c", "configMap": {"name": "absent"}}])
-    with pytest.raises(pr.NotReady, match='configmap "absent" not found'):
+    with pytest.raises(NotReady, match='configmap "absent" not found'):
         pr.plan_volumes(cm, tmp_path, FakeLookup(), FACTS)
     optional = make_pod(volumes=[{"name": "c", "configMap": {"name": "absent", "optional": True}}])
     assert pr.plan_volumes(optional, tmp_path, FakeLookup(), FACTS)["c"].files == {}
     nfs = make_pod(volumes=[{"name": "n", "nfs": {"server": "x", "path": "/"}}])
-    with pytest.raises(pr.NotReady, match="nfs volumes are not supported"):
+    with pytest.raises(NotReady, match="nfs volumes are not supported"):
         pr.plan_volumes(nfs, tmp_path, FakeLookup(), FACTS)
     bad = make_pod(
         volumes=[
             {"name": "c", "configMap": {"name": "cm", "items": [{"key": "k", "path": "../x"}]}}
         ]
     )
-    with pytest.raises(pr.NotReady, match="invalid path"):
+    with pytest.raises(NotReady, match="invalid path"):
         pr.plan_volumes(bad, tmp_path, FakeLookup(config_maps={"cm": {"k": "v"}}), FACTS)
 
 
@@ -377,7 +386,7 @@ def test_materialise_writes_files_and_folders(tmp_path: Path) -> None:
     pr.materialise(empty)
     assert (tmp_path / "v/e").is_dir()
     must = pr.VolumePlan("h", "hostPath", str(tmp_path / "nope"), check="dir")
-    with pytest.raises(pr.NotReady, match="not a directory"):
+    with pytest.raises(NotReady, match="not a directory"):
         pr.materialise(must)
     touch = pr.VolumePlan("f", "hostPath", str(tmp_path / "d/file"), create="file")
     pr.materialise(touch)
@@ -411,7 +420,7 @@ def test_plan_mounts_orders_parents_first_and_adds_hosts_and_termination_log() -
     ]
     default_term = pr.plan_mounts({}, {}, {}, hosts_file=None, termination_file="/w/t")
     assert default_term == [pr.Mount("/w/t", "/dev/termination-log")]
-    with pytest.raises(pr.NotReady):
+    with pytest.raises(NotReady):
         pr.plan_mounts(
             {"volumeMounts": [{"name": "x", "mountPath": "/x"}]},
             {},
@@ -425,12 +434,12 @@ def test_hosts_file_names_the_pod_and_its_siblings() -> None:
     pod = make_pod(
         hostname="ft-a1-0", subdomain="ft", hostAliases=[{"ip": "10.1.1.1", "hostnames": ["hub"]}]
     )
-    text = pr.hosts_file(pod, "127.0.100.2", {"ft-a1-0": "127.0.100.2", "ft-a1-1": "127.0.100.3"})
+    text = hosts_file(pod, "127.0.100.2", {"ft-a1-0": "127.0.100.2", "ft-a1-1": "127.0.100.3"})
     assert "127.0.0.1\tlocalhost\n" in text
     assert "127.0.100.2\tft-a1-0.ft.team.svc.cluster.local\tft-a1-0.ft\tft-a1-0\n" in text
     assert "127.0.100.3\tft-a1-1.ft.team.svc.cluster.local\tft-a1-1.ft\n" in text
     assert "10.1.1.1\thub\n" in text
-    plain = pr.hosts_file(make_pod(), "127.0.100.9", {})
+    plain = hosts_file(make_pod(), "127.0.100.9", {})
     assert plain.endswith("127.0.100.9\tft-a1-0-abcde\n")
 
 
@@ -689,9 +698,9 @@ def test_claim_lookup_resolves_bound_pv() -> None:
     lookup = pr.ApiLookup(FakeApi(), Path("/vr"))  # type: ignore[arg-type]
     assert lookup.claim_path("ns", "bound") == "/v/pv-1"
     assert lookup.claim_path("ns", "nfs") == "/vr/pv-2"
-    with pytest.raises(pr.NotReady, match="not bound"):
+    with pytest.raises(NotReady, match="not bound"):
         lookup.claim_path("ns", "pending")
-    with pytest.raises(pr.NotReady, match="not found"):
+    with pytest.raises(NotReady, match="not found"):
         lookup.claim_path("ns", "missing")
 
 

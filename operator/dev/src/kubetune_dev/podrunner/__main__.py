@@ -15,9 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kubetune_dev.podrunner.podspec import CLUSTER_DOMAIN, DEFAULT_HOST_IP
 from kubetune_dev.podrunner.runner import (
-    CLUSTER_DOMAIN,
-    DEFAULT_HOST_IP,
     DEFAULT_POD_IP_BASE,
     HEARTBEAT_SECONDS,
     PATH_MAP_ENV,
