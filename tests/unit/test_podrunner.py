@@ -23,6 +23,15 @@ from kubetune_dev.podrunner.podspec import (
     parse_quantity,
     resource_value,
 )
+from kubetune_dev.podrunner.volumes import (
+    Mount,
+    VolumePlan,
+    map_path,
+    materialise,
+    path_map,
+    plan_mounts,
+    plan_volumes,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -276,8 +285,8 @@ def test_plan_volumes_of_a_trainer_pod(tmp_path: Path) -> None:
         secrets={"hf": {"token": "t", "other": "o"}},
         claims={"ft-ckpt": "/vol/pvc-1", "models": "/vol/pvc-2"},
     )
-    plans = pr.plan_volumes(pod, tmp_path, lookup, FACTS)
-    assert plans["config"] == pr.VolumePlan(
+    plans = plan_volumes(pod, tmp_path, lookup, FACTS)
+    assert plans["config"] == VolumePlan(
         "config",
         "configMap",
         str(tmp_path / "volumes/config"),
@@ -297,22 +306,22 @@ def test_plan_volumes_of_a_trainer_pod(tmp_path: Path) -> None:
 def test_plan_volumes_waits_for_what_is_missing(tmp_path: Path) -> None:
     claim = make_pod(volumes=[{"name": "c", "persistentVolumeClaim": {"claimName": "x"}}])
     with pytest.raises(NotReady, match="not bound"):
-        pr.plan_volumes(claim, tmp_path, FakeLookup(), FACTS)
+        plan_volumes(claim, tmp_path, FakeLookup(), FACTS)
     cm = make_pod(volumes=[{"name": "c", "configMap": {"name": "absent"}}])
     with pytest.raises(NotReady, match='configmap "absent" not found'):
-        pr.plan_volumes(cm, tmp_path, FakeLookup(), FACTS)
+        plan_volumes(cm, tmp_path, FakeLookup(), FACTS)
     optional = make_pod(volumes=[{"name": "c", "configMap": {"name": "absent", "optional": True}}])
-    assert pr.plan_volumes(optional, tmp_path, FakeLookup(), FACTS)["c"].files == {}
+    assert plan_volumes(optional, tmp_path, FakeLookup(), FACTS)["c"].files == {}
     nfs = make_pod(volumes=[{"name": "n", "nfs": {"server": "x", "path": "/"}}])
     with pytest.raises(NotReady, match="nfs volumes are not supported"):
-        pr.plan_volumes(nfs, tmp_path, FakeLookup(), FACTS)
+        plan_volumes(nfs, tmp_path, FakeLookup(), FACTS)
     bad = make_pod(
         volumes=[
             {"name": "c", "configMap": {"name": "cm", "items": [{"key": "k", "path": "../x"}]}}
         ]
     )
     with pytest.raises(NotReady, match="invalid path"):
-        pr.plan_volumes(bad, tmp_path, FakeLookup(config_maps={"cm": {"k": "v"}}), FACTS)
+        plan_volumes(bad, tmp_path, FakeLookup(config_maps={"cm": {"k": "v"}}), FACTS)
 
 
 def test_plan_projected_service_account_volume(tmp_path: Path) -> None:
@@ -360,7 +369,7 @@ def test_plan_projected_service_account_volume(tmp_path: Path) -> None:
         ]
     )
     lookup = FakeLookup(config_maps={"kube-root-ca.crt": {"ca.crt": "PEM"}})
-    plans = pr.plan_volumes(pod, tmp_path, lookup, FACTS)
+    plans = plan_volumes(pod, tmp_path, lookup, FACTS)
     assert plans["kube-api-access"].files == {
         "token": (b"tok", 0o644),
         "ca.crt": (b"PEM", 0o644),
@@ -371,7 +380,7 @@ def test_plan_projected_service_account_volume(tmp_path: Path) -> None:
 
 
 def test_materialise_writes_files_and_folders(tmp_path: Path) -> None:
-    files = pr.VolumePlan(
+    files = VolumePlan(
         "c",
         "secret",
         str(tmp_path / "v/c"),
@@ -379,24 +388,24 @@ def test_materialise_writes_files_and_folders(tmp_path: Path) -> None:
         read_only=True,
         owned=True,
     )
-    pr.materialise(files)
+    materialise(files)
     assert (tmp_path / "v/c/a/b").read_bytes() == b"x"
     assert (tmp_path / "v/c/a/b").stat().st_mode & 0o777 == 0o600
-    empty = pr.VolumePlan("e", "emptyDir", str(tmp_path / "v/e"), create="dir", owned=True)
-    pr.materialise(empty)
+    empty = VolumePlan("e", "emptyDir", str(tmp_path / "v/e"), create="dir", owned=True)
+    materialise(empty)
     assert (tmp_path / "v/e").is_dir()
-    must = pr.VolumePlan("h", "hostPath", str(tmp_path / "nope"), check="dir")
+    must = VolumePlan("h", "hostPath", str(tmp_path / "nope"), check="dir")
     with pytest.raises(NotReady, match="not a directory"):
-        pr.materialise(must)
-    touch = pr.VolumePlan("f", "hostPath", str(tmp_path / "d/file"), create="file")
-    pr.materialise(touch)
+        materialise(must)
+    touch = VolumePlan("f", "hostPath", str(tmp_path / "d/file"), create="file")
+    materialise(touch)
     assert (tmp_path / "d/file").is_file()
 
 
 def test_plan_mounts_orders_parents_first_and_adds_hosts_and_termination_log() -> None:
     volumes = {
-        "data": pr.VolumePlan("data", "persistentVolumeClaim", "/vol/pvc-1"),
-        "cfg": pr.VolumePlan("cfg", "configMap", "/w/volumes/cfg", files={}, read_only=True),
+        "data": VolumePlan("data", "persistentVolumeClaim", "/vol/pvc-1"),
+        "cfg": VolumePlan("cfg", "configMap", "/w/volumes/cfg", files={}, read_only=True),
     }
     container = {
         "volumeMounts": [
@@ -407,21 +416,21 @@ def test_plan_mounts_orders_parents_first_and_adds_hosts_and_termination_log() -
         ],
         "terminationMessagePath": "/tmp/term",
     }
-    mounts = pr.plan_mounts(
+    mounts = plan_mounts(
         container, volumes, {"POD": "p-0"}, hosts_file="/w/hosts", termination_file="/w/term"
     )
     assert mounts == [
-        pr.Mount("/vol/pvc-1", "/mnt", True),
-        pr.Mount("/vol/pvc-1/p-0", "/per-pod", False),
-        pr.Mount("/w/volumes/cfg", "/etc/kubetune", True),
-        pr.Mount("/w/hosts", "/etc/hosts", False),
-        pr.Mount("/w/term", "/tmp/term", False),
-        pr.Mount("/vol/pvc-1/a/b", "/mnt/pvc/data/sub", False),
+        Mount("/vol/pvc-1", "/mnt", True),
+        Mount("/vol/pvc-1/p-0", "/per-pod", False),
+        Mount("/w/volumes/cfg", "/etc/kubetune", True),
+        Mount("/w/hosts", "/etc/hosts", False),
+        Mount("/w/term", "/tmp/term", False),
+        Mount("/vol/pvc-1/a/b", "/mnt/pvc/data/sub", False),
     ]
-    default_term = pr.plan_mounts({}, {}, {}, hosts_file=None, termination_file="/w/t")
-    assert default_term == [pr.Mount("/w/t", "/dev/termination-log")]
+    default_term = plan_mounts({}, {}, {}, hosts_file=None, termination_file="/w/t")
+    assert default_term == [Mount("/w/t", "/dev/termination-log")]
     with pytest.raises(NotReady):
-        pr.plan_mounts(
+        plan_mounts(
             {"volumeMounts": [{"name": "x", "mountPath": "/x"}]},
             {},
             {},
@@ -444,12 +453,12 @@ def test_hosts_file_names_the_pod_and_its_siblings() -> None:
 
 
 def test_path_map_translation() -> None:
-    mounts = [pr.Mount("/w/v/ckpt", "/checkpoints"), pr.Mount("/w/v/tmp", "/tmp")]
-    mapping = pr.path_map(mounts)
-    assert pr.map_path("/checkpoints/step-10", mapping) == "/w/v/ckpt/step-10"
-    assert pr.map_path("/checkpoints", mapping) == "/w/v/ckpt"
-    assert pr.map_path("/checkpointsX", mapping) == "/checkpointsX"
-    assert pr.map_path("/", mapping) == "/"
+    mounts = [Mount("/w/v/ckpt", "/checkpoints"), Mount("/w/v/tmp", "/tmp")]
+    mapping = path_map(mounts)
+    assert map_path("/checkpoints/step-10", mapping) == "/w/v/ckpt/step-10"
+    assert map_path("/checkpoints", mapping) == "/w/v/ckpt"
+    assert map_path("/checkpointsX", mapping) == "/checkpointsX"
+    assert map_path("/", mapping) == "/"
 
 
 def test_exec_spec_round_trip() -> None:
@@ -458,7 +467,7 @@ def test_exec_spec_round_trip() -> None:
         env={"A": "1"},
         cwd=None,
         hostname="p",
-        mounts=[pr.Mount("/a", "/b", True)],
+        mounts=[Mount("/a", "/b", True)],
         namespace=True,
         created_file="/c",
         error_file="/e",
@@ -705,9 +714,9 @@ def test_claim_lookup_resolves_bound_pv() -> None:
 
 
 def test_runtime_paths_under_a_volume_stay_visible() -> None:
-    volumes = {"tmp": pr.VolumePlan(name="tmp", kind="emptyDir", path="/w/tmp")}
+    volumes = {"tmp": VolumePlan(name="tmp", kind="emptyDir", path="/w/tmp")}
     container = {"volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}]}
-    mounts = pr.plan_mounts(
+    mounts = plan_mounts(
         container,
         volumes,
         {},
@@ -717,7 +726,7 @@ def test_runtime_paths_under_a_volume_stay_visible() -> None:
     )
     by_target = {m.target: m for m in mounts}
     # The virtualenv under /tmp is bound back read-only after the emptyDir; /usr needs nothing.
-    assert by_target["/tmp/ci/.venv"] == pr.Mount("/tmp/ci/.venv", "/tmp/ci/.venv", True)
+    assert by_target["/tmp/ci/.venv"] == Mount("/tmp/ci/.venv", "/tmp/ci/.venv", True)
     assert "/usr" not in by_target
     order = [m.target for m in mounts]
     assert order.index("/tmp") < order.index("/tmp/ci/.venv")
