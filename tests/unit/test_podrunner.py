@@ -23,6 +23,7 @@ from kubetune_dev.podrunner.podspec import (
     parse_quantity,
     resource_value,
 )
+from kubetune_dev.podrunner.sandbox import ExecSpec
 from kubetune_dev.podrunner.volumes import (
     Mount,
     VolumePlan,
@@ -462,7 +463,7 @@ def test_path_map_translation() -> None:
 
 
 def test_exec_spec_round_trip() -> None:
-    spec = pr.ExecSpec(
+    spec = ExecSpec(
         argv=["sh", "-c", "true"],
         env={"A": "1"},
         cwd=None,
@@ -473,7 +474,7 @@ def test_exec_spec_round_trip() -> None:
         error_file="/e",
         parent_pid=1,
     )
-    assert pr.ExecSpec.from_json(spec.to_json()) == spec
+    assert ExecSpec.from_json(spec.to_json()) == spec
 
 
 # ----------------------------------------------------------------------------- status

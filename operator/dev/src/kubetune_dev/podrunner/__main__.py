@@ -2,7 +2,7 @@
 
 Two uses: the runner itself (`--kubeconfig K --node NAME --work DIR ...`, see the package
 docstring), and, internally, `--exec-container FILE`, the helper process the runner starts for
-each container, which becomes that container's process (exec_container).
+each container, which becomes that container's process (sandbox.exec_container).
 """
 
 from __future__ import annotations
@@ -19,16 +19,18 @@ from kubetune_dev.podrunner.podspec import CLUSTER_DOMAIN, DEFAULT_HOST_IP
 from kubetune_dev.podrunner.runner import (
     DEFAULT_POD_IP_BASE,
     HEARTBEAT_SECONDS,
-    PATH_MAP_ENV,
     POLL_SECONDS,
     Api,
-    ExecSpec,
     PodRunner,
     RunnerConfig,
     default_capacity,
-    exec_container,
     parse_labels,
     parse_taints,
+)
+from kubetune_dev.podrunner.sandbox import (
+    PATH_MAP_ENV,
+    ExecSpec,
+    exec_container,
     probe_mount_namespace,
 )
 
