@@ -24,6 +24,17 @@ from kubetune_dev.podrunner.podspec import (
     resource_value,
 )
 from kubetune_dev.podrunner.sandbox import ExecSpec
+from kubetune_dev.podrunner.status import (
+    ContainerRun,
+    container_status,
+    exit_status,
+    parse_oom_kills,
+    pod_phase,
+    pod_status,
+    rfc3339,
+    termination_grace,
+    termination_message,
+)
 from kubetune_dev.podrunner.volumes import (
     Mount,
     VolumePlan,
@@ -130,8 +141,8 @@ def test_parse_labels_and_taints() -> None:
 
 
 def test_parse_oom_kills() -> None:
-    assert pr.parse_oom_kills("pgfault 10\noom_kill 4\nfoo 1\n") == 4
-    assert pr.parse_oom_kills("pgfault 10\n") is None
+    assert parse_oom_kills("pgfault 10\noom_kill 4\nfoo 1\n") == 4
+    assert parse_oom_kills("pgfault 10\n") is None
 
 
 # ----------------------------------------------------------------------------- env
@@ -492,11 +503,11 @@ def test_exec_spec_round_trip() -> None:
     ],
 )
 def test_exit_status(returncode: int, oom: bool, expected: tuple[int, str, int | None]) -> None:
-    assert pr.exit_status(returncode, oom=oom) == expected
+    assert exit_status(returncode, oom=oom) == expected
 
 
-def run(name: str, state: str, code: int | None = None, reason: str = "") -> pr.ContainerRun:
-    return pr.ContainerRun(
+def run(name: str, state: str, code: int | None = None, reason: str = "") -> ContainerRun:
+    return ContainerRun(
         name,
         image="img",
         state=state,
@@ -508,27 +519,27 @@ def run(name: str, state: str, code: int | None = None, reason: str = "") -> pr.
 
 
 def test_pod_phase() -> None:
-    assert pr.pod_phase([], [run("a", "waiting")]) == "Pending"
-    assert pr.pod_phase([run("i", "running")], [run("a", "waiting")]) == "Pending"
-    assert pr.pod_phase([run("i", "terminated", 1)], [run("a", "waiting")]) == "Failed"
-    assert pr.pod_phase([], [run("a", "running"), run("b", "terminated", 0)]) == "Running"
-    assert pr.pod_phase([], [run("a", "terminated", 0), run("b", "terminated", 0)]) == "Succeeded"
-    assert pr.pod_phase([], [run("a", "terminated", 0), run("b", "terminated", 2)]) == "Failed"
+    assert pod_phase([], [run("a", "waiting")]) == "Pending"
+    assert pod_phase([run("i", "running")], [run("a", "waiting")]) == "Pending"
+    assert pod_phase([run("i", "terminated", 1)], [run("a", "waiting")]) == "Failed"
+    assert pod_phase([], [run("a", "running"), run("b", "terminated", 0)]) == "Running"
+    assert pod_phase([], [run("a", "terminated", 0), run("b", "terminated", 0)]) == "Succeeded"
+    assert pod_phase([], [run("a", "terminated", 0), run("b", "terminated", 2)]) == "Failed"
 
 
 def test_container_status_shapes() -> None:
-    waiting = pr.container_status(pr.ContainerRun("c", image="i", message="configmap missing"))
+    waiting = container_status(ContainerRun("c", image="i", message="configmap missing"))
     assert waiting["state"] == {
         "waiting": {"reason": "ContainerCreating", "message": "configmap missing"}
     }
     assert waiting["ready"] is False and waiting["started"] is False
-    running = pr.ContainerRun("c", image="i", state="running", started_at="T0", container_id="x")
-    status = pr.container_status(running)
+    running = ContainerRun("c", image="i", state="running", started_at="T0", container_id="x")
+    status = container_status(running)
     assert status["state"] == {"running": {"startedAt": "T0"}}
     assert status["ready"] and status["started"] and status["containerID"] == "x"
     done = run("c", "terminated", 137, "OOMKilled")
     done.signal, done.message = 9, "out of memory"
-    term = pr.container_status(done)["state"]["terminated"]
+    term = container_status(done)["state"]["terminated"]
     assert term == {
         "exitCode": 137,
         "reason": "OOMKilled",
@@ -537,13 +548,13 @@ def test_container_status_shapes() -> None:
         "message": "out of memory",
         "signal": 9,
     }
-    init_done = pr.container_status(run("i", "terminated", 0, "Completed"), init=True)
+    init_done = container_status(run("i", "terminated", 0, "Completed"), init=True)
     assert init_done["ready"] is True
 
 
 def test_pod_status_running_then_failed_keeps_transition_times() -> None:
     pod = make_pod()
-    status = pr.pod_status(
+    status = pod_status(
         pod,
         [],
         [run("trainer", "running")],
@@ -566,7 +577,7 @@ def test_pod_status_running_then_failed_keeps_transition_times() -> None:
     }
     assert "initContainerStatuses" not in status
     pod["status"] = status
-    done = pr.pod_status(
+    done = pod_status(
         pod,
         [],
         [run("trainer", "terminated", 3, "Error")],
@@ -584,10 +595,10 @@ def test_pod_status_running_then_failed_keeps_transition_times() -> None:
 
 
 def test_pod_status_with_init_containers() -> None:
-    status = pr.pod_status(
+    status = pod_status(
         make_pod(),
         [run("init", "running")],
-        [pr.ContainerRun("trainer", reason="PodInitializing")],
+        [ContainerRun("trainer", reason="PodInitializing")],
         pod_ip="ip",
         host_ip="h",
         start_time="T0",
@@ -604,21 +615,21 @@ def test_pod_status_with_init_containers() -> None:
 
 
 def test_termination_message_and_fallback_to_logs() -> None:
-    assert pr.termination_message(b"bye\n", b"log", policy="File", exit_code=1) == "bye\n"
-    assert pr.termination_message(b"", b"log", policy="File", exit_code=1) == ""
+    assert termination_message(b"bye\n", b"log", policy="File", exit_code=1) == "bye\n"
+    assert termination_message(b"", b"log", policy="File", exit_code=1) == ""
     logs = b"\n".join(f"line {i}".encode() for i in range(200))
-    msg = pr.termination_message(b"", logs, policy="FallbackToLogsOnError", exit_code=1)
+    msg = termination_message(b"", logs, policy="FallbackToLogsOnError", exit_code=1)
     assert msg.endswith("line 199") and "line 119" not in msg
-    assert pr.termination_message(b"", logs, policy="FallbackToLogsOnError", exit_code=0) == ""
-    assert len(pr.termination_message(b"x" * 10000, b"", policy="File", exit_code=0)) == 4096
+    assert termination_message(b"", logs, policy="FallbackToLogsOnError", exit_code=0) == ""
+    assert len(termination_message(b"x" * 10000, b"", policy="File", exit_code=0)) == 4096
 
 
 def test_termination_grace() -> None:
     pod = make_pod(terminationGracePeriodSeconds=120)
-    assert pr.termination_grace(pod) == 120
+    assert termination_grace(pod) == 120
     pod["metadata"]["deletionGracePeriodSeconds"] = 5
-    assert pr.termination_grace(pod) == 5
-    assert pr.termination_grace(make_pod()) == 30
+    assert termination_grace(pod) == 5
+    assert termination_grace(make_pod()) == 30
 
 
 # ----------------------------------------------------------------------------- node
@@ -664,7 +675,7 @@ def test_node_manifest_status_and_lease() -> None:
 
 
 def test_time_formats() -> None:
-    assert pr.rfc3339(0) == "1970-01-01T00:00:00Z"
+    assert rfc3339(0) == "1970-01-01T00:00:00Z"
     assert pr.micro_time(1.5) == "1970-01-01T00:00:01.500000Z"
 
 
