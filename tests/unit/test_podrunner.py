@@ -12,6 +12,15 @@ from typing import Any
 import pytest
 
 from kubetune_dev.podrunner import runner as pr
+from kubetune_dev.podrunner.node import (
+    default_capacity,
+    lease_manifest,
+    micro_time,
+    node_manifest,
+    node_status,
+    parse_labels,
+    parse_taints,
+)
 from kubetune_dev.podrunner.podspec import (
     NotReady,
     PodFacts,
@@ -128,16 +137,16 @@ def test_parse_quantity_rejects_garbage() -> None:
 
 
 def test_parse_labels_and_taints() -> None:
-    assert pr.parse_labels("a=b, pool=l40s,") == {"a": "b", "pool": "l40s"}
-    assert pr.parse_labels("") == {}
+    assert parse_labels("a=b, pool=l40s,") == {"a": "b", "pool": "l40s"}
+    assert parse_labels("") == {}
     with pytest.raises(ValueError):
-        pr.parse_labels("novalue")
-    assert pr.parse_taints("nvidia.com/gpu=present:NoSchedule,dedicated:NoExecute") == [
+        parse_labels("novalue")
+    assert parse_taints("nvidia.com/gpu=present:NoSchedule,dedicated:NoExecute") == [
         {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"},
         {"key": "dedicated", "effect": "NoExecute"},
     ]
     with pytest.raises(ValueError):
-        pr.parse_taints("a=b:Sometimes")
+        parse_taints("a=b:Sometimes")
 
 
 def test_parse_oom_kills() -> None:
@@ -636,7 +645,7 @@ def test_termination_grace() -> None:
 
 
 def test_node_manifest_status_and_lease() -> None:
-    capacity = pr.default_capacity("4", "16Gi", gpus=8)
+    capacity = default_capacity("4", "16Gi", gpus=8)
     assert capacity == {
         "cpu": "4",
         "memory": "16Gi",
@@ -644,8 +653,8 @@ def test_node_manifest_status_and_lease() -> None:
         "ephemeral-storage": "100Gi",
         "nvidia.com/gpu": "8",
     }
-    assert "nvidia.com/gpu" not in pr.default_capacity("4", "16Gi", gpus=0)
-    node = pr.node_manifest(
+    assert "nvidia.com/gpu" not in default_capacity("4", "16Gi", gpus=0)
+    node = node_manifest(
         "local-0",
         {"nvidia.com/gpu.product": "NVIDIA-L40S"},
         [{"key": "nvidia.com/gpu", "effect": "NoSchedule"}],
@@ -653,18 +662,18 @@ def test_node_manifest_status_and_lease() -> None:
     labels = node["metadata"]["labels"]
     assert labels["kubernetes.io/hostname"] == "local-0"
     # Labels copied from a simulated pool node do not rename the node.
-    copied = pr.node_manifest("local-0", {"kubernetes.io/hostname": "l40s-0"}, [])
+    copied = node_manifest("local-0", {"kubernetes.io/hostname": "l40s-0"}, [])
     assert copied["metadata"]["labels"]["kubernetes.io/hostname"] == "local-0"
     assert labels["nvidia.com/gpu.product"] == "NVIDIA-L40S"
     assert "kwok.x-k8s.io/node" not in node["metadata"].get("annotations", {})
     assert node["spec"]["taints"] == [{"key": "nvidia.com/gpu", "effect": "NoSchedule"}]
-    status = pr.node_status(capacity, host_ip="127.0.0.1", name="local-0", now="T2", since="T1")
+    status = node_status(capacity, host_ip="127.0.0.1", name="local-0", now="T2", since="T1")
     ready = next(c for c in status["conditions"] if c["type"] == "Ready")
     assert ready["status"] == "True"
     assert ready["lastHeartbeatTime"] == "T2" and ready["lastTransitionTime"] == "T1"
     assert status["allocatable"] == capacity
     assert {"type": "InternalIP", "address": "127.0.0.1"} in status["addresses"]
-    lease = pr.lease_manifest("local-0", "uid-9", "2026-01-01T00:00:00.000000Z", 40)
+    lease = lease_manifest("local-0", "uid-9", "2026-01-01T00:00:00.000000Z", 40)
     assert lease["metadata"]["namespace"] == "kube-node-lease"
     assert lease["metadata"]["ownerReferences"][0]["uid"] == "uid-9"
     assert lease["spec"] == {
@@ -676,7 +685,7 @@ def test_node_manifest_status_and_lease() -> None:
 
 def test_time_formats() -> None:
     assert rfc3339(0) == "1970-01-01T00:00:00Z"
-    assert pr.micro_time(1.5) == "1970-01-01T00:00:01.500000Z"
+    assert micro_time(1.5) == "1970-01-01T00:00:01.500000Z"
 
 
 def test_secret_lookup_decodes_base64() -> None:

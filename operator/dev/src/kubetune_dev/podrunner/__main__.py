@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kubetune_dev.podrunner.node import default_capacity, parse_labels, parse_taints
 from kubetune_dev.podrunner.podspec import CLUSTER_DOMAIN, DEFAULT_HOST_IP
 from kubetune_dev.podrunner.runner import (
     DEFAULT_POD_IP_BASE,
@@ -23,9 +24,6 @@ from kubetune_dev.podrunner.runner import (
     Api,
     PodRunner,
     RunnerConfig,
-    default_capacity,
-    parse_labels,
-    parse_taints,
 )
 from kubetune_dev.podrunner.sandbox import (
     PATH_MAP_ENV,
