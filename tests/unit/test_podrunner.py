@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kubetune_dev.podrunner import runner as pr
+from kubetune_dev.podrunner.api import ApiLookup
 from kubetune_dev.podrunner.node import (
     default_capacity,
     lease_manifest,
@@ -697,7 +697,7 @@ def test_secret_lookup_decodes_base64() -> None:
                 return {"data": {"a": "1"}, "binaryData": {"b": base64.b64encode(b"\x00").decode()}}
             return None
 
-    lookup = pr.ApiLookup(FakeApi(), Path("/vr"))  # type: ignore[arg-type]
+    lookup = ApiLookup(FakeApi(), Path("/vr"))  # type: ignore[arg-type]
     assert lookup.secret("ns", "hf") == {"token": b"abc"}
     assert lookup.config_map("ns", "cm") == {"a": b"1", "b": b"\x00"}
     assert lookup.secret("ns", "nope") is None
@@ -725,7 +725,7 @@ def test_claim_lookup_resolves_bound_pv() -> None:
         def get(self, path: str) -> dict[str, Any] | None:
             return objects.get(path)
 
-    lookup = pr.ApiLookup(FakeApi(), Path("/vr"))  # type: ignore[arg-type]
+    lookup = ApiLookup(FakeApi(), Path("/vr"))  # type: ignore[arg-type]
     assert lookup.claim_path("ns", "bound") == "/v/pv-1"
     assert lookup.claim_path("ns", "nfs") == "/vr/pv-2"
     with pytest.raises(NotReady, match="not bound"):

@@ -15,13 +15,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kubetune_dev.podrunner.api import Api
 from kubetune_dev.podrunner.node import default_capacity, parse_labels, parse_taints
 from kubetune_dev.podrunner.podspec import CLUSTER_DOMAIN, DEFAULT_HOST_IP
 from kubetune_dev.podrunner.runner import (
     DEFAULT_POD_IP_BASE,
     HEARTBEAT_SECONDS,
     POLL_SECONDS,
-    Api,
     PodRunner,
     RunnerConfig,
 )
