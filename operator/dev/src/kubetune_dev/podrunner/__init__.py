@@ -47,5 +47,21 @@ containerPorts are not isolated (each pod has its own loopback IP, but a process
 resolve only through the per-pod `/etc/hosts`; `kubectl logs`/`exec` do not work: each
 container's stdout and stderr go to `DIR/<namespace>_<pod>/<container>.log`.
 
+The modules, each importing only those listed before it:
+
+- `podspec`: the pod spec read without side effects: quantities, `$(VAR)` expansion, field and
+  resource references, a container's env and argv, the hostname and /etc/hosts text;
+- `status`: the status reported for a pod: container states, phase, conditions, exit reasons,
+  termination messages;
+- `node`: the Node this runner plays: labels and taints flags, capacity, Node status, Lease;
+- `volumes`: what backs each pod volume on this machine, and each container's bind mounts
+  (or the path map that stands in for them);
+- `sandbox`: the helper that becomes a container's process: namespaces through ctypes, bind
+  mounts, hostname, the command as PID 1;
+- `api`: the small REST client and `ApiLookup`, the `podspec.Lookup` it backs;
+- `runner`: `PodRunner`, the loop: node registration and heartbeat, then admit, prepare,
+  start, collect, terminate, report and delete each pod;
+- `__main__`: the command line, and the `--exec-container` entry of the helper.
+
 See docs/local-pod-runner.md.
 """
