@@ -22,7 +22,7 @@ import pytest
 from cluster_helpers import Cluster, wait_for
 
 from kubetune_dev.cluster import STORAGE_CLASS, LocalCluster
-from kubetune_dev.podrunner import probe_mount_namespace
+from kubetune_dev.podrunner.sandbox import probe_mount_namespace
 
 pytestmark = pytest.mark.integration
 

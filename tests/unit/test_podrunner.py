@@ -11,12 +11,53 @@ from typing import Any
 
 import pytest
 
-from kubetune_dev import podrunner as pr
+from kubetune_dev.podrunner.api import ApiLookup
+from kubetune_dev.podrunner.node import (
+    default_capacity,
+    lease_manifest,
+    micro_time,
+    node_manifest,
+    node_status,
+    parse_labels,
+    parse_taints,
+)
+from kubetune_dev.podrunner.podspec import (
+    NotReady,
+    PodFacts,
+    build_env,
+    container_argv,
+    expand,
+    field_value,
+    hosts_file,
+    parse_quantity,
+    resource_value,
+)
+from kubetune_dev.podrunner.sandbox import ExecSpec
+from kubetune_dev.podrunner.status import (
+    ContainerRun,
+    container_status,
+    exit_status,
+    parse_oom_kills,
+    pod_phase,
+    pod_status,
+    rfc3339,
+    termination_grace,
+    termination_message,
+)
+from kubetune_dev.podrunner.volumes import (
+    Mount,
+    VolumePlan,
+    map_path,
+    materialise,
+    path_map,
+    plan_mounts,
+    plan_volumes,
+)
 
 pytestmark = pytest.mark.unit
 
 INDEX_FIELD = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
-FACTS = pr.PodFacts(
+FACTS = PodFacts(
     pod_ip="127.0.100.7",
     host_ip="127.0.0.1",
     node_name="local-0",
@@ -48,7 +89,7 @@ class FakeLookup:
 
     def claim_path(self, namespace: str, claim: str) -> str:
         if claim not in self.claims:
-            raise pr.NotReady("FailedMount", f'persistentvolumeclaim "{claim}" is not bound yet')
+            raise NotReady("FailedMount", f'persistentvolumeclaim "{claim}" is not bound yet')
         return self.claims[claim]
 
     def token(self, pod: Mapping[str, Any], audience: str | None, expiration: int) -> str:
@@ -85,32 +126,32 @@ def make_pod(**spec: Any) -> dict[str, Any]:
     ],
 )
 def test_parse_quantity(text: str, value: Decimal) -> None:
-    assert pr.parse_quantity(text) == value
+    assert parse_quantity(text) == value
 
 
 def test_parse_quantity_rejects_garbage() -> None:
     with pytest.raises(ValueError):
-        pr.parse_quantity("lots")
+        parse_quantity("lots")
     with pytest.raises(ValueError):
-        pr.parse_quantity("3Qi")
+        parse_quantity("3Qi")
 
 
 def test_parse_labels_and_taints() -> None:
-    assert pr.parse_labels("a=b, pool=l40s,") == {"a": "b", "pool": "l40s"}
-    assert pr.parse_labels("") == {}
+    assert parse_labels("a=b, pool=l40s,") == {"a": "b", "pool": "l40s"}
+    assert parse_labels("") == {}
     with pytest.raises(ValueError):
-        pr.parse_labels("novalue")
-    assert pr.parse_taints("nvidia.com/gpu=present:NoSchedule,dedicated:NoExecute") == [
+        parse_labels("novalue")
+    assert parse_taints("nvidia.com/gpu=present:NoSchedule,dedicated:NoExecute") == [
         {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"},
         {"key": "dedicated", "effect": "NoExecute"},
     ]
     with pytest.raises(ValueError):
-        pr.parse_taints("a=b:Sometimes")
+        parse_taints("a=b:Sometimes")
 
 
 def test_parse_oom_kills() -> None:
-    assert pr.parse_oom_kills("pgfault 10\noom_kill 4\nfoo 1\n") == 4
-    assert pr.parse_oom_kills("pgfault 10\n") is None
+    assert parse_oom_kills("pgfault 10\noom_kill 4\nfoo 1\n") == 4
+    assert parse_oom_kills("pgfault 10\n") is None
 
 
 # ----------------------------------------------------------------------------- env
@@ -129,42 +170,40 @@ def test_parse_oom_kills() -> None:
     ],
 )
 def test_expand_follows_kubernetes_rules(text: str, out: str) -> None:
-    assert pr.expand(text, {"A": "1", "B": "two"}) == out
+    assert expand(text, {"A": "1", "B": "two"}) == out
 
 
 def test_field_values() -> None:
     pod = make_pod(serviceAccountName="trainer")
-    assert pr.field_value(pod, "metadata.name", FACTS) == "ft-a1-0-abcde"
-    assert pr.field_value(pod, "metadata.namespace", FACTS) == "team"
-    assert pr.field_value(pod, "metadata.uid", FACTS) == "uid-1"
-    assert pr.field_value(pod, INDEX_FIELD, FACTS) == "3"
-    assert pr.field_value(pod, 'metadata.labels["app"]', FACTS) == "trainer"
-    assert pr.field_value(pod, "metadata.labels['nope']", FACTS) == ""
-    assert pr.field_value(pod, "status.podIP", FACTS) == "127.0.100.7"
-    assert pr.field_value(pod, "status.hostIP", FACTS) == "127.0.0.1"
-    assert pr.field_value(pod, "spec.nodeName", FACTS) == "local-0"
-    assert pr.field_value(pod, "spec.serviceAccountName", FACTS) == "trainer"
-    assert pr.field_value(pod, "metadata.labels", FACTS) == 'app="trainer"'
-    with pytest.raises(pr.NotReady):
-        pr.field_value(pod, "spec.containers", FACTS)
+    assert field_value(pod, "metadata.name", FACTS) == "ft-a1-0-abcde"
+    assert field_value(pod, "metadata.namespace", FACTS) == "team"
+    assert field_value(pod, "metadata.uid", FACTS) == "uid-1"
+    assert field_value(pod, INDEX_FIELD, FACTS) == "3"
+    assert field_value(pod, 'metadata.labels["app"]', FACTS) == "trainer"
+    assert field_value(pod, "metadata.labels['nope']", FACTS) == ""
+    assert field_value(pod, "status.podIP", FACTS) == "127.0.100.7"
+    assert field_value(pod, "status.hostIP", FACTS) == "127.0.0.1"
+    assert field_value(pod, "spec.nodeName", FACTS) == "local-0"
+    assert field_value(pod, "spec.serviceAccountName", FACTS) == "trainer"
+    assert field_value(pod, "metadata.labels", FACTS) == 'app="trainer"'
+    with pytest.raises(NotReady):
+        field_value(pod, "spec.containers", FACTS)
 
 
 def test_resource_field_ref_defaults() -> None:
     container = {"resources": {"requests": {"cpu": "1500m", "memory": "1Gi"}}}
-    assert pr.resource_value(container, {"resource": "requests.cpu"}, FACTS.allocatable) == "2"
+    assert resource_value(container, {"resource": "requests.cpu"}, FACTS.allocatable) == "2"
     assert (
-        pr.resource_value(
-            container, {"resource": "requests.cpu", "divisor": "1m"}, FACTS.allocatable
-        )
+        resource_value(container, {"resource": "requests.cpu", "divisor": "1m"}, FACTS.allocatable)
         == "1500"
     )
     ref = {"resource": "requests.memory", "divisor": "1Mi"}
-    assert pr.resource_value(container, ref, FACTS.allocatable) == "1024"
+    assert resource_value(container, ref, FACTS.allocatable) == "1024"
     # An unset limit is the node's allocatable amount; an unset request with no limit is 0.
-    assert pr.resource_value(container, {"resource": "limits.cpu"}, FACTS.allocatable) == "2"
-    assert pr.resource_value({}, {"resource": "requests.nvidia.com/gpu"}, {}) == "0"
-    with pytest.raises(pr.NotReady):
-        pr.resource_value({}, {"resource": "cpu"}, {})
+    assert resource_value(container, {"resource": "limits.cpu"}, FACTS.allocatable) == "2"
+    assert resource_value({}, {"resource": "requests.nvidia.com/gpu"}, {}) == "0"
+    with pytest.raises(NotReady):
+        resource_value({}, {"resource": "cpu"}, {})
 
 
 def test_build_env_order_sources_and_expansion() -> None:
@@ -195,7 +234,7 @@ def test_build_env_order_sources_and_expansion() -> None:
             {"name": "CPUS", "valueFrom": {"resourceFieldRef": {"resource": "limits.cpu"}}},
         ],
     }
-    env = pr.build_env(make_pod(), container, lookup, FACTS)
+    env = build_env(make_pod(), container, lookup, FACTS)
     assert env == {
         "CFG_LR": "0.1",
         "CFG_MODE": "cm",
@@ -219,24 +258,24 @@ def test_build_env_order_sources_and_expansion() -> None:
 )
 def test_build_env_missing_source_is_not_ready(item: dict[str, Any]) -> None:
     lookup = FakeLookup(config_maps={"settings": {"A": "1"}})
-    with pytest.raises(pr.NotReady) as err:
-        pr.build_env(make_pod(), {"env": [item]}, lookup, FACTS)
+    with pytest.raises(NotReady) as err:
+        build_env(make_pod(), {"env": [item]}, lookup, FACTS)
     assert err.value.reason == "CreateContainerConfigError"
 
 
 def test_build_env_missing_env_from() -> None:
     container = {"envFrom": [{"secretRef": {"name": "gone"}}]}
-    with pytest.raises(pr.NotReady, match='secret "gone" not found'):
-        pr.build_env(make_pod(), container, FakeLookup(), FACTS)
+    with pytest.raises(NotReady, match='secret "gone" not found'):
+        build_env(make_pod(), container, FakeLookup(), FACTS)
     optional = {"envFrom": [{"secretRef": {"name": "gone", "optional": True}}]}
-    assert pr.build_env(make_pod(), optional, FakeLookup(), FACTS) == {}
+    assert build_env(make_pod(), optional, FakeLookup(), FACTS) == {}
 
 
 def test_container_argv() -> None:
     container = {"command": ["torchrun"], "args": ["--nnodes=$(N)", "-m", "x", "$$(N)"]}
-    assert pr.container_argv(container, {"N": "2"}) == ["torchrun", "--nnodes=2", "-m", "x", "$(N)"]
-    with pytest.raises(pr.NotReady) as err:
-        pr.container_argv({"name": "c", "args": ["x"]}, {})
+    assert container_argv(container, {"N": "2"}) == ["torchrun", "--nnodes=2", "-m", "x", "$(N)"]
+    with pytest.raises(NotReady) as err:
+        container_argv({"name": "c", "args": ["x"]}, {})
     assert err.value.reason == "StartError"
 
 
@@ -267,8 +306,8 @@ def test_plan_volumes_of_a_trainer_pod(tmp_path: Path) -> None:
         secrets={"hf": {"token": "t", "other": "o"}},
         claims={"ft-ckpt": "/vol/pvc-1", "models": "/vol/pvc-2"},
     )
-    plans = pr.plan_volumes(pod, tmp_path, lookup, FACTS)
-    assert plans["config"] == pr.VolumePlan(
+    plans = plan_volumes(pod, tmp_path, lookup, FACTS)
+    assert plans["config"] == VolumePlan(
         "config",
         "configMap",
         str(tmp_path / "volumes/config"),
@@ -287,23 +326,23 @@ def test_plan_volumes_of_a_trainer_pod(tmp_path: Path) -> None:
 
 def test_plan_volumes_waits_for_what_is_missing(tmp_path: Path) -> None:
     claim = make_pod(volumes=[{"name": "c", "persistentVolumeClaim": {"claimName": "x"}}])
-    with pytest.raises(pr.NotReady, match="not bound"):
-        pr.plan_volumes(claim, tmp_path, FakeLookup(), FACTS)
+    with pytest.raises(NotReady, match="not bound"):
+        plan_volumes(claim, tmp_path, FakeLookup(), FACTS)
     cm = make_pod(volumes=[{"name": "c", "configMap": {"name": "absent"}}])
-    with pytest.raises(pr.NotReady, match='configmap "absent" not found'):
-        pr.plan_volumes(cm, tmp_path, FakeLookup(), FACTS)
+    with pytest.raises(NotReady, match='configmap "absent" not found'):
+        plan_volumes(cm, tmp_path, FakeLookup(), FACTS)
     optional = make_pod(volumes=[{"name": "c", "configMap": {"name": "absent", "optional": True}}])
-    assert pr.plan_volumes(optional, tmp_path, FakeLookup(), FACTS)["c"].files == {}
+    assert plan_volumes(optional, tmp_path, FakeLookup(), FACTS)["c"].files == {}
     nfs = make_pod(volumes=[{"name": "n", "nfs": {"server": "x", "path": "/"}}])
-    with pytest.raises(pr.NotReady, match="nfs volumes are not supported"):
-        pr.plan_volumes(nfs, tmp_path, FakeLookup(), FACTS)
+    with pytest.raises(NotReady, match="nfs volumes are not supported"):
+        plan_volumes(nfs, tmp_path, FakeLookup(), FACTS)
     bad = make_pod(
         volumes=[
             {"name": "c", "configMap": {"name": "cm", "items": [{"key": "k", "path": "../x"}]}}
         ]
     )
-    with pytest.raises(pr.NotReady, match="invalid path"):
-        pr.plan_volumes(bad, tmp_path, FakeLookup(config_maps={"cm": {"k": "v"}}), FACTS)
+    with pytest.raises(NotReady, match="invalid path"):
+        plan_volumes(bad, tmp_path, FakeLookup(config_maps={"cm": {"k": "v"}}), FACTS)
 
 
 def test_plan_projected_service_account_volume(tmp_path: Path) -> None:
@@ -351,7 +390,7 @@ def test_plan_projected_service_account_volume(tmp_path: Path) -> None:
         ]
     )
     lookup = FakeLookup(config_maps={"kube-root-ca.crt": {"ca.crt": "PEM"}})
-    plans = pr.plan_volumes(pod, tmp_path, lookup, FACTS)
+    plans = plan_volumes(pod, tmp_path, lookup, FACTS)
     assert plans["kube-api-access"].files == {
         "token": (b"tok", 0o644),
         "ca.crt": (b"PEM", 0o644),
@@ -362,7 +401,7 @@ def test_plan_projected_service_account_volume(tmp_path: Path) -> None:
 
 
 def test_materialise_writes_files_and_folders(tmp_path: Path) -> None:
-    files = pr.VolumePlan(
+    files = VolumePlan(
         "c",
         "secret",
         str(tmp_path / "v/c"),
@@ -370,24 +409,24 @@ def test_materialise_writes_files_and_folders(tmp_path: Path) -> None:
         read_only=True,
         owned=True,
     )
-    pr.materialise(files)
+    materialise(files)
     assert (tmp_path / "v/c/a/b").read_bytes() == b"x"
     assert (tmp_path / "v/c/a/b").stat().st_mode & 0o777 == 0o600
-    empty = pr.VolumePlan("e", "emptyDir", str(tmp_path / "v/e"), create="dir", owned=True)
-    pr.materialise(empty)
+    empty = VolumePlan("e", "emptyDir", str(tmp_path / "v/e"), create="dir", owned=True)
+    materialise(empty)
     assert (tmp_path / "v/e").is_dir()
-    must = pr.VolumePlan("h", "hostPath", str(tmp_path / "nope"), check="dir")
-    with pytest.raises(pr.NotReady, match="not a directory"):
-        pr.materialise(must)
-    touch = pr.VolumePlan("f", "hostPath", str(tmp_path / "d/file"), create="file")
-    pr.materialise(touch)
+    must = VolumePlan("h", "hostPath", str(tmp_path / "nope"), check="dir")
+    with pytest.raises(NotReady, match="not a directory"):
+        materialise(must)
+    touch = VolumePlan("f", "hostPath", str(tmp_path / "d/file"), create="file")
+    materialise(touch)
     assert (tmp_path / "d/file").is_file()
 
 
 def test_plan_mounts_orders_parents_first_and_adds_hosts_and_termination_log() -> None:
     volumes = {
-        "data": pr.VolumePlan("data", "persistentVolumeClaim", "/vol/pvc-1"),
-        "cfg": pr.VolumePlan("cfg", "configMap", "/w/volumes/cfg", files={}, read_only=True),
+        "data": VolumePlan("data", "persistentVolumeClaim", "/vol/pvc-1"),
+        "cfg": VolumePlan("cfg", "configMap", "/w/volumes/cfg", files={}, read_only=True),
     }
     container = {
         "volumeMounts": [
@@ -398,21 +437,21 @@ def test_plan_mounts_orders_parents_first_and_adds_hosts_and_termination_log() -
         ],
         "terminationMessagePath": "/tmp/term",
     }
-    mounts = pr.plan_mounts(
+    mounts = plan_mounts(
         container, volumes, {"POD": "p-0"}, hosts_file="/w/hosts", termination_file="/w/term"
     )
     assert mounts == [
-        pr.Mount("/vol/pvc-1", "/mnt", True),
-        pr.Mount("/vol/pvc-1/p-0", "/per-pod", False),
-        pr.Mount("/w/volumes/cfg", "/etc/kubetune", True),
-        pr.Mount("/w/hosts", "/etc/hosts", False),
-        pr.Mount("/w/term", "/tmp/term", False),
-        pr.Mount("/vol/pvc-1/a/b", "/mnt/pvc/data/sub", False),
+        Mount("/vol/pvc-1", "/mnt", True),
+        Mount("/vol/pvc-1/p-0", "/per-pod", False),
+        Mount("/w/volumes/cfg", "/etc/kubetune", True),
+        Mount("/w/hosts", "/etc/hosts", False),
+        Mount("/w/term", "/tmp/term", False),
+        Mount("/vol/pvc-1/a/b", "/mnt/pvc/data/sub", False),
     ]
-    default_term = pr.plan_mounts({}, {}, {}, hosts_file=None, termination_file="/w/t")
-    assert default_term == [pr.Mount("/w/t", "/dev/termination-log")]
-    with pytest.raises(pr.NotReady):
-        pr.plan_mounts(
+    default_term = plan_mounts({}, {}, {}, hosts_file=None, termination_file="/w/t")
+    assert default_term == [Mount("/w/t", "/dev/termination-log")]
+    with pytest.raises(NotReady):
+        plan_mounts(
             {"volumeMounts": [{"name": "x", "mountPath": "/x"}]},
             {},
             {},
@@ -425,37 +464,37 @@ def test_hosts_file_names_the_pod_and_its_siblings() -> None:
     pod = make_pod(
         hostname="ft-a1-0", subdomain="ft", hostAliases=[{"ip": "10.1.1.1", "hostnames": ["hub"]}]
     )
-    text = pr.hosts_file(pod, "127.0.100.2", {"ft-a1-0": "127.0.100.2", "ft-a1-1": "127.0.100.3"})
+    text = hosts_file(pod, "127.0.100.2", {"ft-a1-0": "127.0.100.2", "ft-a1-1": "127.0.100.3"})
     assert "127.0.0.1\tlocalhost\n" in text
     assert "127.0.100.2\tft-a1-0.ft.team.svc.cluster.local\tft-a1-0.ft\tft-a1-0\n" in text
     assert "127.0.100.3\tft-a1-1.ft.team.svc.cluster.local\tft-a1-1.ft\n" in text
     assert "10.1.1.1\thub\n" in text
-    plain = pr.hosts_file(make_pod(), "127.0.100.9", {})
+    plain = hosts_file(make_pod(), "127.0.100.9", {})
     assert plain.endswith("127.0.100.9\tft-a1-0-abcde\n")
 
 
 def test_path_map_translation() -> None:
-    mounts = [pr.Mount("/w/v/ckpt", "/checkpoints"), pr.Mount("/w/v/tmp", "/tmp")]
-    mapping = pr.path_map(mounts)
-    assert pr.map_path("/checkpoints/step-10", mapping) == "/w/v/ckpt/step-10"
-    assert pr.map_path("/checkpoints", mapping) == "/w/v/ckpt"
-    assert pr.map_path("/checkpointsX", mapping) == "/checkpointsX"
-    assert pr.map_path("/", mapping) == "/"
+    mounts = [Mount("/w/v/ckpt", "/checkpoints"), Mount("/w/v/tmp", "/tmp")]
+    mapping = path_map(mounts)
+    assert map_path("/checkpoints/step-10", mapping) == "/w/v/ckpt/step-10"
+    assert map_path("/checkpoints", mapping) == "/w/v/ckpt"
+    assert map_path("/checkpointsX", mapping) == "/checkpointsX"
+    assert map_path("/", mapping) == "/"
 
 
 def test_exec_spec_round_trip() -> None:
-    spec = pr.ExecSpec(
+    spec = ExecSpec(
         argv=["sh", "-c", "true"],
         env={"A": "1"},
         cwd=None,
         hostname="p",
-        mounts=[pr.Mount("/a", "/b", True)],
+        mounts=[Mount("/a", "/b", True)],
         namespace=True,
         created_file="/c",
         error_file="/e",
         parent_pid=1,
     )
-    assert pr.ExecSpec.from_json(spec.to_json()) == spec
+    assert ExecSpec.from_json(spec.to_json()) == spec
 
 
 # ----------------------------------------------------------------------------- status
@@ -473,11 +512,11 @@ def test_exec_spec_round_trip() -> None:
     ],
 )
 def test_exit_status(returncode: int, oom: bool, expected: tuple[int, str, int | None]) -> None:
-    assert pr.exit_status(returncode, oom=oom) == expected
+    assert exit_status(returncode, oom=oom) == expected
 
 
-def run(name: str, state: str, code: int | None = None, reason: str = "") -> pr.ContainerRun:
-    return pr.ContainerRun(
+def run(name: str, state: str, code: int | None = None, reason: str = "") -> ContainerRun:
+    return ContainerRun(
         name,
         image="img",
         state=state,
@@ -489,27 +528,27 @@ def run(name: str, state: str, code: int | None = None, reason: str = "") -> pr.
 
 
 def test_pod_phase() -> None:
-    assert pr.pod_phase([], [run("a", "waiting")]) == "Pending"
-    assert pr.pod_phase([run("i", "running")], [run("a", "waiting")]) == "Pending"
-    assert pr.pod_phase([run("i", "terminated", 1)], [run("a", "waiting")]) == "Failed"
-    assert pr.pod_phase([], [run("a", "running"), run("b", "terminated", 0)]) == "Running"
-    assert pr.pod_phase([], [run("a", "terminated", 0), run("b", "terminated", 0)]) == "Succeeded"
-    assert pr.pod_phase([], [run("a", "terminated", 0), run("b", "terminated", 2)]) == "Failed"
+    assert pod_phase([], [run("a", "waiting")]) == "Pending"
+    assert pod_phase([run("i", "running")], [run("a", "waiting")]) == "Pending"
+    assert pod_phase([run("i", "terminated", 1)], [run("a", "waiting")]) == "Failed"
+    assert pod_phase([], [run("a", "running"), run("b", "terminated", 0)]) == "Running"
+    assert pod_phase([], [run("a", "terminated", 0), run("b", "terminated", 0)]) == "Succeeded"
+    assert pod_phase([], [run("a", "terminated", 0), run("b", "terminated", 2)]) == "Failed"
 
 
 def test_container_status_shapes() -> None:
-    waiting = pr.container_status(pr.ContainerRun("c", image="i", message="configmap missing"))
+    waiting = container_status(ContainerRun("c", image="i", message="configmap missing"))
     assert waiting["state"] == {
         "waiting": {"reason": "ContainerCreating", "message": "configmap missing"}
     }
     assert waiting["ready"] is False and waiting["started"] is False
-    running = pr.ContainerRun("c", image="i", state="running", started_at="T0", container_id="x")
-    status = pr.container_status(running)
+    running = ContainerRun("c", image="i", state="running", started_at="T0", container_id="x")
+    status = container_status(running)
     assert status["state"] == {"running": {"startedAt": "T0"}}
     assert status["ready"] and status["started"] and status["containerID"] == "x"
     done = run("c", "terminated", 137, "OOMKilled")
     done.signal, done.message = 9, "out of memory"
-    term = pr.container_status(done)["state"]["terminated"]
+    term = container_status(done)["state"]["terminated"]
     assert term == {
         "exitCode": 137,
         "reason": "OOMKilled",
@@ -518,13 +557,13 @@ def test_container_status_shapes() -> None:
         "message": "out of memory",
         "signal": 9,
     }
-    init_done = pr.container_status(run("i", "terminated", 0, "Completed"), init=True)
+    init_done = container_status(run("i", "terminated", 0, "Completed"), init=True)
     assert init_done["ready"] is True
 
 
 def test_pod_status_running_then_failed_keeps_transition_times() -> None:
     pod = make_pod()
-    status = pr.pod_status(
+    status = pod_status(
         pod,
         [],
         [run("trainer", "running")],
@@ -547,7 +586,7 @@ def test_pod_status_running_then_failed_keeps_transition_times() -> None:
     }
     assert "initContainerStatuses" not in status
     pod["status"] = status
-    done = pr.pod_status(
+    done = pod_status(
         pod,
         [],
         [run("trainer", "terminated", 3, "Error")],
@@ -565,10 +604,10 @@ def test_pod_status_running_then_failed_keeps_transition_times() -> None:
 
 
 def test_pod_status_with_init_containers() -> None:
-    status = pr.pod_status(
+    status = pod_status(
         make_pod(),
         [run("init", "running")],
-        [pr.ContainerRun("trainer", reason="PodInitializing")],
+        [ContainerRun("trainer", reason="PodInitializing")],
         pod_ip="ip",
         host_ip="h",
         start_time="T0",
@@ -585,28 +624,28 @@ def test_pod_status_with_init_containers() -> None:
 
 
 def test_termination_message_and_fallback_to_logs() -> None:
-    assert pr.termination_message(b"bye\n", b"log", policy="File", exit_code=1) == "bye\n"
-    assert pr.termination_message(b"", b"log", policy="File", exit_code=1) == ""
+    assert termination_message(b"bye\n", b"log", policy="File", exit_code=1) == "bye\n"
+    assert termination_message(b"", b"log", policy="File", exit_code=1) == ""
     logs = b"\n".join(f"line {i}".encode() for i in range(200))
-    msg = pr.termination_message(b"", logs, policy="FallbackToLogsOnError", exit_code=1)
+    msg = termination_message(b"", logs, policy="FallbackToLogsOnError", exit_code=1)
     assert msg.endswith("line 199") and "line 119" not in msg
-    assert pr.termination_message(b"", logs, policy="FallbackToLogsOnError", exit_code=0) == ""
-    assert len(pr.termination_message(b"x" * 10000, b"", policy="File", exit_code=0)) == 4096
+    assert termination_message(b"", logs, policy="FallbackToLogsOnError", exit_code=0) == ""
+    assert len(termination_message(b"x" * 10000, b"", policy="File", exit_code=0)) == 4096
 
 
 def test_termination_grace() -> None:
     pod = make_pod(terminationGracePeriodSeconds=120)
-    assert pr.termination_grace(pod) == 120
+    assert termination_grace(pod) == 120
     pod["metadata"]["deletionGracePeriodSeconds"] = 5
-    assert pr.termination_grace(pod) == 5
-    assert pr.termination_grace(make_pod()) == 30
+    assert termination_grace(pod) == 5
+    assert termination_grace(make_pod()) == 30
 
 
 # ----------------------------------------------------------------------------- node
 
 
 def test_node_manifest_status_and_lease() -> None:
-    capacity = pr.default_capacity("4", "16Gi", gpus=8)
+    capacity = default_capacity("4", "16Gi", gpus=8)
     assert capacity == {
         "cpu": "4",
         "memory": "16Gi",
@@ -614,8 +653,8 @@ def test_node_manifest_status_and_lease() -> None:
         "ephemeral-storage": "100Gi",
         "nvidia.com/gpu": "8",
     }
-    assert "nvidia.com/gpu" not in pr.default_capacity("4", "16Gi", gpus=0)
-    node = pr.node_manifest(
+    assert "nvidia.com/gpu" not in default_capacity("4", "16Gi", gpus=0)
+    node = node_manifest(
         "local-0",
         {"nvidia.com/gpu.product": "NVIDIA-L40S"},
         [{"key": "nvidia.com/gpu", "effect": "NoSchedule"}],
@@ -623,18 +662,18 @@ def test_node_manifest_status_and_lease() -> None:
     labels = node["metadata"]["labels"]
     assert labels["kubernetes.io/hostname"] == "local-0"
     # Labels copied from a simulated pool node do not rename the node.
-    copied = pr.node_manifest("local-0", {"kubernetes.io/hostname": "l40s-0"}, [])
+    copied = node_manifest("local-0", {"kubernetes.io/hostname": "l40s-0"}, [])
     assert copied["metadata"]["labels"]["kubernetes.io/hostname"] == "local-0"
     assert labels["nvidia.com/gpu.product"] == "NVIDIA-L40S"
     assert "kwok.x-k8s.io/node" not in node["metadata"].get("annotations", {})
     assert node["spec"]["taints"] == [{"key": "nvidia.com/gpu", "effect": "NoSchedule"}]
-    status = pr.node_status(capacity, host_ip="127.0.0.1", name="local-0", now="T2", since="T1")
+    status = node_status(capacity, host_ip="127.0.0.1", name="local-0", now="T2", since="T1")
     ready = next(c for c in status["conditions"] if c["type"] == "Ready")
     assert ready["status"] == "True"
     assert ready["lastHeartbeatTime"] == "T2" and ready["lastTransitionTime"] == "T1"
     assert status["allocatable"] == capacity
     assert {"type": "InternalIP", "address": "127.0.0.1"} in status["addresses"]
-    lease = pr.lease_manifest("local-0", "uid-9", "2026-01-01T00:00:00.000000Z", 40)
+    lease = lease_manifest("local-0", "uid-9", "2026-01-01T00:00:00.000000Z", 40)
     assert lease["metadata"]["namespace"] == "kube-node-lease"
     assert lease["metadata"]["ownerReferences"][0]["uid"] == "uid-9"
     assert lease["spec"] == {
@@ -645,8 +684,8 @@ def test_node_manifest_status_and_lease() -> None:
 
 
 def test_time_formats() -> None:
-    assert pr.rfc3339(0) == "1970-01-01T00:00:00Z"
-    assert pr.micro_time(1.5) == "1970-01-01T00:00:01.500000Z"
+    assert rfc3339(0) == "1970-01-01T00:00:00Z"
+    assert micro_time(1.5) == "1970-01-01T00:00:01.500000Z"
 
 
 def test_secret_lookup_decodes_base64() -> None:
@@ -658,7 +697,7 @@ def test_secret_lookup_decodes_base64() -> None:
                 return {"data": {"a": "1"}, "binaryData": {"b": base64.b64encode(b"\x00").decode()}}
             return None
 
-    lookup = pr.ApiLookup(FakeApi(), Path("/vr"))  # type: ignore[arg-type]
+    lookup = ApiLookup(FakeApi(), Path("/vr"))  # type: ignore[arg-type]
     assert lookup.secret("ns", "hf") == {"token": b"abc"}
     assert lookup.config_map("ns", "cm") == {"a": b"1", "b": b"\x00"}
     assert lookup.secret("ns", "nope") is None
@@ -686,19 +725,19 @@ def test_claim_lookup_resolves_bound_pv() -> None:
         def get(self, path: str) -> dict[str, Any] | None:
             return objects.get(path)
 
-    lookup = pr.ApiLookup(FakeApi(), Path("/vr"))  # type: ignore[arg-type]
+    lookup = ApiLookup(FakeApi(), Path("/vr"))  # type: ignore[arg-type]
     assert lookup.claim_path("ns", "bound") == "/v/pv-1"
     assert lookup.claim_path("ns", "nfs") == "/vr/pv-2"
-    with pytest.raises(pr.NotReady, match="not bound"):
+    with pytest.raises(NotReady, match="not bound"):
         lookup.claim_path("ns", "pending")
-    with pytest.raises(pr.NotReady, match="not found"):
+    with pytest.raises(NotReady, match="not found"):
         lookup.claim_path("ns", "missing")
 
 
 def test_runtime_paths_under_a_volume_stay_visible() -> None:
-    volumes = {"tmp": pr.VolumePlan(name="tmp", kind="emptyDir", path="/w/tmp")}
+    volumes = {"tmp": VolumePlan(name="tmp", kind="emptyDir", path="/w/tmp")}
     container = {"volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}]}
-    mounts = pr.plan_mounts(
+    mounts = plan_mounts(
         container,
         volumes,
         {},
@@ -708,7 +747,7 @@ def test_runtime_paths_under_a_volume_stay_visible() -> None:
     )
     by_target = {m.target: m for m in mounts}
     # The virtualenv under /tmp is bound back read-only after the emptyDir; /usr needs nothing.
-    assert by_target["/tmp/ci/.venv"] == pr.Mount("/tmp/ci/.venv", "/tmp/ci/.venv", True)
+    assert by_target["/tmp/ci/.venv"] == Mount("/tmp/ci/.venv", "/tmp/ci/.venv", True)
     assert "/usr" not in by_target
     order = [m.target for m in mounts]
     assert order.index("/tmp") < order.index("/tmp/ci/.venv")
