@@ -23,13 +23,17 @@ from lightkube.types import CascadeType
 from prometheus_client.parser import text_string_to_metric_families
 
 from kubetune.api.v1alpha1 import GROUP, VERSION, FineTuneJob, GPUPool
-from kubetune.control.builders import LABEL_ATTEMPT, LABEL_JOB, labels
+from kubetune.control.builders import (
+    COMPLETION_INDEX_ANNOTATION,
+    GPU_RESOURCE,
+    LABEL_ATTEMPT,
+    LABEL_JOB,
+    labels,
+)
 from kubetune.control.reconcile import Observed
 
 FineTuneJobResource = create_namespaced_resource(GROUP, VERSION, "FineTuneJob", "finetunejobs")
 GPUPoolResource = create_global_resource(GROUP, VERSION, "GPUPool", "gpupools")
-
-GPU_RESOURCE = "nvidia.com/gpu"
 
 
 def _as_dict(obj: Any) -> dict[str, Any]:
@@ -37,7 +41,6 @@ def _as_dict(obj: Any) -> dict[str, Any]:
     return dict(data)
 
 
-COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
 TRAINER_PREFIX = "kubetune_trainer_"
 
 
@@ -127,7 +130,8 @@ class Kube:
         for pod in pods:
             annotations = (pod.get("metadata") or {}).get("annotations") or {}
             status = pod.get("status") or {}
-            if annotations.get(COMPLETION_INDEX) != "0" or status.get("phase") != "Running":
+            rank0 = annotations.get(COMPLETION_INDEX_ANNOTATION) == "0"
+            if not rank0 or status.get("phase") != "Running":
                 continue
             ip = status.get("podIP")
             if not ip:
