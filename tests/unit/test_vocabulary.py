@@ -53,7 +53,7 @@ DEFINED_IN = {
 OTHER_SETS = {
     # Other sets that share words with one of ours, each named with why it is another set.
     ("kubetune/planning/estimator.py", "BaseDtype"): "BaseDtype: dtypes of frozen base weights",
-    ("kubetune/control/pods.py", "_POD_DONE"): "Kubernetes' own pod phases",
+    ("kubetune/control/pods.py", "PodPhase"): "Kubernetes' own pod phases",
 }
 
 

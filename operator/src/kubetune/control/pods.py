@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from enum import StrEnum
 from typing import Any
 
 from kubetune.api.v1alpha1 import Recovery
@@ -23,7 +24,19 @@ JOB_ENDING_EXITS = (EXIT_OOM, EXIT_CONFIG_ERROR, EXIT_STOPPED)
 """Trainer exits on which the batch Job's podFailurePolicy fails the whole Job."""
 _TELLING_EXITS = (EXIT_OOM, EXIT_CONFIG_ERROR, EXIT_STOPPED)
 """Exits that decide what happens next, most telling first."""
-_POD_DONE = ("Succeeded", "Failed")
+
+
+class PodPhase(StrEnum):
+    """Kubernetes' own pod phases (`Pod.status.phase`), not a FineTuneJob's."""
+
+    PENDING = "Pending"
+    RUNNING = "Running"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+
+POD_DONE = frozenset({PodPhase.SUCCEEDED, PodPhase.FAILED})
+"""Pods in these phases hold no resources and run nothing."""
 
 
 def parse_time(text: str | None) -> datetime | None:
@@ -130,7 +143,8 @@ def unschedulable_since(pod: Mapping[str, Any]) -> datetime | None:
     Unschedulable). A volume problem (a missing or unbound claim) does not count: another
     pool cannot fix it."""
     status = pod.get("status") or {}
-    if status.get("phase") not in (None, "Pending") or (pod.get("spec") or {}).get("nodeName"):
+    bound = bool((pod.get("spec") or {}).get("nodeName"))
+    if bound or status.get("phase") not in (None, PodPhase.PENDING):
         return None
     for cond in status.get("conditions") or []:
         if (
@@ -153,13 +167,22 @@ class PodEnd:
     message: str
 
 
+@dataclass(frozen=True)
+class PodLook:
+    """What one look at an attempt's pods found: the pods that ended early since the last
+    look, and the names of those alive now (the next look's `last_seen`)."""
+
+    ended: list[PodEnd]
+    alive: list[str]
+
+
 def ended_pods(
     pods: Sequence[Mapping[str, Any]],
     last_seen: Sequence[str],
     recoveries: Sequence[Recovery],
     attempt: int,
     job_failed_count: int,
-) -> tuple[list[PodEnd], list[str]]:
+) -> PodLook:
     """The pods of `attempt` that ended since the last look, and the pods alive now.
 
     A pod is seen ending (phase Failed: preempted when it was disrupted or exited with the
@@ -179,7 +202,7 @@ def ended_pods(
     ends: list[PodEnd] = []
     current = {pod_name(pod): pod for pod in pods}
     for name, pod in current.items():
-        if name in recorded or pod_phase(pod) != "Failed":
+        if name in recorded or pod_phase(pod) != PodPhase.FAILED:
             continue
         end = trainer_exit([pod])
         if end.code in JOB_ENDING_EXITS:
@@ -202,5 +225,5 @@ def ended_pods(
             ends.append(
                 PodEnd(name, RecoveryReason.PREEMPTION, f"pod {name} preempted and is gone")
             )
-    alive = sorted(name for name, pod in current.items() if pod_phase(pod) not in _POD_DONE)
-    return ends, alive
+    alive = sorted(name for name, pod in current.items() if pod_phase(pod) not in POD_DONE)
+    return PodLook(ended=ends, alive=alive)

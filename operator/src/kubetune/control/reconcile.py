@@ -466,14 +466,14 @@ class _Reconciler:
     def record_ended_pods(self, job_status: Mapping[str, Any]) -> None:
         """Count each trainer pod of this attempt that ended early; the batch Job replaces
         it (control/pods.py `ended_pods` tells preemptions from failures)."""
-        ends, alive = p.ended_pods(
+        look = p.ended_pods(
             self.observed.pods,
             self.s.trainer_pods,
             self.s.recoveries,
             self.s.attempt,
             int(job_status.get("failed") or 0),
         )
-        for end in ends:
+        for end in look.ended:
             self.s.restarts += 1
             self.add_recovery(end.reason, end.message, pod=end.pod)
             tail = f"{end.message}; it resumes from the latest checkpoint"
@@ -481,7 +481,7 @@ class _Reconciler:
                 self.d.event(Reason.PREEMPTED, tail)
             else:
                 self.d.event(Reason.TRAINER_FAILED, tail, warning=True)
-        self.s.trainer_pods = alive
+        self.s.trainer_pods = look.alive
 
     def move_if_stuck(self) -> bool:
         """Re-plan when a trainer pod cannot be scheduled (its pool has no room any more).

@@ -30,6 +30,7 @@ from kubetune.control.builders import (
     LABEL_JOB,
     labels,
 )
+from kubetune.control.pods import POD_DONE, PodPhase
 from kubetune.control.reconcile import Observed
 
 FineTuneJobResource = create_namespaced_resource(GROUP, VERSION, "FineTuneJob", "finetunejobs")
@@ -131,7 +132,7 @@ class Kube:
             annotations = (pod.get("metadata") or {}).get("annotations") or {}
             status = pod.get("status") or {}
             rank0 = annotations.get(COMPLETION_INDEX_ANNOTATION) == "0"
-            if not rank0 or status.get("phase") != "Running":
+            if not rank0 or status.get("phase") != PodPhase.RUNNING:
                 continue
             ip = status.get("podIP")
             if not ip:
@@ -191,7 +192,7 @@ class Kube:
         used = dict.fromkeys(nodes, 0)
         if nodes:
             # Pods that finished hold no GPUs; Pending ones bound to a node already do.
-            holding: dict[str, Any] = {"status.phase": not_in(["Succeeded", "Failed"])}
+            holding: dict[str, Any] = {"status.phase": not_in(sorted(POD_DONE))}
             async for pod in self.client.list(Pod, namespace="*", fields=holding):
                 _count_gpu_pod(_as_dict(pod), used)
         free = [max(0, nodes[n] - used[n]) for n in sorted(nodes)]
@@ -212,7 +213,7 @@ def _node_ready(node: Mapping[str, Any]) -> bool:
 
 def _count_gpu_pod(pod: Mapping[str, Any], used: dict[str, int]) -> None:
     node = (pod.get("spec") or {}).get("nodeName")
-    if node not in used or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+    if node not in used or (pod.get("status") or {}).get("phase") in POD_DONE:
         return
     for container in (pod.get("spec") or {}).get("containers") or []:
         limits = (container.get("resources") or {}).get("limits") or {}
