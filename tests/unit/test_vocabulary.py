@@ -8,6 +8,7 @@ values — with that definition, and scan the source for a second definition.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -261,3 +262,16 @@ def test_the_scan_finds_a_second_definition() -> None:
     assert found["M"] == {"lora", "full"}
     assert found["REASONS"] == {"OOM", "Preemption", "NodeLost"}
     assert {"qlora", "full"} in found.values()
+
+
+def test_dashboards_and_alerts_query_only_words_of_the_vocabulary() -> None:
+    """A phase or reason spelled in PromQL that the operator never writes would be a panel
+    or an alert that can never fire."""
+    texts = [p.read_text() for p in sorted((ROOT / "charts/kubetune/dashboards").glob("*.json"))]
+    texts.append((ROOT / "charts/kubetune/templates/prometheusrule.yaml").read_text())
+    texts.append((ROOT / "hack/gen_dashboards.py").read_text())
+    phases = {m for t in texts for m in re.findall(r'phase\s*=~?\s*\\?"(\w+)', t)}
+    reasons = {m for t in texts for m in re.findall(r'reason\s*=~?\s*\\?"(\w+)', t)}
+    assert phases, "the dashboards query phases"
+    assert phases <= set(Phase), phases - set(Phase)
+    assert reasons <= set(RecoveryReason) | set(PlanReason), reasons
