@@ -1,12 +1,10 @@
 """The phases of a FineTuneJob and the only ways to move between them (pure).
 
-    Pending ─▶ Planning ─▶ Queued ─▶ Running ─▶ Succeeded
-                   │          ▲  │     │ ▲ │
-                   │          └──┼─────┘ │ └─▶ Failed   (limits, budget, deadline, bad config)
-                   └─────────────┴───────┴──▶ Failed   (infeasible, invalid spec)
-    any unfinished phase ◀─▶ Suspended (spec.suspend)
+    Pending → Planning → (Queued →) Running → Succeeded
+    every unfinished phase → Failed, and → Suspended (spec.suspend) → back to work
 
-`TRANSITIONS` is the whole table; `move` refuses anything else, so a change to the reconcile
+`TRANSITIONS` is the whole table (docs/architecture.md draws it, and a test keeps the drawing
+equal to it); `move` refuses anything else, so a change to the reconcile
 logic that would, say, revive a finished job fails its unit tests instead of reaching a
 cluster. Every phase change in the operator goes through one of the functions below, and
 each sets the phase together with the conditions, message and times that belong to it.
