@@ -17,7 +17,7 @@ import random
 import re
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +31,8 @@ from e2e_targets import (
     REPORT,
     Target,
 )
+
+from support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -95,17 +97,6 @@ def job_doc(
         "metadata": metadata,
         "spec": spec,
     }
-
-
-def wait_for(what: str, probe: Callable[[], Any], timeout: float, interval: float = 0.5) -> Any:
-    end = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < end:
-        last = probe()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
 
 
 def status(target: Target, name: str) -> dict[str, Any]:

@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 import yaml
-from cluster_helpers import Cluster
 
 from kubetune.api.crdgen import render_all
 from kubetune_dev.binaries import ensure_binaries
 from kubetune_dev.cli import simulated_pool_docs
 from kubetune_dev.cluster import LocalCluster, process_alive
+from support.cluster import Cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -25,10 +25,10 @@ from typing import Any
 
 import pytest
 import yaml
-from cluster_helpers import Cluster, wait_for
-from test_operator import job_doc, wait_phase
 
 from kubetune_dev.cluster import LocalCluster, free_port, process_alive
+from support.cluster import Cluster, job_doc, wait_phase
+from support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -1,0 +1,9 @@
+"""Test support shared by every tier, imported as `support.<module>`.
+
+The pytest configuration puts `tests/` on `sys.path` (`pythonpath` in pyproject.toml), so
+test modules and conftests of any tier import from here; nothing in the product imports it.
+
+- `waiting`: `wait_for`, the one way tests wait for something they can observe.
+- `cluster`: kubectl helpers and FineTuneJob helpers for the local control plane.
+- `apiserver`: `Api`, plain HTTPS to a local kube-apiserver.
+"""
