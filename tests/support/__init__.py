@@ -6,4 +6,5 @@ test modules and conftests of any tier import from here; nothing in the product 
 - `waiting`: `wait_for`, the one way tests wait for something they can observe.
 - `cluster`: kubectl helpers and FineTuneJob helpers for the local control plane.
 - `apiserver`: `Api`, plain HTTPS to a local kube-apiserver.
+- `kmock_apiserver`: KMock's Kubernetes emulator made to behave like kube-apiserver.
 """
