@@ -1,6 +1,6 @@
 """Fixtures for the e2e tier: a cluster where the trainer really trains.
 
-The target (see e2e_targets.py) starts once per session. Every scenario applies its own
+The target (see support/e2e_targets.py) starts once per session. Every scenario applies its own
 FineTuneJob into the `e2e` namespace, which holds a volume with a tiny random-init model
 and an Alpaca-style dataset. When a scenario fails, the operator's and the pod runner's
 log tails are attached to the report.
@@ -12,7 +12,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from e2e_targets import REPORT, Target, make_target
+
+from support.e2e_targets import REPORT, Target, make_target
 
 
 @pytest.fixture(scope="session")

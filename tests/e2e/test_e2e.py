@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from e2e_targets import (
+
+from support.e2e_targets import (
     DATA_CLAIM,
     DATASET_PATH,
     MODEL_PATH,
@@ -31,7 +32,6 @@ from e2e_targets import (
     REPORT,
     Target,
 )
-
 from support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e

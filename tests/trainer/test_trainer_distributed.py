@@ -34,7 +34,8 @@ Runner = Callable[..., subprocess.CompletedProcess[str]]
 pytest.importorskip("torch", reason="trainer tests need the trainer extra (torch)")
 pytest.importorskip("peft", reason="trainer tests need the trainer extra")
 
-from trainer_helpers import (  # noqa: E402
+from kubetune_trainer.__main__ import main  # noqa: E402
+from support.trainer import (  # noqa: E402
     TINY_TIMEOUT_S,
     launcher_cmd,
     read_log,
@@ -43,8 +44,6 @@ from trainer_helpers import (  # noqa: E402
     worker_env,
     write_config,
 )
-
-from kubetune_trainer.__main__ import main  # noqa: E402
 
 
 def one_process(tmp: Path, cfg: dict[str, Any]) -> dict[int, float]:

@@ -21,14 +21,6 @@ pytest.importorskip("torch", reason="trainer tests need the trainer extra (torch
 pytest.importorskip("peft", reason="trainer tests need the trainer extra")
 
 import torch
-from trainer_helpers import (
-    load_config,
-    read_log,
-    step_losses,
-    trainer_config,
-    worker_env,
-    write_config,
-)
 
 from kubetune_trainer.__main__ import main
 from kubetune_trainer.contract import (
@@ -39,6 +31,14 @@ from kubetune_trainer.contract import (
     EXIT_STOPPED,
 )
 from kubetune_trainer.recipe import FineTuneRecipe
+from support.trainer import (
+    load_config,
+    read_log,
+    step_losses,
+    trainer_config,
+    worker_env,
+    write_config,
+)
 
 pytestmark = [pytest.mark.trainer, pytest.mark.unit]
 
