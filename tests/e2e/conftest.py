@@ -17,9 +17,13 @@ from support.e2e_targets import REPORT, Target, make_target
 
 
 @pytest.fixture(scope="session")
-def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
+def target(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Target]:
     try:
-        t = make_target(lambda: tmp_path_factory.mktemp("e2e"))
+        t = make_target(
+            lambda: tmp_path_factory.mktemp("e2e"), lambda: request.getfixturevalue("binaries")
+        )
     except LookupError as exc:
         pytest.skip(str(exc))
     yield t

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from kubetune.api.crdgen import render_all
-from kubetune_dev.binaries import ensure_binaries
+from kubetune_dev.binaries import Binaries
 from kubetune_dev.cli import simulated_pool_docs
 from kubetune_dev.cluster import LocalCluster, process_alive
 from support.cluster import Cluster
@@ -28,8 +28,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session")
-def local_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    binaries = ensure_binaries(lambda msg: print(msg, file=sys.stderr, flush=True))
+def local_cluster(
+    tmp_path_factory: pytest.TempPathFactory, binaries: Binaries
+) -> Iterator[LocalCluster]:
     cluster = LocalCluster(tmp_path_factory.mktemp("cluster"), binaries)
     t0 = time.monotonic()
     cluster.start()

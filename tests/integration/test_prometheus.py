@@ -34,8 +34,10 @@ import pytest
 import yaml
 
 from kubetune.controller.metrics import OperatorMetrics
+from kubetune_dev.binaries import Binaries
 from kubetune_dev.cluster import free_port
 from kubetune_trainer.contract import EXIT_PREEMPTED, TrainerConfig
+from support.helm import Helm
 
 pytestmark = pytest.mark.integration
 
@@ -88,14 +90,10 @@ SAYS = {
 }
 
 
-def rules_file(tmp: Path) -> Path:
-    from kubetune_dev.binaries import ensure_binaries
-
-    helm = ensure_binaries(lambda msg: print(msg, file=sys.stderr)).helm
-    out = subprocess.run(
-        [str(helm), "template", "r", str(CHART), "--set", "prometheusRule.enabled=true",
-         "--show-only", "templates/prometheusrule.yaml"],
-        capture_output=True, text=True, check=True,
+def rules_file(tmp: Path, helm: Helm) -> Path:
+    out = helm(
+        "template", "r", str(CHART), "--set", "prometheusRule.enabled=true",
+        "--show-only", "templates/prometheusrule.yaml",
     ).stdout  # fmt: skip
     rule = yaml.safe_load(out)
     path = tmp / "rules.yaml"
@@ -119,8 +117,8 @@ def alert(name: str, at: str, labels: dict[str, str] | None) -> dict[str, Any]:
 
 
 @needs_prometheus
-def test_promtool_checks_and_tests_the_alert_rules(tmp_path: Path) -> None:
-    rules = rules_file(tmp_path)
+def test_promtool_checks_and_tests_the_alert_rules(tmp_path: Path, binaries: Binaries) -> None:
+    rules = rules_file(tmp_path, Helm(binaries.helm))
     out = subprocess.run([PROMTOOL, "check", "rules", str(rules)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     job = lambda j: {"namespace": "a", "finetunejob": j}  # noqa: E731

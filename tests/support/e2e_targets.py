@@ -23,9 +23,12 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
+
+if TYPE_CHECKING:
+    from kubetune_dev.binaries import Binaries
 
 NAMESPACE = "e2e"
 DATA_CLAIM = "e2e-data"
@@ -158,13 +161,12 @@ class Target:
 class LocalTarget(Target):
     name = "local"
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, binaries: Binaries) -> None:
         from kubetune.api.crdgen import render_all
-        from kubetune_dev.binaries import ensure_binaries
         from kubetune_dev.cluster import LocalCluster
         from kubetune_dev.demo import prepare_data
 
-        self.cluster = LocalCluster(root, ensure_binaries(say))
+        self.cluster = LocalCluster(root, binaries)
         t0 = time.monotonic()
         self.cluster.start()
         try:
@@ -453,11 +455,14 @@ class KindTarget(Target):
         return {"operator": out.stdout + out.stderr}
 
 
-def make_target(root_factory: Callable[[], Path]) -> Target:
-    """The target named by KUBETUNE_E2E_TARGET; raises LookupError with why it cannot run."""
+def make_target(root_factory: Callable[[], Path], binaries: Callable[[], Binaries]) -> Target:
+    """The target named by KUBETUNE_E2E_TARGET; raises LookupError with why it cannot run.
+
+    `binaries` gives the control-plane binaries, which only the local target needs.
+    """
     which = os.environ.get("KUBETUNE_E2E_TARGET", "local")
     if which == "local":
-        return LocalTarget(root_factory())
+        return LocalTarget(root_factory(), binaries())
     if which == "kind":
         kubeconfig = os.environ.get("KUBETUNE_KIND_KUBECONFIG")
         image = os.environ.get("KUBETUNE_KIND_TRAINER_IMAGE", "kubetune/trainer:e2e")
