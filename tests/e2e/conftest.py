@@ -40,12 +40,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
             report.sections.append((f"{name} log (tail)", text))
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if "tests/e2e" in str(item.fspath):
-            item.add_marker(pytest.mark.e2e)
-
-
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     if REPORT:
         terminalreporter.section("e2e measurements")

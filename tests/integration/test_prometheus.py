@@ -459,7 +459,6 @@ def substitute(expr: str, multi: bool) -> str:
 
 @needs_prometheus
 @needs_trainer
-@pytest.mark.trainer
 def test_every_dashboard_query_returns_data_from_a_live_run(live: Live) -> None:
     checked = 0
     empty = []

@@ -22,7 +22,7 @@ pytest.importorskip("peft", reason="trainer tests need the trainer extra")
 
 from kubetune_trainer.contract import EXIT_CONFIG_ERROR, EXIT_OK, EXIT_OOM, EXIT_PREEMPTED
 
-pytestmark = [pytest.mark.trainer, pytest.mark.unit]
+pytestmark = pytest.mark.trainer
 
 # Two ranks sum gradients in a different order than one rank accumulating micro-batches.
 CROSS_WORLD_TOLERANCE = 1e-4

@@ -40,7 +40,7 @@ from support.trainer import (
     write_config,
 )
 
-pytestmark = [pytest.mark.trainer, pytest.mark.unit]
+pytestmark = pytest.mark.trainer
 
 # Step-exact resume: same process count and order of operations, so losses match bit for bit
 # in fp32 on CPU; the bound leaves room for nothing but float noise.
