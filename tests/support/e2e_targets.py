@@ -13,6 +13,7 @@ one they run on:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -26,6 +27,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
+
+from support.waiting import WaitTimeout, wait_for
 
 if TYPE_CHECKING:
     from kubetune_dev.binaries import Binaries
@@ -224,9 +227,7 @@ class LocalTarget(Target):
         if pid is None:
             return
         os.killpg(pid, signal.SIGKILL)
-        end = time.monotonic() + 10
-        while process_alive(pid) and time.monotonic() < end:
-            time.sleep(0.05)
+        wait_for(f"the operator (pid {pid}) to die", lambda: not process_alive(pid), 10, 0.05)
 
     def start_operator(self) -> None:
         self.cluster.start_operator(OPERATOR_SETTINGS)
@@ -354,14 +355,16 @@ class KindTarget(Target):
                 },
             }
         )
-        end = time.monotonic() + timeout
-        phase = None
-        while time.monotonic() < end:
-            pod = self.get("pod", pod_name) or {}
-            phase = (pod.get("status") or {}).get("phase")
-            if phase in ("Succeeded", "Failed"):
-                break
-            time.sleep(1)
+
+        phases: list[str | None] = []
+
+        def ended() -> bool:
+            phases.append(((self.get("pod", pod_name) or {}).get("status") or {}).get("phase"))
+            return phases[-1] in ("Succeeded", "Failed")
+
+        with contextlib.suppress(WaitTimeout):  # the pod's phase and logs tell what happened
+            wait_for(f"pod {pod_name} to end", ended, timeout, 1.0)
+        phase = phases[-1]
         logs = self.kubectl("logs", "-n", NAMESPACE, pod_name, check=False).stdout
         self.kubectl("delete", "pod", "-n", NAMESPACE, pod_name, "--wait=false", check=False)
         if phase != "Succeeded":
