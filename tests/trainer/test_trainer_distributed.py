@@ -44,6 +44,7 @@ from support.trainer import (  # noqa: E402
     worker_env,
     write_config,
 )
+from support.waiting import wait_for  # noqa: E402
 
 
 def one_process(tmp: Path, cfg: dict[str, Any]) -> dict[int, float]:
@@ -138,11 +139,12 @@ def test_two_process_sigterm_checkpoint_and_resume(
         text=True,
     )
     log = tmp_path / "b" / "metrics.jsonl"
-    deadline = time.monotonic() + TINY_TIMEOUT_S
-    while not (log.exists() and read_log(log, "step")):
+
+    def stepped() -> bool:
         assert launcher.poll() is None, launcher.communicate()[1][-3000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+        return log.exists() and bool(read_log(log, "step"))
+
+    wait_for("the first step", stepped, TINY_TIMEOUT_S, 0.02)
     sent = time.monotonic()
     launcher.send_signal(signal.SIGTERM)
     _, err = launcher.communicate(timeout=TINY_TIMEOUT_S)
