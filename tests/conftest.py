@@ -85,7 +85,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     if config.option.markexpr:
-        return [f"tiers: -m {config.option.markexpr!r} ({', '.join(TIERS)})"]
+        return [f"tiers: those -m {config.option.markexpr!r} selects (of {', '.join(TIERS)})"]
     return [
         "tiers: unit and trainer (a bare `pytest`); `pytest -m integration` and "
         "`pytest -m e2e` run the tiers that need the local control plane"
