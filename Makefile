@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP_FLAGS ?= -q --disable-pip-version-check
 PY_PATHS := $(wildcard operator trainer_image tests hack benchmarks)
 
-.PHONY: setup test lint unit crds demo plan-examples
+.PHONY: setup test lint unit trainer integration e2e crds demo plan-examples
 
 setup: $(VENV)/.installed
 
@@ -22,13 +22,25 @@ lint: setup
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
+# The tiers, selected by marker (tests/conftest.py). A bare `pytest` runs unit and trainer;
+# integration and e2e need the local control plane, built from Go modules on first use.
 unit: setup
 	$(VENV)/bin/pytest -m unit
 
-# The e2e tier starts its own control plane and operator: a second pytest run, so that it does
-# not share the machine with the integration tier's cluster.
+trainer: setup
+	$(VENV)/bin/pytest -m trainer
+
+integration: setup
+	$(VENV)/bin/pytest -m integration
+
+e2e: setup
+	$(VENV)/bin/pytest -m e2e
+
+# Every tier, each control-plane tier in a pytest run of its own: the e2e tier starts its own
+# control plane and operator, which must not share the machine with the integration tier's.
 test: lint
-	$(VENV)/bin/pytest -m "not e2e"
+	$(VENV)/bin/pytest -m "unit or trainer"
+	$(VENV)/bin/pytest -m integration
 	$(VENV)/bin/pytest -m e2e
 	VENV=$(VENV) hack/kind-e2e.sh --if-cached
 

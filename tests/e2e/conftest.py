@@ -1,6 +1,6 @@
 """Fixtures for the e2e tier: a cluster where the trainer really trains.
 
-The target (see e2e_targets.py) starts once per session. Every scenario applies its own
+The target (see support/e2e_targets.py) starts once per session. Every scenario applies its own
 FineTuneJob into the `e2e` namespace, which holds a volume with a tiny random-init model
 and an Alpaca-style dataset. When a scenario fails, the operator's and the pod runner's
 log tails are attached to the report.
@@ -12,13 +12,18 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from e2e_targets import REPORT, Target, make_target
+
+from support.e2e_targets import REPORT, Target, make_target
 
 
 @pytest.fixture(scope="session")
-def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
+def target(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Target]:
     try:
-        t = make_target(lambda: tmp_path_factory.mktemp("e2e"))
+        t = make_target(
+            lambda: tmp_path_factory.mktemp("e2e"), lambda: request.getfixturevalue("binaries")
+        )
     except LookupError as exc:
         pytest.skip(str(exc))
     yield t
@@ -33,12 +38,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
         target: Target = item.funcargs["target"]  # type: ignore[attr-defined]
         for name, text in target.diagnostics().items():
             report.sections.append((f"{name} log (tail)", text))
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if "tests/e2e" in str(item.fspath):
-            item.add_marker(pytest.mark.e2e)
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

@@ -16,13 +16,15 @@ import json
 import random
 import re
 import subprocess
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from e2e_targets import (
+
+from support.e2e_targets import (
     DATA_CLAIM,
     DATASET_PATH,
     MODEL_PATH,
@@ -31,6 +33,7 @@ from e2e_targets import (
     REPORT,
     Target,
 )
+from support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -95,17 +98,6 @@ def job_doc(
         "metadata": metadata,
         "spec": spec,
     }
-
-
-def wait_for(what: str, probe: Callable[[], Any], timeout: float, interval: float = 0.5) -> Any:
-    end = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < end:
-        last = probe()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
 
 
 def status(target: Target, name: str) -> dict[str, Any]:
@@ -283,21 +275,40 @@ def baseline(target: Target) -> Iterator[dict[str, Any]]:
         stderr=subprocess.DEVNULL,
         text=True,
     )
-    target.apply(job_doc(name, output={"mergeAdapter": True}))
+    lines: list[str] = []
+
+    def read() -> None:
+        for line in watch.stdout or ():
+            lines.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     snapshots: list[dict[str, Any]] = []
-    started = time.monotonic()
-    end = started + 300
-    while time.monotonic() < end:
-        s = status(target, name)
-        snapshots.append(s)
-        if s.get("phase") in ("Succeeded", "Failed"):
-            break
-        time.sleep(0.5)
-    seconds = time.monotonic() - started
-    time.sleep(2)  # let the watch see the last writes
-    watch.terminate()
-    lines = (watch.communicate(timeout=10)[0] or "").splitlines()
-    yield {"name": name, "snapshots": snapshots, "writes": lines, "seconds": seconds}
+
+    def finished() -> dict[str, Any] | None:
+        obj = target.get("finetunejob", name) or {}
+        snapshots.append(dict(obj.get("status") or {}))
+        return obj if snapshots[-1].get("phase") in ("Succeeded", "Failed") else None
+
+    try:
+        target.apply(job_doc(name, output={"mergeAdapter": True}))
+        started = time.monotonic()
+        last = wait_for(f"{name} to finish", finished, 300)
+        seconds = time.monotonic() - started
+        # Every write up to the one that finished the job has reached the watch.
+        version = last["metadata"]["resourceVersion"]
+        wait_for(
+            f"the watch to see resourceVersion {version}",
+            lambda: any(line.split(" ")[0] == version for line in list(lines)),
+            30,
+            0.1,
+        )
+    finally:
+        watch.terminate()
+        watch.wait(timeout=10)
+        reader.join(timeout=10)
+    writes = [line.rstrip("\n") for line in lines]
+    yield {"name": name, "snapshots": snapshots, "writes": writes, "seconds": seconds}
     delete_job(target, name)
 
 
@@ -561,8 +572,12 @@ def test_delete_mid_run_collects_children(target: Target, retention: str) -> Non
     if retention == "delete":
         wait_for("checkpoint volume collected", lambda: not target.get("pvc", pvc), 90)
     else:
-        time.sleep(3)
-        assert target.get("pvc", pvc) is not None
+        # Collection is done (the batch Job, ConfigMap, Service and pods are gone). The volume
+        # is still there, not being deleted, and owned by nothing that would collect it later.
+        claim = target.get("pvc", pvc)
+        assert claim is not None
+        assert not claim["metadata"].get("deletionTimestamp"), claim["metadata"]
+        assert not claim["metadata"].get("ownerReferences"), claim["metadata"]
         target.kubectl("delete", "pvc", pvc, "-n", NAMESPACE, "--wait=false")
 
 

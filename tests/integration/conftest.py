@@ -17,19 +17,23 @@ from typing import Any
 
 import pytest
 import yaml
-from cluster_helpers import Cluster
 
 from kubetune.api.crdgen import render_all
-from kubetune_dev.binaries import ensure_binaries
+from kubetune_dev.binaries import Binaries
 from kubetune_dev.cli import simulated_pool_docs
 from kubetune_dev.cluster import LocalCluster, process_alive
+from support.cluster import Cluster
+from support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
+OPERATOR_UP = "Initial authentication has finished."
+"""What kopf logs once its startup handlers ran and it logged in; its watches start next."""
 
 
 @pytest.fixture(scope="session")
-def local_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    binaries = ensure_binaries(lambda msg: print(msg, file=sys.stderr, flush=True))
+def local_cluster(
+    tmp_path_factory: pytest.TempPathFactory, binaries: Binaries
+) -> Iterator[LocalCluster]:
     cluster = LocalCluster(tmp_path_factory.mktemp("cluster"), binaries)
     t0 = time.monotonic()
     cluster.start()
@@ -51,6 +55,7 @@ def cluster(local_cluster: LocalCluster) -> Cluster:
 def operator(local_cluster: LocalCluster) -> Iterator[Path]:
     """The operator as its own process, polling fast so tests are quick."""
     log = local_cluster.logs / "operator.log"
+    start = log.stat().st_size if log.exists() else 0
     pid = local_cluster.start_operator(
         {
             "KUBETUNE_POLL_SECONDS": "1",
@@ -58,8 +63,12 @@ def operator(local_cluster: LocalCluster) -> Iterator[Path]:
             "KUBETUNE_TRAINER_IMAGE": "kubetune/trainer:test",
         }
     )
-    time.sleep(1.0)
-    assert process_alive(pid), log.read_text()[-3000:]
+
+    def logged_in() -> bool:
+        assert process_alive(pid), log.read_text(errors="replace")[-3000:]
+        return OPERATOR_UP in log.read_bytes()[start:].decode(errors="replace")
+
+    wait_for("the operator to log in to the API server", logged_in, timeout=60, interval=0.1)
     yield log
     assert local_cluster.stop_component("operator"), "the operator did not stop"
 
@@ -92,9 +101,3 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
             "provisioner",
         ):
             report.sections.append((f"{name} log (tail)", local.log_tail(name, 40)))
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if "tests/integration" in str(item.fspath):
-            item.add_marker(pytest.mark.integration)

@@ -35,7 +35,6 @@ import json
 import os
 import random
 import re
-import ssl
 import sys
 import threading
 import time
@@ -55,7 +54,9 @@ from kubetune.api.v1alpha1 import API_VERSION, GROUP, VERSION
 from kubetune.control.builders import child_names
 from kubetune.planning.models_table import MODELS
 from kubetune_dev.cli import simulated_pool_docs
-from kubetune_dev.cluster import ADMIN, LocalCluster, process_alive
+from kubetune_dev.cluster import LocalCluster, process_alive
+from support.apiserver import Api
+from support.waiting import WaitTimeout, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -705,56 +706,7 @@ def generate_cases(count: int, seed_value: int) -> list[Case]:
     return cases
 
 
-# ---------------------------------------------------------------------------- API access
-
-
-class Api:
-    """Plain HTTPS to the kube-apiserver with the admin client certificate, keep-alive."""
-
-    def __init__(self, local: LocalCluster) -> None:
-        cert, key = local.pki.client(ADMIN)
-        self.ctx = ssl.create_default_context(cafile=str(local.pki.ca_cert))
-        self.ctx.load_cert_chain(str(cert), str(key))
-        self.port = local.state.apiserver_port
-        self._conn: http.client.HTTPSConnection | None = None
-
-    def connect(self, timeout: float = 30.0) -> http.client.HTTPSConnection:
-        return http.client.HTTPSConnection(
-            "127.0.0.1", self.port, context=self.ctx, timeout=timeout
-        )
-
-    def request(
-        self,
-        method: str,
-        path: str,
-        body: bytes | None = None,
-        content_type: str = "application/json",
-    ) -> tuple[int, Any]:
-        for attempt in range(3):
-            if self._conn is None:
-                self._conn = self.connect()
-            try:
-                headers = {"Accept": "application/json"}
-                if body is not None:
-                    headers["Content-Type"] = content_type
-                self._conn.request(method, path, body=body, headers=headers)
-                response = self._conn.getresponse()
-                data = response.read()
-            except (http.client.HTTPException, OSError):
-                self._conn.close()
-                self._conn = None
-                if attempt == 2:
-                    raise
-                continue
-            try:
-                return response.status, json.loads(data) if data else None
-            except ValueError:
-                return response.status, data.decode(errors="replace")
-        raise AssertionError("unreachable")
-
-    def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
+# ---------------------------------------------------------------------------- watching
 
 
 @dataclass
@@ -995,17 +947,18 @@ class Report:
         return "\n".join(lines)
 
 
-def wait_until(
-    operator: Operator, timeout: float, done: Callable[[], bool], interval: float = 0.25
-) -> bool:
-    end = time.monotonic() + timeout
-    while True:
+def settle(operator: Operator, timeout: float, done: Callable[[], bool]) -> bool:
+    """Whether `done()` held within `timeout` seconds; the operator must stay alive meanwhile."""
+
+    def probe() -> bool:
         operator.check_alive()
-        if done():
-            return True
-        if time.monotonic() > end:
-            return False
-        time.sleep(interval)
+        return done()
+
+    try:
+        wait_for("the batch to settle", probe, timeout, interval=0.5)
+    except WaitTimeout:
+        return False
+    return True
 
 
 def children(api: Api, namespace: str) -> list[dict[str, Any]]:
@@ -1094,7 +1047,7 @@ def run_batch(
         return all(watch.get(n).phases or n in operator.erred for n in admitted)
 
     t0 = time.monotonic()
-    wait_until(operator, SETTLE_TIMEOUT_S, settled, interval=0.5)
+    settle(operator, SETTLE_TIMEOUT_S, settled)
     report.took("settle", time.monotonic() - t0)
     for name in admitted:
         seen = watch.get(name)
@@ -1131,7 +1084,7 @@ def run_batch(
         present.intersection_update(item["metadata"]["name"] for item in body["items"])
         return not present
 
-    wait_until(operator, DELETE_TIMEOUT_S, all_gone, interval=0.5)
+    settle(operator, DELETE_TIMEOUT_S, all_gone)
     report.took("delete", time.monotonic() - t0)
     for name in admitted:
         seen = watch.get(name)
@@ -1159,7 +1112,7 @@ def run_batch(
         return [c for c in children(api, namespace) if not is_retained_volume(c)]
 
     t0 = time.monotonic()
-    if not wait_until(operator, GC_TIMEOUT_S, lambda: not leftovers(), interval=0.5):
+    if not settle(operator, GC_TIMEOUT_S, lambda: not leftovers()):
         for child in leftovers():
             meta = child["metadata"]
             owner = (meta.get("ownerReferences") or [{}])[0].get("name", "?")

@@ -5,8 +5,8 @@ the API server holds. The operator itself runs as a local `kopf run` process wit
 the command line of the chart's Deployment, authenticated as the chart's ServiceAccount (a
 token from the TokenRequest API), so every call it makes is authorized by the chart's
 (Cluster)Roles and nothing else. A FineTuneJob going from apply to Succeeded on the
-simulated pools proves those rules are enough; tests/unit/test_chart.py proves they hold
-no wildcard.
+simulated pools proves those rules are enough; tests/integration/test_chart_render.py
+proves they hold no wildcard.
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ from typing import Any
 
 import pytest
 import yaml
-from cluster_helpers import Cluster, wait_for
-from test_operator import job_doc, wait_phase
 
 from kubetune_dev.cluster import LocalCluster, free_port, process_alive
+from support.cluster import Cluster, job_doc, wait_phase
+from support.helm import Helm
+from support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -51,16 +52,7 @@ CHART_POOL = {
 
 
 def helm(local: LocalCluster, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    out = subprocess.run(
-        [str(local.binaries.helm), f"--kubeconfig={local.kubeconfig}", *args],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
-    if check and out.returncode != 0:
-        raise AssertionError(f"helm {' '.join(args)}:\n{out.stdout}\n{out.stderr}")
-    return out
+    return Helm(local.binaries.helm, f"--kubeconfig={local.kubeconfig}")(*args, check=check)
 
 
 def manifest(local: LocalCluster, release: str) -> list[dict[str, Any]]:

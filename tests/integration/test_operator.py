@@ -10,50 +10,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cluster_helpers import Cluster, wait_for
+
+from support.cluster import Cluster, job_doc, wait_phase
+from support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
-
-
-def job_doc(name: str, **spec_over: Any) -> dict[str, Any]:
-    spec: dict[str, Any] = {
-        "model": {"uri": "Qwen/Qwen2.5-0.5B"},
-        "dataset": {
-            "uri": "/data/train.jsonl",
-            "numExamples": 2000,
-            "avgTokensPerExample": 200,
-        },
-        "method": "lora",
-        "training": {"maxSteps": 20, "sequenceLength": 512, "globalBatchSize": 8},
-    }
-    for key, value in spec_over.items():
-        if isinstance(value, dict) and isinstance(spec.get(key), dict):
-            spec[key] = {**spec[key], **value}
-        else:
-            spec[key] = value
-    return {
-        "apiVersion": "kubetune.io/v1alpha1",
-        "kind": "FineTuneJob",
-        "metadata": {"name": name},
-        "spec": spec,
-    }
 
 
 def phase(cluster: Cluster, name: str, ns: str) -> str | None:
     obj = cluster.get("finetunejob", name, ns)
     return ((obj or {}).get("status") or {}).get("phase")
-
-
-def wait_phase(
-    cluster: Cluster, name: str, ns: str, *wanted: str, timeout: float = 60
-) -> dict[str, Any]:
-    def probe() -> dict[str, Any] | None:
-        obj = cluster.get("finetunejob", name, ns)
-        if obj and (obj.get("status") or {}).get("phase") in wanted:
-            return obj
-        return None
-
-    return dict(wait_for(f"{ns}/{name} in {wanted}", probe, timeout=timeout))
 
 
 # ---------------------------------------------------------------------- admission

@@ -27,6 +27,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +35,11 @@ import pytest
 import yaml
 
 from kubetune.controller.metrics import OperatorMetrics
+from kubetune_dev.binaries import Binaries
 from kubetune_dev.cluster import free_port
 from kubetune_trainer.contract import EXIT_PREEMPTED, TrainerConfig
+from support.helm import Helm
+from support.waiting import WaitTimeout, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -88,14 +92,10 @@ SAYS = {
 }
 
 
-def rules_file(tmp: Path) -> Path:
-    from kubetune_dev.binaries import ensure_binaries
-
-    helm = ensure_binaries(lambda msg: print(msg, file=sys.stderr)).helm
-    out = subprocess.run(
-        [str(helm), "template", "r", str(CHART), "--set", "prometheusRule.enabled=true",
-         "--show-only", "templates/prometheusrule.yaml"],
-        capture_output=True, text=True, check=True,
+def rules_file(tmp: Path, helm: Helm) -> Path:
+    out = helm(
+        "template", "r", str(CHART), "--set", "prometheusRule.enabled=true",
+        "--show-only", "templates/prometheusrule.yaml",
     ).stdout  # fmt: skip
     rule = yaml.safe_load(out)
     path = tmp / "rules.yaml"
@@ -119,8 +119,8 @@ def alert(name: str, at: str, labels: dict[str, str] | None) -> dict[str, Any]:
 
 
 @needs_prometheus
-def test_promtool_checks_and_tests_the_alert_rules(tmp_path: Path) -> None:
-    rules = rules_file(tmp_path)
+def test_promtool_checks_and_tests_the_alert_rules(tmp_path: Path, binaries: Binaries) -> None:
+    rules = rules_file(tmp_path, Helm(binaries.helm))
     out = subprocess.run([PROMTOOL, "check", "rules", str(rules)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     job = lambda j: {"namespace": "a", "finetunejob": j}  # noqa: E731
@@ -341,16 +341,21 @@ def start_trainer(tmp: Path) -> LiveTrainer:
         )  # fmt: skip
     log = tmp / "metrics.jsonl"
     trainer = LiveTrainer(proc=proc, port=0, log=log, output=output, peak_tflops=peak)
-    deadline = time.monotonic() + TRAINER_TIMEOUT_S
-    while trainer.port == 0:  # the start line names the port it bound
+
+    def metrics_port() -> int | None:
+        """The port the trainer's start line names, once it is written."""
         assert proc.poll() is None, f"trainer exited {proc.returncode}:\n{trainer.tail()}"
-        assert time.monotonic() < deadline, f"trainer did not start:\n{trainer.tail()}"
-        time.sleep(0.2)
         if log.exists():
             complete = log.read_text().split("\n")[:-1]  # not a line still being written
             for event in map(json.loads, complete):
                 if event["event"] == "start":
-                    trainer.port = int(event["metrics_port"])
+                    return int(event["metrics_port"])
+        return None
+
+    try:
+        trainer.port = wait_for("the trainer's start line", metrics_port, TRAINER_TIMEOUT_S, 0.2)
+    except WaitTimeout as exc:
+        raise AssertionError(f"trainer did not start: {exc}\n{trainer.tail()}") from None
     return trainer
 
 
@@ -369,6 +374,11 @@ READY = [
     "kubetune_trainer_eval_loss > 0",
     "kubetune_trainer_mfu_ratio > 0",
 ]
+
+
+FED_TWICE = 'kubetune_reconcile_duration_seconds_count{handler="gpupool"} >= 4'
+"""True once Prometheus scraped the operator after the second `feed` (its last event is the
+fourth pool reconcile)."""
 
 
 @dataclass
@@ -418,22 +428,24 @@ def live(tmp_path: Path) -> Iterator[Live]:
             f"trainer output:\n{trainer.tail()}"
         )
 
+    def holds(*exprs: str) -> bool:
+        assert proc.poll() is None, why()
+        assert trainer.proc.poll() is None, why()
+        try:
+            return all(query(url, expr) for expr in exprs)
+        except OSError:
+            return False  # not listening yet
+
     try:
         feed(operator)
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, why()
-            assert trainer.proc.poll() is None, why()
-            try:
-                if all(query(url, expr) for expr in READY):
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, f"not ready: {READY}\n{why()}"
-            time.sleep(0.5)
-        # A second round of events between scrapes, so rates and increases move.
-        feed(operator)
-        time.sleep(3)
+        try:
+            wait_for(f"{READY} to hold", partial(holds, *READY), 90)
+            # A second round of events between scrapes, so rates and increases move: wait
+            # until Prometheus has scraped its last event.
+            feed(operator)
+            wait_for(f"{FED_TWICE} to hold", partial(holds, FED_TWICE), 30, 0.2)
+        except WaitTimeout as exc:
+            raise AssertionError(f"{exc}\n{why()}") from None
         yield Live(url=url, trainer=trainer)
     finally:
         stop(trainer.proc)
@@ -461,7 +473,6 @@ def substitute(expr: str, multi: bool) -> str:
 
 @needs_prometheus
 @needs_trainer
-@pytest.mark.trainer
 def test_every_dashboard_query_returns_data_from_a_live_run(live: Live) -> None:
     checked = 0
     empty = []

@@ -11,7 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from trainer_helpers import TINY_TIMEOUT_S, launcher_cmd, worker_env
+
+from support.trainer import TINY_TIMEOUT_S, launcher_cmd, worker_env
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -25,7 +25,7 @@ from kubetune_trainer.data import (
 from kubetune_trainer.errors import DataError
 from kubetune_trainer.tiny import make_records, write_jsonl
 
-pytestmark = [pytest.mark.trainer, pytest.mark.unit]
+pytestmark = pytest.mark.trainer
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ pytest.importorskip("peft", reason="trainer tests need the trainer extra")
 
 from kubetune_trainer.contract import EXIT_CONFIG_ERROR, EXIT_OK, EXIT_OOM, EXIT_PREEMPTED
 
-pytestmark = [pytest.mark.trainer, pytest.mark.unit]
+pytestmark = pytest.mark.trainer
 
 # Two ranks sum gradients in a different order than one rank accumulating micro-batches.
 CROSS_WORLD_TOLERANCE = 1e-4
@@ -34,7 +34,8 @@ Runner = Callable[..., subprocess.CompletedProcess[str]]
 pytest.importorskip("torch", reason="trainer tests need the trainer extra (torch)")
 pytest.importorskip("peft", reason="trainer tests need the trainer extra")
 
-from trainer_helpers import (  # noqa: E402
+from kubetune_trainer.__main__ import main  # noqa: E402
+from support.trainer import (  # noqa: E402
     TINY_TIMEOUT_S,
     launcher_cmd,
     read_log,
@@ -43,8 +44,7 @@ from trainer_helpers import (  # noqa: E402
     worker_env,
     write_config,
 )
-
-from kubetune_trainer.__main__ import main  # noqa: E402
+from support.waiting import wait_for  # noqa: E402
 
 
 def one_process(tmp: Path, cfg: dict[str, Any]) -> dict[int, float]:
@@ -139,11 +139,12 @@ def test_two_process_sigterm_checkpoint_and_resume(
         text=True,
     )
     log = tmp_path / "b" / "metrics.jsonl"
-    deadline = time.monotonic() + TINY_TIMEOUT_S
-    while not (log.exists() and read_log(log, "step")):
+
+    def stepped() -> bool:
         assert launcher.poll() is None, launcher.communicate()[1][-3000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+        return log.exists() and bool(read_log(log, "step"))
+
+    wait_for("the first step", stepped, TINY_TIMEOUT_S, 0.02)
     sent = time.monotonic()
     launcher.send_signal(signal.SIGTERM)
     _, err = launcher.communicate(timeout=TINY_TIMEOUT_S)

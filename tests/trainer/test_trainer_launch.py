@@ -13,7 +13,7 @@ from kubetune_trainer.contract import (
 )
 from kubetune_trainer.launch import combine_exit_codes
 
-pytestmark = [pytest.mark.trainer, pytest.mark.unit]
+pytestmark = pytest.mark.trainer
 
 
 @pytest.mark.parametrize(

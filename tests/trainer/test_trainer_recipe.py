@@ -21,14 +21,6 @@ pytest.importorskip("torch", reason="trainer tests need the trainer extra (torch
 pytest.importorskip("peft", reason="trainer tests need the trainer extra")
 
 import torch
-from trainer_helpers import (
-    load_config,
-    read_log,
-    step_losses,
-    trainer_config,
-    worker_env,
-    write_config,
-)
 
 from kubetune_trainer.__main__ import main
 from kubetune_trainer.contract import (
@@ -39,8 +31,17 @@ from kubetune_trainer.contract import (
     EXIT_STOPPED,
 )
 from kubetune_trainer.recipe import FineTuneRecipe
+from support.trainer import (
+    load_config,
+    read_log,
+    step_losses,
+    trainer_config,
+    worker_env,
+    write_config,
+)
+from support.waiting import wait_for
 
-pytestmark = [pytest.mark.trainer, pytest.mark.unit]
+pytestmark = pytest.mark.trainer
 
 # Step-exact resume: same process count and order of operations, so losses match bit for bit
 # in fp32 on CPU; the bound leaves room for nothing but float noise.
@@ -294,12 +295,14 @@ def test_killed_run_resumes_from_last_checkpoint(
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+    first = tmp_path / "b" / "ckpt" / "step-4" / "trainer_state.json"
+
+    def checkpointed() -> bool:
+        assert proc.poll() is None, "trainer ended before its first checkpoint"
+        return first.exists()
+
     try:
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "b" / "ckpt" / "step-4" / "trainer_state.json").exists():
-            assert proc.poll() is None, "trainer ended before its first checkpoint"
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_for("the first checkpoint", checkpointed, 120, 0.05)
         proc.kill()
     finally:
         proc.wait(timeout=30)
@@ -387,11 +390,12 @@ def test_sigterm_in_subprocess_checkpoints_and_exits_42(
         text=True,
     )
     log_path = tmp_path / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (log_path.exists() and len(read_log(log_path, "step")) >= 3):
+
+    def three_steps() -> bool:
         assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+        return log_path.exists() and len(read_log(log_path, "step")) >= 3
+
+    wait_for("three steps", three_steps, 120, 0.05)
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)

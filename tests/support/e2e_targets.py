@@ -13,6 +13,7 @@ one they run on:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -23,9 +24,14 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
+
+from support.waiting import WaitTimeout, wait_for
+
+if TYPE_CHECKING:
+    from kubetune_dev.binaries import Binaries
 
 NAMESPACE = "e2e"
 DATA_CLAIM = "e2e-data"
@@ -158,13 +164,12 @@ class Target:
 class LocalTarget(Target):
     name = "local"
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, binaries: Binaries) -> None:
         from kubetune.api.crdgen import render_all
-        from kubetune_dev.binaries import ensure_binaries
         from kubetune_dev.cluster import LocalCluster
         from kubetune_dev.demo import prepare_data
 
-        self.cluster = LocalCluster(root, ensure_binaries(say))
+        self.cluster = LocalCluster(root, binaries)
         t0 = time.monotonic()
         self.cluster.start()
         try:
@@ -222,9 +227,7 @@ class LocalTarget(Target):
         if pid is None:
             return
         os.killpg(pid, signal.SIGKILL)
-        end = time.monotonic() + 10
-        while process_alive(pid) and time.monotonic() < end:
-            time.sleep(0.05)
+        wait_for(f"the operator (pid {pid}) to die", lambda: not process_alive(pid), 10, 0.05)
 
     def start_operator(self) -> None:
         self.cluster.start_operator(OPERATOR_SETTINGS)
@@ -352,14 +355,16 @@ class KindTarget(Target):
                 },
             }
         )
-        end = time.monotonic() + timeout
-        phase = None
-        while time.monotonic() < end:
-            pod = self.get("pod", pod_name) or {}
-            phase = (pod.get("status") or {}).get("phase")
-            if phase in ("Succeeded", "Failed"):
-                break
-            time.sleep(1)
+
+        phases: list[str | None] = []
+
+        def ended() -> bool:
+            phases.append(((self.get("pod", pod_name) or {}).get("status") or {}).get("phase"))
+            return phases[-1] in ("Succeeded", "Failed")
+
+        with contextlib.suppress(WaitTimeout):  # the pod's phase and logs tell what happened
+            wait_for(f"pod {pod_name} to end", ended, timeout, 1.0)
+        phase = phases[-1]
         logs = self.kubectl("logs", "-n", NAMESPACE, pod_name, check=False).stdout
         self.kubectl("delete", "pod", "-n", NAMESPACE, pod_name, "--wait=false", check=False)
         if phase != "Succeeded":
@@ -453,11 +458,14 @@ class KindTarget(Target):
         return {"operator": out.stdout + out.stderr}
 
 
-def make_target(root_factory: Callable[[], Path]) -> Target:
-    """The target named by KUBETUNE_E2E_TARGET; raises LookupError with why it cannot run."""
+def make_target(root_factory: Callable[[], Path], binaries: Callable[[], Binaries]) -> Target:
+    """The target named by KUBETUNE_E2E_TARGET; raises LookupError with why it cannot run.
+
+    `binaries` gives the control-plane binaries, which only the local target needs.
+    """
     which = os.environ.get("KUBETUNE_E2E_TARGET", "local")
     if which == "local":
-        return LocalTarget(root_factory())
+        return LocalTarget(root_factory(), binaries())
     if which == "kind":
         kubeconfig = os.environ.get("KUBETUNE_KIND_KUBECONFIG")
         image = os.environ.get("KUBETUNE_KIND_TRAINER_IMAGE", "kubetune/trainer:e2e")

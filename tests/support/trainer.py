@@ -1,4 +1,4 @@
-"""Helpers shared by the trainer tests (configs, logs, subprocess environment)."""
+"""Helpers for tests that run the trainer: configs, logs, the environment of its processes."""
 
 from __future__ import annotations
 

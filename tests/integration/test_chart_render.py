@@ -1,0 +1,352 @@
+"""What `helm` makes of the chart: lint, renders with default and non-default values, the
+values schema's checks, RBAC rules, the CRDs it installs.
+
+Runs the real `helm` binary, which comes with the control-plane build (the `binaries`
+fixture); the chart's files on their own are checked by tests/unit/test_chart.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kubetune_dev.binaries import Binaries
+from support.helm import Helm
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts/kubetune"
+CRDS = ROOT / "crds"
+
+
+@pytest.fixture(scope="module")
+def helm(binaries: Binaries) -> Helm:
+    return Helm(binaries.helm, timeout=120)
+
+
+def render(
+    helm: Helm, *sets: str, values: dict[str, Any] | None = None, tmp: Path | None = None
+) -> list[dict]:
+    """`helm template` of the chart with `--set`s and a values file."""
+    args = ["template", "rel", str(CHART), "--namespace", "kubetune-system"]
+    for s in sets:
+        args += ["--set", s]
+    if values is not None:
+        assert tmp is not None
+        path = tmp / "values.yaml"
+        path.write_text(yaml.safe_dump(values))
+        args += ["-f", str(path)]
+    return [d for d in yaml.safe_load_all(helm(*args).stdout) if d]
+
+
+def find(docs: list[dict], kind: str, name: str | None = None) -> list[dict]:
+    return [
+        d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)
+    ]
+
+
+def env_of(docs: list[dict]) -> dict[str, str]:
+    (deploy,) = find(docs, "Deployment")
+    container = deploy["spec"]["template"]["spec"]["containers"][0]
+    return {e["name"]: e.get("value") for e in container["env"]}
+
+
+def args_of(docs: list[dict]) -> list[str]:
+    (deploy,) = find(docs, "Deployment")
+    return list(deploy["spec"]["template"]["spec"]["containers"][0]["args"])
+
+
+def rules(docs: list[dict]) -> Iterator[tuple[dict, dict]]:
+    for d in docs:
+        if d["kind"] in ("ClusterRole", "Role"):
+            for rule in d["rules"]:
+                yield d, rule
+
+
+ALL_ON = {
+    "replicaCount": 2,
+    "watch": {"namespaces": ["team-a", "team-b"]},
+    "metrics": {
+        "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
+        "podMonitor": {"enabled": True},
+    },
+    "dashboards": {"enabled": True, "annotations": {"grafana_folder": "kubetune"}},
+    "prometheusRule": {"enabled": True, "alertLabels": {"team": "ml"}},
+    "gpuPools": [
+        {
+            "name": "l40s",
+            "spec": {
+                "nodeSelector": {"kubetune.io/pool": "l40s"},
+                "gpu": {"product": "NVIDIA-L40S", "memoryGiB": 48, "bf16TFLOPS": 362},
+                "gpusPerNode": 8,
+                "maxNodes": 4,
+                "pricePerGPUHour": 0.79,
+            },
+        }
+    ],
+    "operator": {
+        "checkpointStorageClass": "fast-rwx",
+        "safetyFactor": 1.2,
+        "defaultObjective": "time",
+        "trainerCPUPerGPU": "1500m",
+        "trainerMemoryPerGPU": "2Gi",
+        "logLevel": "verbose",
+        "extraEnv": [{"name": "EXTRA", "value": "1"}],
+    },
+}
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def test_helm_lint_default_and_non_default(helm: Helm, tmp_path: Path) -> None:
+    helm("lint", "--strict", str(CHART))
+    path = tmp_path / "all-on.yaml"
+    path.write_text(yaml.safe_dump(ALL_ON))
+    helm("lint", "--strict", str(CHART), "-f", str(path))
+
+
+def test_default_render_is_a_standalone_cluster_wide_operator(helm: Helm) -> None:
+    docs = render(helm)
+    kinds = sorted({d["kind"] for d in docs})
+    assert kinds == [
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "CustomResourceDefinition",
+        "Deployment",
+        "Service",
+        "ServiceAccount",
+    ]
+    args = args_of(docs)
+    assert "--standalone" in args and "--all-namespaces" in args
+    assert "--liveness=http://0.0.0.0:8080/healthz" in args
+    (deploy,) = find(docs, "Deployment")
+    pod = deploy["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert deploy["spec"]["strategy"]["type"] == "Recreate"
+    assert container["image"] == "kubetune/operator:0.1.0"
+    env = env_of(docs)
+    assert env["KUBETUNE_SAFETY_FACTOR"] == "1.1"
+    assert env["KUBETUNE_DEFAULT_OBJECTIVE"] == "cost"
+    assert env["KUBETUNE_METRICS_PORT"] == "8000"
+    assert env["KUBETUNE_CHECKPOINT_STORAGE_CLASS"] == ""
+    (svc,) = find(docs, "Service")
+    assert svc["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+
+
+def test_every_operator_setting_reaches_the_container(helm: Helm) -> None:
+    """Each KUBETUNE_* variable the operator reads is set by the chart."""
+    text = (ROOT / "operator/src/kubetune/controller/settings.py").read_text()
+    read = set(re.findall(r"KUBETUNE_[A-Z_]+", text))
+    assert read, "no settings found"
+    assert read <= set(env_of(render(helm)))
+
+
+def test_non_default_values(helm: Helm, tmp_path: Path) -> None:
+    docs = render(helm, values=ALL_ON, tmp=tmp_path)
+    args = args_of(docs)
+    assert "--peering=kubetune" in args and "--standalone" not in args
+    assert "--namespace=team-a" in args and "--namespace=team-b" in args
+    assert "--all-namespaces" not in args and "--verbose" in args
+    (deploy,) = find(docs, "Deployment")
+    assert deploy["spec"]["replicas"] == 2 and "strategy" not in deploy["spec"]
+    env = env_of(docs)
+    assert env["KUBETUNE_CHECKPOINT_STORAGE_CLASS"] == "fast-rwx"
+    assert env["KUBETUNE_SAFETY_FACTOR"] == "1.2"
+    assert env["KUBETUNE_DEFAULT_OBJECTIVE"] == "time"
+    assert env["KUBETUNE_TRAINER_CPU_PER_GPU"] == "1500m"
+    assert env["KUBETUNE_TRAINER_MEMORY_PER_GPU"] == "2Gi"
+    assert env["EXTRA"] == "1"
+    # Namespaced RBAC: a Role + RoleBinding per watched namespace, a small ClusterRole.
+    roles = find(docs, "Role")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    assert len(find(docs, "RoleBinding")) == 2
+    (cluster_role,) = find(docs, "ClusterRole")
+    cluster_resources = {r for rule in cluster_role["rules"] for r in rule["resources"]}
+    assert "finetunejobs" not in cluster_resources and "jobs" not in cluster_resources
+    assert {"gpupools", "nodes", "customresourcedefinitions"} <= cluster_resources
+    assert any("kopfpeerings" in rule["resources"] for r in roles for rule in r["rules"])
+    peerings = find(docs, "KopfPeering")
+    assert sorted(p["metadata"]["namespace"] for p in peerings) == ["team-a", "team-b"]
+    assert {c["metadata"]["name"] for c in find(docs, "CustomResourceDefinition")} >= {
+        "kopfpeerings.kopf.dev",
+        "clusterkopfpeerings.kopf.dev",
+    }
+    # Monitoring objects.
+    (sm,) = find(docs, "ServiceMonitor")
+    assert sm["metadata"]["labels"]["release"] == "prom"
+    assert sm["spec"]["endpoints"][0]["port"] == "metrics"
+    assert sm["spec"]["endpoints"][0]["honorLabels"] is True
+    (pm,) = find(docs, "PodMonitor")
+    assert pm["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+    assert pm["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": "kubetune-trainer"}
+    assert pm["spec"]["namespaceSelector"] == {"matchNames": ["team-a", "team-b"]}
+    (rule,) = find(docs, "PrometheusRule")
+    alerts = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert set(alerts) >= {
+        "KubetuneJobStuckQueued",
+        "KubetuneRepeatedOOMRecoveries",
+        "KubetuneBudgetNearlySpent",
+        "KubetuneNoProgress",
+    }
+    assert all(a["labels"]["team"] == "ml" for a in alerts.values())
+    dashboards = find(docs, "ConfigMap")
+    assert len(dashboards) == len(list((CHART / "dashboards").glob("*.json")))
+    for cm in dashboards:
+        assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+        assert cm["metadata"]["annotations"]["grafana_folder"] == "kubetune"
+        for text in cm["data"].values():
+            assert json.loads(text)["uid"].startswith("kubetune")
+    (pool,) = find(docs, "GPUPool")
+    assert pool["metadata"]["name"] == "l40s" and pool["spec"]["pricePerGPUHour"] == 0.79
+
+
+def test_cluster_wide_peering_uses_a_cluster_peering(helm: Helm) -> None:
+    docs = render(helm, "peering.enabled=true")
+    assert "--peering=kubetune" in args_of(docs)
+    (peering,) = find(docs, "ClusterKopfPeering")
+    assert peering["metadata"]["name"] == "kubetune"
+    assert any("clusterkopfpeerings" in rule["resources"] for _, rule in rules(docs))
+
+
+def test_toggles_turn_objects_off(helm: Helm) -> None:
+    docs = render(
+        helm,
+        "crds.install=false",
+        "rbac.create=false",
+        "serviceAccount.create=false",
+        "serviceAccount.name=existing",
+        "metrics.enabled=false",
+    )
+    assert sorted(d["kind"] for d in docs) == ["Deployment"]
+    (deploy,) = docs
+    assert deploy["spec"]["template"]["spec"]["serviceAccountName"] == "existing"
+    assert env_of(docs)["KUBETUNE_METRICS_PORT"] == "-1"
+    docs = render(helm, "crds.keep=false")
+    for crd in find(docs, "CustomResourceDefinition"):
+        assert "helm.sh/resource-policy" not in (crd["metadata"].get("annotations") or {})
+
+
+def test_gpu_pool_catalog_example_in_values_is_valid(helm: Helm, tmp_path: Path) -> None:
+    """The commented catalog in values.yaml renders to the same pools as examples/."""
+    lines = (CHART / "values.yaml").read_text().split("\ngpuPools: []\n", 1)[1].splitlines()
+    uncommented = "\n".join(line.removeprefix("  # ") for line in lines if line.startswith("  #"))
+    pools = yaml.safe_load(uncommented)
+    docs = find(render(helm, values={"gpuPools": pools}, tmp=tmp_path), "GPUPool")
+    example = [d for d in yaml.safe_load_all((ROOT / "examples/gpupools.yaml").read_text()) if d]
+    assert [(d["metadata"]["name"], d["spec"]) for d in docs] == [
+        (d["metadata"]["name"], d["spec"]) for d in example
+    ]
+    from kubetune.api.v1alpha1 import GPUPool
+
+    for doc in docs:
+        GPUPool.model_validate(doc)
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["replicaCount=0"], "replicaCount"),
+        (["image.pullPolicy=Sometimes"], "pullPolicy"),
+        (["json:operator.safetyFactor=0.5"], "minimum"),
+        (["operator.pollSeconds=0"], "pollSeconds"),
+        (["operator.logFormat=xml"], "logFormat"),
+        (["operator.defaultObjective=fast"], "defaultObjective"),
+        (["operator.defaultObjective=Time"], "defaultObjective"),
+        (["operator.trainerCPUPerGPU=four"], "trainerCPUPerGPU"),
+        (["operator.trainerCPUPerGPU=0"], "trainerCPUPerGPU"),
+        (["operator.trainerMemoryPerGPU=16GB"], "trainerMemoryPerGPU"),
+        (["watch.namespaces[0]=Not_A_Namespace"], "namespaces"),
+        (["metrics.port=70000"], "port"),
+        (["metrics.serviceMonitor.interval=soon"], "interval"),
+        (["json:prometheusRule.budgetRatio=1.5"], "budgetRatio"),
+        (["unknownKey=1"], "unknownKey"),
+        (["operator.trainerImag=x"], "trainerImag"),
+        (["gpuPools[0].name=x"], "spec"),
+        (["gpuPools[0].name=x", "gpuPools[0].spec.gpusPerNode=1"], "maxNodes"),
+        (["gpuPools[0].name=BAD", "gpuPools[0].spec.gpusPerNode=1"], "name"),
+    ],
+)
+def test_schema_rejects_bad_values(helm: Helm, sets: list[str], message: str) -> None:
+    args = ["template", "rel", str(CHART)]
+    for s in sets:
+        args += ["--set-json", s.removeprefix("json:")] if s.startswith("json:") else ["--set", s]
+    out = helm(*args, check=False)
+    assert out.returncode != 0, f"{sets} was accepted"
+    assert "schema" in out.stderr.lower() or "values don't meet" in out.stderr, out.stderr
+    assert message in out.stderr, out.stderr
+
+
+def test_rbac_has_no_wildcards_and_no_secrets(helm: Helm, tmp_path: Path) -> None:
+    for docs in (
+        render(helm),
+        render(helm, values=ALL_ON, tmp=tmp_path),
+        render(helm, "peering.enabled=true"),
+    ):
+        for role, rule in rules(docs):
+            where = f"{role['kind']} {role['metadata']['name']}: {rule}"
+            assert "*" not in rule["verbs"] and "*" not in rule["resources"], where
+            assert "*" not in rule.get("apiGroups", []), where
+            assert "secrets" not in rule["resources"], where
+            assert not set(rule["verbs"]) & {"escalate", "bind", "impersonate"}, where
+            assert "nonResourceURLs" not in rule, where
+
+
+def test_rbac_rules_are_the_documented_set(helm: Helm) -> None:
+    """The granted rules, flattened; a change here must be deliberate (and documented)."""
+    granted = {
+        (g, r, v)
+        for _, rule in rules(render(helm))
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
+    expected = {
+        ("kubetune.io", "finetunejobs", v) for v in ("list", "watch", "patch", "delete")
+    } | {
+        ("kubetune.io", "finetunejobs/status", "patch"),
+        ("kubetune.io", "finetunejobs/finalizers", "update"),
+        ("kubetune.io", "gpupools", "list"),
+        ("kubetune.io", "gpupools", "watch"),
+        ("kubetune.io", "gpupools", "patch"),
+        ("kubetune.io", "gpupools/status", "patch"),
+        ("batch", "jobs", "list"),
+        ("batch", "jobs", "create"),
+        ("batch", "jobs", "delete"),
+        ("", "persistentvolumeclaims", "create"),
+        ("", "configmaps", "create"),
+        ("", "services", "create"),
+        ("", "events", "create"),
+        ("", "nodes", "list"),
+        ("", "pods", "list"),
+        ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
+        ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
+    }
+    assert granted == expected
+    readme = (CHART / "README.md").read_text()
+    for _, resource, _ in expected:
+        assert f"`{resource}`" in readme, f"README.md does not explain {resource}"
+
+
+def test_installed_crds_are_the_crds_folder(helm: Helm) -> None:
+    """The chart installs crds/ as they are, with only the keep annotation added."""
+    sources = sorted(CRDS.glob("*.yaml"))
+    assert sources
+    rendered = {d["metadata"]["name"]: d for d in find(render(helm), "CustomResourceDefinition")}
+    for source in sources:
+        original = yaml.safe_load(source.read_text())
+        copy = rendered[original["metadata"]["name"]]
+        assert copy["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+        copy["metadata"] = {"name": copy["metadata"]["name"]}
+        assert copy == original

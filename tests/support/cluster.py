@@ -1,0 +1,92 @@
+"""Helpers for tests against the local control plane: kubectl wrappers, FineTuneJobs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from typing import Any
+
+import yaml
+
+from kubetune_dev.cluster import LocalCluster
+from support.waiting import wait_for
+
+
+class Cluster:
+    """Test-facing helpers around a running LocalCluster."""
+
+    def __init__(self, local: LocalCluster) -> None:
+        self.local = local
+
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
+        return self.local.kubectl(*args, input=input, check=check)
+
+    def get(self, kind: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
+        args = ["get", kind, name, "-o", "json"]
+        if namespace:
+            args += ["-n", namespace]
+        out = self.kubectl(*args, check=False)
+        if out.returncode != 0:
+            if "NotFound" in out.stderr:
+                return None
+            raise AssertionError(out.stderr)
+        return dict(json.loads(out.stdout))
+
+    def list(
+        self, kind: str, namespace: str | None = None, selector: str | None = None
+    ) -> list[dict[str, Any]]:
+        args = ["get", kind, "-o", "json"]
+        args += ["-n", namespace] if namespace else ["-A"]
+        if selector:
+            args += ["-l", selector]
+        return list(json.loads(self.kubectl(*args).stdout)["items"])
+
+    def apply(
+        self, *docs: dict[str, Any], namespace: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        text = "---\n".join(yaml.safe_dump(d) for d in docs)
+        args = ["apply", "-f", "-"]
+        if namespace:
+            args += ["-n", namespace]
+        return self.kubectl(*args, input=text, check=False)
+
+
+def job_doc(name: str, **spec_over: Any) -> dict[str, Any]:
+    """A small LoRA FineTuneJob for the simulated pools; `spec_over` merges into its spec."""
+    spec: dict[str, Any] = {
+        "model": {"uri": "Qwen/Qwen2.5-0.5B"},
+        "dataset": {
+            "uri": "/data/train.jsonl",
+            "numExamples": 2000,
+            "avgTokensPerExample": 200,
+        },
+        "method": "lora",
+        "training": {"maxSteps": 20, "sequenceLength": 512, "globalBatchSize": 8},
+    }
+    for key, value in spec_over.items():
+        if isinstance(value, dict) and isinstance(spec.get(key), dict):
+            spec[key] = {**spec[key], **value}
+        else:
+            spec[key] = value
+    return {
+        "apiVersion": "kubetune.io/v1alpha1",
+        "kind": "FineTuneJob",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+
+
+def wait_phase(
+    cluster: Cluster, name: str, ns: str, *wanted: str, timeout: float = 60
+) -> dict[str, Any]:
+    """The FineTuneJob once its status.phase is one of `wanted`."""
+
+    def probe() -> dict[str, Any] | None:
+        obj = cluster.get("finetunejob", name, ns)
+        if obj and (obj.get("status") or {}).get("phase") in wanted:
+            return obj
+        return None
+
+    return dict(wait_for(f"{ns}/{name} in {wanted}", probe, timeout=timeout))
