@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cluster_helpers import Cluster, wait_for
 
 from kubetune_dev.cluster import STORAGE_CLASS, LocalCluster
 from kubetune_dev.podrunner.sandbox import probe_mount_namespace
+from support.cluster import Cluster
+from support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
