@@ -10,5 +10,8 @@ test modules and conftests of any tier import from here; nothing in the product 
 - `apiserver`: `Api`, plain HTTPS to a local kube-apiserver.
 - `e2e_targets`: where the e2e tier runs (the local control plane or a kind cluster).
 - `trainer`: trainer configs and logs, the environment of trainer processes.
+- `reconcile`: a job, what the cluster shows, and one step of the control loop, for the
+  reconcile and lifecycle unit tests.
+- `statuses`: status parts in wire form (a plan), for the metrics and vocabulary tests.
 - `kmock_apiserver`: KMock's Kubernetes emulator made to behave like kube-apiserver.
 """

@@ -10,26 +10,24 @@ table allows, a finished job must stay finished, and `reconcile` must never rais
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kubetune.api.v1alpha1 import FineTuneJob, FineTuneJobStatus, GPUPool
+from kubetune.api.v1alpha1 import FineTuneJobStatus
 from kubetune.api.vocabulary import TERMINAL_PHASES, ConditionType, Phase, Reason
 from kubetune.control import conditions as c
 from kubetune.control.lifecycle import TRANSITIONS, IllegalTransition, failed, move
-from kubetune.control.reconcile import ControllerSettings, Observed, reconcile
+from kubetune.control.reconcile import Observed
 from kubetune.planning.catalog import default_pools
-from kubetune.sources import load_arch
 from kubetune_trainer.contract import EXIT_CONFIG_ERROR, EXIT_OOM, EXIT_PREEMPTED, EXIT_STOPPED
+from support.reconcile import T0, busy, make_job, pod, run, unschedulable
 
 pytestmark = pytest.mark.unit
 
-T0 = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)
-SETTINGS = ControllerSettings(poll_seconds=10, queue_retry_seconds=15, reschedule_seconds=60)
 POOLS = default_pools()
 
 
@@ -68,33 +66,12 @@ def test_failing_is_one_function_with_one_shape() -> None:
     assert not c.is_true(status.conditions, ConditionType.RUNNING)
 
 
-def _job(suspend: bool = False, **spec: Any) -> FineTuneJob:
-    return FineTuneJob.model_validate(
-        {
-            "metadata": {"name": "demo", "namespace": "ns", "uid": "u1", "generation": 1},
-            "spec": {
-                "model": {"uri": "Qwen/Qwen2.5-7B"},
-                "dataset": {"uri": "pvc://data/train.jsonl", "numExamples": 20000},
-                "method": "lora",
-                "suspend": suspend,
-                **spec,
-            },
-        }
-    )
-
-
-def _step(job: FineTuneJob, observed: Observed, now: datetime) -> FineTuneJob:
-    decision = reconcile(job, observed, SETTINGS, now=now, load_arch=load_arch)
-    status = FineTuneJobStatus.model_validate(decision.status.to_wire())
-    return job.model_copy(update={"status": status})
-
-
 def test_a_job_suspended_before_it_was_planned_is_planned_when_resumed() -> None:
-    job = _step(_job(suspend=True), Observed(pools=POOLS), T0)
+    job = run(make_job(suspend=True), Observed(pools=POOLS))[0]
     assert job.status is not None and job.status.phase == Phase.SUSPENDED
     assert job.status.plan is None
     resumed = job.model_copy(update={"spec": job.spec.model_copy(update={"suspend": False})})
-    job = _step(resumed, Observed(pools=POOLS), T0 + timedelta(seconds=10))
+    job, _ = run(resumed, Observed(pools=POOLS), T0 + timedelta(seconds=10))
     assert job.status is not None and job.status.phase == Phase.RUNNING
     assert job.status.plan is not None and job.status.attempt == 1
 
@@ -102,56 +79,20 @@ def test_a_job_suspended_before_it_was_planned_is_planned_when_resumed() -> None
 # ---------------------------------------------------------------------- random sequences
 
 
-def _busy(free: int) -> list[GPUPool]:
-    out = []
-    for pool in POOLS:
-        doc = pool.to_wire()
-        doc["status"] = {
-            "nodes": 1,
-            "allocatableGPUs": pool.spec.gpus_per_node,
-            "freeGPUs": free,
-            "freeGPUsPerNode": [free],
-            "updatedAt": "2026-11-22T12:00:00Z",
-        }
-        out.append(GPUPool.model_validate(doc))
-    return out
-
-
 def _pod(name: str, kind: str, now: datetime) -> dict[str, Any]:
-    status: dict[str, Any] = {"phase": "Running", "conditions": []}
+    """A trainer pod as hypothesis draws it: running, stuck for 5 minutes, or ended."""
+    if kind == "running":
+        return pod(name)
     if kind == "stuck":
-        status = {
-            "phase": "Pending",
-            "conditions": [
-                {
-                    "type": "PodScheduled",
-                    "status": "False",
-                    "reason": "Unschedulable",
-                    "message": "0/3 nodes are available: insufficient nvidia.com/gpu",
-                    "lastTransitionTime": (now - timedelta(minutes=5)).strftime(
-                        "%Y-%m-%dT%H:%M:%SZ"
-                    ),
-                }
-            ],
-        }
-    elif kind != "running":
-        code = {
-            "preempted": EXIT_PREEMPTED,
-            "oom": EXIT_OOM,
-            "config": EXIT_CONFIG_ERROR,
-            "stopped": EXIT_STOPPED,
-            "crash": 1,
-        }[kind]
-        status = {
-            "phase": "Failed",
-            "conditions": [{"type": "DisruptionTarget", "status": "True"}]
-            if kind == "preempted"
-            else [],
-            "containerStatuses": [
-                {"name": "trainer", "state": {"terminated": {"exitCode": code, "message": kind}}}
-            ],
-        }
-    return {"metadata": {"name": name}, "status": status}
+        return unschedulable(name, now - timedelta(minutes=5))
+    code = {
+        "preempted": EXIT_PREEMPTED,
+        "oom": EXIT_OOM,
+        "config": EXIT_CONFIG_ERROR,
+        "stopped": EXIT_STOPPED,
+        "crash": 1,
+    }[kind]
+    return pod(name, code, disrupted=kind == "preempted", msg=kind)
 
 
 def _reachable(phase: Phase) -> set[Phase]:
@@ -194,11 +135,11 @@ world = st.fixed_dictionaries(
 def test_random_reconcile_sequences_only_make_legal_moves(
     worlds: list[dict[str, Any]], spec: dict[str, Any]
 ) -> None:
-    job, now = _job(**spec), T0
+    job, now = make_job(**spec), T0
     for w in worlds:
         now += timedelta(minutes=w["minutes"])
         status = job.status or FineTuneJobStatus()
-        pools = {"free": _busy(8), "busy": _busy(0), "none": []}[w["pools"]]
+        pools = {"free": busy(POOLS, 8), "busy": busy(POOLS, 0), "none": []}[w["pools"]]
         attempt = status.attempt
         name = f"demo-a{attempt}"
         batch = None
@@ -220,7 +161,7 @@ def test_random_reconcile_sequences_only_make_legal_moves(
             update={"spec": job.spec.model_copy(update={"suspend": w["suspend"]})}
         )
         before = Phase(status.phase)
-        job = _step(current, observed, now)
+        job, _ = run(current, observed, now)
         assert job.status is not None
         after = Phase(job.status.phase)
         # One reconcile may take several moves (Pending → Planning → Running); each was
@@ -232,10 +173,10 @@ def test_random_reconcile_sequences_only_make_legal_moves(
 
 
 def test_an_oom_replan_onto_busy_gpus_queues_the_job() -> None:
-    job = _step(_job(), Observed(pools=_busy(8)), T0)
+    job, _ = run(make_job(), Observed(pools=busy(POOLS, 8)))
     assert job.status is not None and job.status.phase == Phase.RUNNING
     oom = Observed(
-        pools=_busy(0),
+        pools=busy(POOLS, 0),
         batch_job={
             "metadata": {"name": "demo-a1"},
             "status": {"conditions": [{"type": "Failed", "status": "True"}]},
@@ -243,13 +184,13 @@ def test_an_oom_replan_onto_busy_gpus_queues_the_job() -> None:
         pods=[_pod("demo-a1-0", "oom", T0)],
         attempt=1,
     )
-    job = _step(job, oom, T0 + timedelta(minutes=5))
+    job, _ = run(job, oom, T0 + timedelta(minutes=5))
     s = job.status
     assert s is not None and s.phase == Phase.QUEUED
     assert s.plan is not None and s.plan.revision == 2
     assert s.message == "waiting for capacity after re-plan"
     assert c.is_true(s.conditions, ConditionType.QUEUED)
     # Capacity frees: the re-planned layout launches as attempt 2.
-    job = _step(job, Observed(pools=_busy(8), attempt=1), T0 + timedelta(minutes=6))
+    job, _ = run(job, Observed(pools=busy(POOLS, 8), attempt=1), T0 + timedelta(minutes=6))
     assert job.status is not None and job.status.phase == Phase.RUNNING
     assert job.status.attempt == 2

@@ -11,43 +11,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kubetune.api.v1alpha1 import FineTuneJobStatus
 from kubetune.controller.metrics import GIB, PHASES, OperatorMetrics
+from support.statuses import plan
 
 pytestmark = pytest.mark.unit
 
 CREATED = "2025-01-01T00:00:00Z"
 T0 = 1735689600.0  # CREATED as Unix time
-
-
-def plan(**over: Any) -> dict[str, Any]:
-    doc: dict[str, Any] = {
-        "revision": 1,
-        "reason": "Initial",
-        "method": "lora",
-        "pool": "l40s",
-        "gpuProduct": "NVIDIA-L40S",
-        "gpuMemoryGiB": 48,
-        "nodes": 1,
-        "gpusPerNode": 2,
-        "totalGPUs": 2,
-        "spot": False,
-        "sharding": "full",
-        "precision": "bf16",
-        "optimizer": "adamw",
-        "microBatchSize": 1,
-        "gradientAccumulation": 4,
-        "gradientCheckpointing": True,
-        "perGPUMemoryGiB": 20.5,
-        "trainableParams": 1000,
-        "modelParams": 100000,
-        "totalSteps": 100,
-        "totalTokens": 1000000,
-        "estimatedTokensPerSecond": 1000.0,
-        "estimatedDurationSeconds": 1000.0,
-        "estimatedCostUSD": 0.5,
-        "pricePerHourUSD": 1.58,
-    }
-    doc.update(over)
-    return doc
 
 
 def status(**over: Any) -> dict[str, Any]:

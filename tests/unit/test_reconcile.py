@@ -7,84 +7,31 @@ play out like the real control loop.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 import pytest
 
-from kubetune.api.v1alpha1 import FineTuneJob, FineTuneJobStatus, GPUPool
+from kubetune.api.v1alpha1 import FineTuneJobStatus
 from kubetune.api.vocabulary import ConditionType, PlanReason, Reason, RecoveryReason
 from kubetune.control import conditions as c
-from kubetune.control.reconcile import ControllerSettings, Decision, Observed, reconcile
+from kubetune.control.reconcile import Decision, Observed, reconcile
 from kubetune.planning.arch import ArchitectureError
 from kubetune.planning.catalog import default_pools
-from kubetune.sources import load_arch
 from kubetune_trainer.contract import EXIT_CONFIG_ERROR, EXIT_OOM, EXIT_PREEMPTED
+from support.reconcile import (
+    SETTINGS,
+    T0,
+    batch_job,
+    busy,
+    make_job,
+    observed,
+    pod,
+    run,
+    unschedulable,
+)
 
 pytestmark = pytest.mark.unit
-
-T0 = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)
-SETTINGS = ControllerSettings(poll_seconds=10, queue_retry_seconds=15)
-
-
-def make_job(**spec_over: Any) -> FineTuneJob:
-    spec: dict[str, Any] = {
-        "model": {"uri": "Qwen/Qwen2.5-7B"},
-        "dataset": {"uri": "pvc://data/train.jsonl", "numExamples": 20000},
-        "method": "lora",
-        "training": {"sequenceLength": 2048, "globalBatchSize": 32},
-    }
-    for key, value in spec_over.items():
-        if isinstance(value, dict) and isinstance(spec.get(key), dict):
-            spec[key] = {**spec[key], **value}
-        else:
-            spec[key] = value
-    return FineTuneJob.model_validate(
-        {
-            "metadata": {"name": "demo", "namespace": "team-a", "uid": "uid-1", "generation": 1},
-            "spec": spec,
-        }
-    )
-
-
-def run(
-    job: FineTuneJob,
-    observed: Observed | None = None,
-    now: datetime = T0,
-    pools: list[GPUPool] | None = None,
-) -> tuple[FineTuneJob, Decision]:
-    obs = observed or Observed(pools=pools if pools is not None else default_pools())
-    d = reconcile(job, obs, SETTINGS, now=now, load_arch=load_arch)
-    status = FineTuneJobStatus.model_validate(d.status.to_wire())
-    return job.model_copy(update={"status": status}), d
-
-
-def batch_job(*conds: str, active: int = 0, ready: int = 0) -> dict[str, Any]:
-    return {
-        "metadata": {"name": "demo-a1"},
-        "status": {
-            "active": active,
-            "ready": ready,
-            "conditions": [{"type": t, "status": "True"} for t in conds],
-        },
-    }
-
-
-def pod(
-    name: str, exit_code: int | None = None, disrupted: bool = False, msg: str = ""
-) -> dict[str, Any]:
-    status: dict[str, Any] = {"phase": "Failed" if exit_code else "Running", "conditions": []}
-    if disrupted:
-        status["conditions"].append({"type": "DisruptionTarget", "status": "True"})
-    if exit_code is not None:
-        status["containerStatuses"] = [
-            {"name": "trainer", "state": {"terminated": {"exitCode": exit_code, "message": msg}}}
-        ]
-    return {"metadata": {"name": name}, "status": status}
-
-
-def observed(job_obj: dict[str, Any] | None, pods: list[dict[str, Any]] | None = None) -> Observed:
-    return Observed(pools=default_pools(), batch_job=job_obj, pods=pods or [])
 
 
 def kinds(d: Decision) -> list[str]:
@@ -154,26 +101,12 @@ def test_unknown_architecture_fails_permanently() -> None:
     )  # type: ignore[union-attr]
 
 
-def _busy(pools: list[GPUPool], free: int) -> list[GPUPool]:
-    out = []
-    for p in pools:
-        status = {
-            "nodes": p.spec.max_nodes,
-            "allocatableGPUs": p.spec.max_nodes * p.spec.gpus_per_node,
-            "freeGPUs": free * p.spec.max_nodes,
-            "freeGPUsPerNode": [free] * p.spec.max_nodes,
-            "updatedAt": "2026-11-22T12:00:00Z",
-        }
-        out.append(GPUPool.model_validate({**p.model_dump(by_alias=True), "status": status}))
-    return out
-
-
 def test_queued_until_capacity_frees() -> None:
-    job, d = run(make_job(), pools=_busy(default_pools(), free=0))
+    job, d = run(make_job(), pools=busy(default_pools(), free=0))
     assert job.status is not None and job.status.phase == "Queued"
     assert c.is_true(job.status.conditions, ConditionType.QUEUED)
     assert d.create == [] and d.requeue_after == SETTINGS.queue_retry_seconds
-    job, d = run(job, pools=_busy(default_pools(), free=8), now=T0 + timedelta(minutes=1))
+    job, d = run(job, pools=busy(default_pools(), free=8), now=T0 + timedelta(minutes=1))
     assert job.status is not None and job.status.phase == "Running"
     assert not c.is_true(job.status.conditions, ConditionType.QUEUED)
     assert kinds(d)[-1] == "Job"
@@ -333,24 +266,6 @@ def test_a_pod_gone_before_its_end_was_seen_is_classified_by_the_job(
     s = job.status
     assert s is not None and [r.reason for r in s.recoveries] == [reason]
     assert s.restarts == 1 and s.trainer_pods == ["demo-a1-0-bbbbb"]
-
-
-def unschedulable(name: str, since: datetime) -> dict[str, Any]:
-    stamp = since.strftime("%Y-%m-%dT%H:%M:%SZ")
-    return {
-        "metadata": {"name": name},
-        "status": {
-            "phase": "Pending",
-            "conditions": [
-                {
-                    "type": "PodScheduled",
-                    "status": "False",
-                    "reason": "Unschedulable",
-                    "lastTransitionTime": stamp,
-                }
-            ],
-        },
-    }
 
 
 def test_a_pod_without_room_moves_the_job_to_another_pool() -> None:

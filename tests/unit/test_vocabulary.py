@@ -34,6 +34,7 @@ from kubetune_trainer.contract import (
     PRECISIONS,
     SHARDINGS,
 )
+from support.statuses import plan
 
 pytestmark = pytest.mark.unit
 
@@ -110,36 +111,6 @@ def test_metric_label_values_are_the_vocabulary_and_exist_from_the_start() -> No
     assert _label_values(m, "kubetune_finetunejobs_finished", "phase") == set(TERMINAL_PHASES)
 
 
-def _replan(revision: int, reason: PlanReason, message: str) -> dict[str, Any]:
-    return {
-        "revision": revision,
-        "reason": reason,
-        "message": message,
-        "method": "lora",
-        "pool": "l40s",
-        "gpuProduct": "NVIDIA-L40S",
-        "gpuMemoryGiB": 48,
-        "nodes": 1,
-        "gpusPerNode": 1,
-        "totalGPUs": 1,
-        "sharding": "none",
-        "precision": "bf16",
-        "optimizer": "adamw",
-        "microBatchSize": 1,
-        "gradientAccumulation": 1,
-        "gradientCheckpointing": True,
-        "perGPUMemoryGiB": 20.0,
-        "trainableParams": 1,
-        "modelParams": 2,
-        "totalSteps": 10,
-        "totalTokens": 100,
-        "estimatedTokensPerSecond": 1.0,
-        "estimatedDurationSeconds": 1.0,
-        "estimatedCostUSD": 1.0,
-        "pricePerHourUSD": 1.0,
-    }
-
-
 def test_plan_reasons_stay_a_closed_label_set_whatever_the_details() -> None:
     """Re-plans name pods, pools and seconds in their message; the `reason` label of
     kubetune_plans_total takes only the closed set, however many re-plans happen."""
@@ -149,7 +120,13 @@ def test_plan_reasons_stay_a_closed_label_set_whatever_the_details() -> None:
     for revision in range(1, 40):
         reason = list(PlanReason)[revision % len(PlanReason)]
         after = FineTuneJobStatus.model_validate(
-            {"plan": _replan(revision, reason, f"pod p-{revision} waited {revision * 7}s")}
+            {
+                "plan": plan(
+                    revision=revision,
+                    reason=reason,
+                    message=f"pod p-{revision} waited {revision * 7}s",
+                )
+            }
         ).to_wire()
         m.observe_job({"metadata": meta, "spec": {}, "status": before}, after)
         before = after
@@ -157,9 +134,7 @@ def test_plan_reasons_stay_a_closed_label_set_whatever_the_details() -> None:
 
 
 def test_plan_reasons_written_as_text_by_earlier_versions_are_read() -> None:
-    legacy = _replan(2, PlanReason.OUT_OF_MEMORY, "")
-    legacy.pop("message")
-    legacy["reason"] = "OutOfMemory: lora 1×l40s micro-batch 4 ran out of memory"
+    legacy = plan(revision=2, reason="OutOfMemory: lora 1×l40s micro-batch 4 ran out of memory")
     status = FineTuneJobStatus.model_validate({"plan": legacy})
     assert status.plan is not None
     assert status.plan.reason == PlanReason.OUT_OF_MEMORY
