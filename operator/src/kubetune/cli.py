@@ -39,7 +39,7 @@ from kubetune_trainer.contract import (
 GIB = 1024**3
 
 
-class _Abort(click.ClickException):
+class Abort(click.ClickException):
     """An error printed as-is (our messages already say how to fix them)."""
 
     def format_message(self) -> str:
@@ -74,7 +74,7 @@ class _Commands(click.Group):
         if entry is not None:
             loaded = entry.load()
             if not isinstance(loaded, click.Command):
-                raise _Abort(f"entry point {entry.value} is not a click command")
+                raise Abort(f"entry point {entry.value} is not a click command")
             return loaded
         if cmd_name in _TOOLING_COMMANDS:
             return _missing_tooling(cmd_name)
@@ -85,7 +85,7 @@ def _missing_tooling(name: str) -> click.Command:
     @click.command(name, context_settings={"ignore_unknown_options": True})
     @click.argument("args", nargs=-1, type=click.UNPROCESSED)
     def missing(args: tuple[str, ...]) -> None:
-        raise _Abort(
+        raise Abort(
             f"`kubetune {name}` ({_TOOLING_COMMANDS[name]}) is part of the local tooling, "
             "which is not installed. To fix: run `make setup` in a kubetune checkout, or "
             "`pip install -e operator/dev` there."
@@ -109,7 +109,7 @@ def _arch(config: str | None, model: str | None, allow_network: bool) -> ModelAr
     try:
         return load_arch(config or model or "", allow_network=allow_network)
     except ArchitectureError as exc:
-        raise _Abort(str(exc)) from exc
+        raise Abort(str(exc)) from exc
 
 
 @main.command()
@@ -198,7 +198,7 @@ def estimate(
     try:
         est = estimate_vram(arch, setup)
     except EstimatorError as exc:
-        raise _Abort(str(exc)) from exc
+        raise Abort(str(exc)) from exc
     if as_json:
         out = est.to_dict()
         out["model"] = arch.name
@@ -223,7 +223,7 @@ def _load_yaml_docs(path: str) -> list[dict[str, Any]]:
         text = Path(path).read_text()
         return [d for d in yaml.safe_load_all(text) if d]
     except (OSError, yaml.YAMLError) as exc:
-        raise _Abort(f"cannot read {path}: {exc}") from exc
+        raise Abort(f"cannot read {path}: {exc}") from exc
 
 
 def load_pools(path: str | None) -> list[GPUPool]:
@@ -236,16 +236,16 @@ def load_pools(path: str | None) -> list[GPUPool]:
         try:
             pools.append(GPUPool.model_validate(doc))
         except ValidationError as exc:
-            raise _Abort(f"{path}: GPUPool {doc.get('metadata', {}).get('name')}: {exc}") from exc
+            raise Abort(f"{path}: GPUPool {doc.get('metadata', {}).get('name')}: {exc}") from exc
     if not pools:
-        raise _Abort(f"{path} holds no GPUPool objects")
+        raise Abort(f"{path} holds no GPUPool objects")
     return pools
 
 
 def load_job(path: str) -> FineTuneJob:
     docs = [d for d in _load_yaml_docs(path) if d.get("kind") == "FineTuneJob"]
     if len(docs) != 1:
-        raise _Abort(f"{path}: expected exactly one FineTuneJob, found {len(docs)}")
+        raise Abort(f"{path}: expected exactly one FineTuneJob, found {len(docs)}")
     try:
         return FineTuneJob.model_validate(docs[0])
     except ValidationError as exc:
@@ -253,7 +253,7 @@ def load_job(path: str) -> FineTuneJob:
         for err in exc.errors():
             loc = ".".join(str(p) for p in err["loc"])
             lines.append(f"  {loc}: {err['msg']}")
-        raise _Abort("\n".join(lines)) from exc
+        raise Abort("\n".join(lines)) from exc
 
 
 def _hours(seconds: float) -> str:
@@ -343,7 +343,7 @@ def plan(
             ),
         )
     except (KubetuneError, ArchitectureError, EstimatorError) as exc:
-        raise _Abort(str(exc)) from exc
+        raise Abort(str(exc)) from exc
     if as_json:
         click.echo(json.dumps(result.to_status(pools).to_wire(), indent=2))
         return

@@ -15,15 +15,8 @@ import click
 import yaml
 
 from kubetune.api.crdgen import render_all
+from kubetune.cli import Abort
 from kubetune.planning.catalog import default_pools
-
-
-class _Abort(click.ClickException):
-    """An error printed as-is (the messages already say how to fix them)."""
-
-    def format_message(self) -> str:
-        return self.message
-
 
 #: Simulated pools of `kubetune dev up`: pool from the built-in catalog → nodes.
 SIMULATED_POOLS = {"l40s": 4, "a100-80gb": 4, "h100": 2, "rtx4090-spot": 4}
@@ -72,7 +65,7 @@ def dev_up(root: str | None, pools: bool) -> None:
             cluster.add_simulated_pools(simulated_pool_docs())
     except ClusterError as exc:
         cluster.stop()
-        raise _Abort(str(exc)) from exc
+        raise Abort(str(exc)) from exc
     click.echo(f"export KUBECONFIG={cluster.kubeconfig}")
     click.echo(f"export PATH={binaries.kubectl.parent}:$PATH", err=True)
 
@@ -90,7 +83,7 @@ def dev_down(root: str | None) -> None:
     names = sorted(state.pids)
     left = stop_processes(state)
     if left:
-        raise _Abort(f"could not stop: {', '.join(left)}")
+        raise Abort(f"could not stop: {', '.join(left)}")
     click.echo(f"stopped {len(names)} processes: {', '.join(names)}")
 
 
