@@ -321,15 +321,17 @@ def test_rbac_rules_are_the_documented_set(helm: Helm) -> None:
         ("kubetune.io", "gpupools", "watch"),
         ("kubetune.io", "gpupools", "patch"),
         ("kubetune.io", "gpupools/status", "patch"),
-        ("batch", "jobs", "list"),
-        ("batch", "jobs", "create"),
-        ("batch", "jobs", "delete"),
-        ("", "persistentvolumeclaims", "create"),
-        ("", "configmaps", "create"),
-        ("", "services", "create"),
+        *(("batch", "jobs", v) for v in ("get", "list", "watch", "create", "delete")),
+        *(
+            ("", r, v)
+            for r in ("persistentvolumeclaims", "configmaps", "services")
+            for v in ("get", "create")
+        ),
         ("", "events", "create"),
         ("", "nodes", "list"),
+        ("", "nodes", "watch"),
         ("", "pods", "list"),
+        ("", "pods", "watch"),
         ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
         ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
     }

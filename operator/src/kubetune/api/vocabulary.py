@@ -79,6 +79,20 @@ class Reason(StrEnum):
     RESTART_LIMIT = "RestartLimitReached"
     BUDGET_EXCEEDED = "BudgetExceeded"
     DEADLINE_EXCEEDED = "DeadlineExceeded"
+    CHILD_CONFLICT = "ChildConflict"
+    """An object the job needs (its batch Job, Service, ConfigMap) exists and is not its."""
+    # the operator itself
+    STATUS_REJECTED = "StatusRejected"
+    """The API server refused a status update as invalid; the job is still reconciled."""
+    # GPUPools
+    POOL_ACCEPTED = "Accepted"
+
+
+class PoolConditionType(StrEnum):
+    """The conditions of a GPUPool (`status.conditions[].type`)."""
+
+    VALID = "Valid"
+    """False when the operator cannot read the pool; such a pool takes part in no plan."""
 
 
 class RecoveryReason(StrEnum):

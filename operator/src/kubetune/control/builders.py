@@ -154,7 +154,7 @@ def _base_name(job_name: str) -> str:
     return _dns_label(job_name, _MAX_BASE)
 
 
-def _label_value(name: str) -> str:
+def label_value(name: str) -> str:
     # Object names are valid label values up to 63 characters; longer ones are shortened
     # the same way as child names.
     return name if len(name) <= 63 else _base_name(name)
@@ -201,7 +201,7 @@ def owner_reference(job: FineTuneJob) -> dict[str, Any]:
 
 def labels(job: FineTuneJob, attempt: int | None = None) -> dict[str, str]:
     name, _, _ = _metadata(job)
-    value = _label_value(name)
+    value = label_value(name)
     result = {
         LABEL_NAME: "kubetune-trainer",
         LABEL_MANAGED_BY: "kubetune",
@@ -491,7 +491,7 @@ def build_headless_service(job: FineTuneJob, settings: BuildSettings) -> dict[st
         "metadata": _object_meta(job, child_names(name, 1).service),
         "spec": {
             "clusterIP": "None",
-            "selector": {LABEL_JOB: _label_value(name)},
+            "selector": {LABEL_JOB: label_value(name)},
             "publishNotReadyAddresses": True,
             "ports": [
                 {

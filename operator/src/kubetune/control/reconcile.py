@@ -33,6 +33,7 @@ from kubetune.api.errors import InfeasibleError, SpecError
 from kubetune.api.v1alpha1 import (
     INT64_MAX,
     FineTuneJob,
+    FineTuneJobSpec,
     FineTuneJobStatus,
     GPUPool,
     PlanStatus,
@@ -54,11 +55,19 @@ from kubetune.control.conditions import get_condition, is_true, now_rfc3339
 from kubetune.control.lifecycle import Transitions, is_finished
 from kubetune.planning.arch import ArchitectureError, ModelArch
 from kubetune.planning.estimator import EstimatorError
-from kubetune.planning.planner import Layout, PlannerSettings, plan_job, replan_settings_after_oom
+from kubetune.planning.planner import (
+    Layout,
+    Plan,
+    PlannerSettings,
+    plan_job,
+    replan_settings_after_oom,
+)
 from kubetune_trainer.contract import EXIT_CONFIG_ERROR, EXIT_OOM, EXIT_STOPPED
 
 Manifest = dict[str, Any]
 ArchLoader = Callable[[str], ModelArch]
+PlanFn = Callable[[FineTuneJobSpec, Sequence[GPUPool], ModelArch, PlannerSettings], Plan]
+"""`planner.plan_job`, or a stand-in with its signature (the operator passes a cached one)."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,16 @@ class ControllerSettings:
     poll_seconds: float = 10.0
     reschedule_seconds: float = 120.0
     """A trainer pod unschedulable this long makes the job re-plan onto another pool."""
+    resync_seconds: float = 600.0
+    """Every unfinished job is looked at at least this often, even without any event."""
+    progress_write_seconds: float = 60.0
+    """Status changes of progress and cost alone are written at most this often."""
+    stall_seconds: float = 300.0
+    """Liveness fails when jobs are overdue this long and no reconcile succeeded."""
+    planner_workers: int = 2
+    """Worker threads that run reconciles (planning) off the operator's event loop."""
+    scrape_concurrency: int = 16
+    """Trainer metrics endpoints scraped at once."""
 
 
 @dataclass(frozen=True)
@@ -128,12 +147,13 @@ def reconcile(
     *,
     now: datetime,
     load_arch: ArchLoader,
+    plan: PlanFn = plan_job,
 ) -> Decision:
     status = (job.status or FineTuneJobStatus()).model_copy(deep=True)
     generation = job.metadata.get("generation")
     status.observed_generation = generation
     decision = Decision(status=status)
-    _Reconciler(job, observed, settings, now, load_arch, decision, generation).run()
+    _Reconciler(job, observed, settings, now, load_arch, decision, generation, plan).run()
     return decision
 
 
@@ -149,6 +169,7 @@ class _Reconciler:
         load_arch: ArchLoader,
         decision: Decision,
         generation: int | None,
+        plan: PlanFn = plan_job,
     ) -> None:
         self.job = job
         self.spec = job.spec
@@ -156,6 +177,7 @@ class _Reconciler:
         self.settings = settings
         self.now = now
         self.load_arch = load_arch
+        self.plan_job = plan
         self.d = decision
         self.s = decision.status
         self.go = Transitions(decision.status, now, generation)
@@ -304,7 +326,7 @@ class _Reconciler:
             return None
         try:
             arch = self.load_arch(self.model_id)
-            plan = plan_job(self.spec, self.observed.pools, arch, planner)
+            plan = self.plan_job(self.spec, self.observed.pools, arch, planner)
         except ArchitectureError as exc:
             self._unplannable(Reason.UNKNOWN_ARCHITECTURE, str(exc))
             return None
@@ -506,7 +528,7 @@ class _Reconciler:
         try:
             arch = self.load_arch(self.model_id)
             # What earlier out-of-memory re-plans learned still holds on the new pool.
-            moved = plan_job(self.spec, elsewhere, arch, self.learned_planner(plan))
+            moved = self.plan_job(self.spec, elsewhere, arch, self.learned_planner(plan))
         except (ArchitectureError, InfeasibleError):
             return False
         if moved.queued:

@@ -1,37 +1,45 @@
-"""kopf handlers: thin glue between kopf, the Kubernetes API and `kubetune.control.reconcile`.
+"""kopf handlers: thin glue between kopf and `kubetune.controller.runtime`.
 
 Run with `kopf run -m kubetune.controller.handlers --all-namespaces` (or `kubetune operator`).
 
-Every FineTuneJob handler does the same four things: validate the body with the pydantic
-models → observe the cluster → `reconcile()` (pure) → carry out the decision and patch the
-status. Domain errors become `kopf.PermanentError`/`TemporaryError` only here. Children carry
-owner references, so the garbage collector removes them (the checkpoint volume only when its
-retention policy says so). kopf's timers need a finalizer on each object to stop cleanly; it
-is named `kubetune.io/finalizer` and kopf removes it as soon as the object is deleted while
-the operator runs (docs/configuration.md says how to remove it when the operator is gone).
+What is registered here:
+- indexes (watch-fed caches, controller/cache.py) of FineTuneJobs' batch Jobs and pods,
+  of pods holding GPUs, of Nodes and of GPUPools; kopf fills them before any loop starts;
+- event handlers that wake the loop a change concerns: a child's change wakes its job, a
+  change of a job's spec wakes the job, a change of capacity wakes queued jobs and pools;
+- one daemon per FineTuneJob and per GPUPool, which run the loops of controller/runtime.py.
+
+kopf's daemons need a finalizer on each object to stop cleanly; it is named
+`kubetune.io/finalizer` and kopf removes it as soon as the object is deleted while the
+operator runs (docs/configuration.md says how to remove it when the operator is gone).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections import defaultdict
-from datetime import UTC, datetime
+from collections.abc import Mapping
 from functools import partial
-from typing import Any, ClassVar
+from typing import Any
 
 import kopf
 from lightkube import AsyncClient
-from lightkube.core.exceptions import ApiError
-from pydantic import ValidationError
 
-from kubetune.api.v1alpha1 import GROUP, VERSION, FineTuneJob, FineTuneJobStatus, GPUPool
+from kubetune.api.v1alpha1 import GROUP, VERSION
 from kubetune.api.vocabulary import EventType, Reason
-from kubetune.control.conditions import now_rfc3339
-from kubetune.control.lifecycle import failed
-from kubetune.control.reconcile import ControllerSettings, Decision, reconcile
+from kubetune.control.builders import LABEL_JOB
+from kubetune.control.capacity import NodeInfo, node_info
 from kubetune.controller import metrics
+from kubetune.controller.cache import (
+    Caches,
+    child_key,
+    gpu_usage,
+    job_key_of,
+    parse_pool,
+    trimmed_batch_job,
+    trimmed_pod,
+)
 from kubetune.controller.kube import Kube
+from kubetune.controller.runtime import Runtime
 from kubetune.controller.settings import settings_from_env
 from kubetune.sources import load_arch
 
@@ -39,18 +47,37 @@ log = logging.getLogger("kubetune")
 
 FTJ = (GROUP, VERSION, "finetunejobs")
 POOLS = (GROUP, VERSION, "gpupools")
+PODS = ("", "v1", "pods")
+BATCH_JOBS = ("batch", "v1", "jobs")
+NODES = ("", "v1", "nodes")
+CHILD = {LABEL_JOB: kopf.PRESENT}
 
 
 class _State:
-    settings: ControllerSettings = settings_from_env()
-    kube: Kube | None = None
-    locks: ClassVar[defaultdict[str, asyncio.Lock]] = defaultdict(asyncio.Lock)
+    runtime: Runtime | None = None
+    nodes: dict[str, NodeInfo] = {}  # noqa: RUF012 - the operator's one process-wide view
+    gpu_pods: dict[str, Any] = {}  # noqa: RUF012
 
 
-def _kube() -> Kube:
-    if _State.kube is None:
-        _State.kube = Kube(AsyncClient(), metrics_port=_State.settings.build.metrics_port)
-    return _State.kube
+def _post_event(body: Mapping[str, Any], type_: EventType, reason: Reason, message: str) -> None:
+    target = body if isinstance(body, kopf.Body) else kopf.Body(dict(body))  # type: ignore[arg-type]
+    kopf.event(target, type=str(type_), reason=str(reason), message=message)
+
+
+def _runtime() -> Runtime:
+    if _State.runtime is None:
+        raise kopf.TemporaryError("the operator is still starting", delay=1)
+    return _State.runtime
+
+
+def _caches(kwargs: Mapping[str, Any]) -> Caches:
+    return Caches(
+        pods=kwargs["ftj_pods"],
+        batch_jobs=kwargs["ftj_batch_jobs"],
+        nodes=kwargs["nodes"],
+        gpu_pods=kwargs["gpu_pods"],
+        pools=kwargs["pools"],
+    )
 
 
 @kopf.on.startup()
@@ -64,11 +91,13 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # Our own Events go through kopf.event; kopf's log lines stay out of the event stream.
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
-    # A deleted job waits until its timer has stopped; kopf checks on it every 60 s by
-    # default, which made `kubectl delete ftj` hang for a minute while a tick ran.
+    # A deleted job waits until its loop has stopped; kopf checks on it every 60 s by
+    # default, which made `kubectl delete ftj` hang for a minute.
     settings.background.cancellation_polling = 1.0
-    _State.settings = settings_from_env()
-    _State.kube = Kube(AsyncClient(), metrics_port=_State.settings.build.metrics_port)
+    controller = settings_from_env()
+    kube = Kube(AsyncClient(), metrics_port=controller.build.metrics_port)
+    loader = partial(load_arch, allow_network=controller.allow_network, local_files=False)
+    _State.runtime = Runtime(controller, kube, loader, _post_event)
     try:
         port = metrics.start_server()
     except OSError as exc:  # a taken port must not stop the operator
@@ -86,119 +115,132 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 
 @kopf.on.cleanup()
 async def close_client(**_: Any) -> None:
-    if _State.kube is not None:
-        await _State.kube.client.close()
-        _State.kube = None
+    if _State.runtime is not None:
+        _State.runtime.executor.shutdown(wait=False, cancel_futures=True)
+        await _State.runtime.kube.client.close()
+        _State.runtime = None
 
 
-def status_patch(old: dict[str, Any], new: FineTuneJobStatus) -> dict[str, Any]:
-    """A JSON merge patch turning `old` into `new` (None removes a field)."""
-    wire = new.to_wire()
-    patch: dict[str, Any] = {k: v for k, v in wire.items() if old.get(k) != v}
-    for key in old:
-        if key not in wire:
-            patch[key] = None
-    return patch
+@kopf.on.probe(id="reconciles")
+def reconciles(**_: Any) -> dict[str, Any]:
+    """Liveness: fails when reconciliation stalled for every job (runtime.health)."""
+    return _runtime().health()
 
 
-async def _reconcile_job(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger) -> None:
-    key = f"{body.metadata.namespace}/{body.metadata.name}"
-    async with _State.locks[key]:
-        with metrics.reconcile_timer("finetunejob"):
-            await _reconcile_locked(body, patch, logger)
+# ---------------------------------------------------------------------- caches
 
 
-async def _reconcile_locked(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger) -> None:
-    raw = {
-        "metadata": dict(body.metadata),
-        "spec": dict(body.spec),
-        "status": dict(body.status) or None,
-    }
-    try:
-        job = FineTuneJob.model_validate(raw)
-    except ValidationError as exc:
-        # Admission normally catches this; an older CRD or a hand-edited status may not.
-        message = f"invalid FineTuneJob: {exc.errors()[0]['msg']} at {exc.errors()[0]['loc']}"
-        status = failed(FineTuneJobStatus(), Reason.INVALID_SPEC, message, datetime.now(UTC))
-        patch.status.update(status_patch(dict(body.status), status))
-        kopf.event(body, type=EventType.WARNING, reason=Reason.INVALID_SPEC, message=message)
-        metrics.observe_job(raw, status.to_wire())
+@kopf.index(*BATCH_JOBS, labels=CHILD)
+def ftj_batch_jobs(body: kopf.Body, **_: Any) -> dict[Any, Any] | None:
+    key = child_key(body)
+    return None if key is None else {key: trimmed_batch_job(body)}
+
+
+@kopf.index(*PODS, labels=CHILD)
+def ftj_pods(body: kopf.Body, **_: Any) -> dict[Any, Any] | None:
+    key = child_key(body)
+    return None if key is None else {key: trimmed_pod(body)}
+
+
+@kopf.index(*PODS)
+def gpu_pods(body: kopf.Body, **_: Any) -> dict[str, int] | None:
+    return gpu_usage(body)
+
+
+@kopf.index(*NODES)
+def nodes(body: kopf.Body, **_: Any) -> dict[str, NodeInfo]:
+    return {str(body.metadata.name): node_info(body)}
+
+
+@kopf.index(*POOLS)
+def pools(body: kopf.Body, **_: Any) -> dict[str, Any]:
+    return {str(body.metadata.name): parse_pool(body)}
+
+
+# ---------------------------------------------------------------------- wake-ups
+
+
+@kopf.on.event(*BATCH_JOBS, labels=CHILD)
+@kopf.on.event(*PODS, labels=CHILD)
+def child_changed(body: kopf.Body, **_: Any) -> None:
+    key = child_key(body)
+    if key is not None and _State.runtime is not None:
+        _State.runtime.wake(key)
+
+
+@kopf.on.event(*PODS)
+def pod_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
+    uid = str(body.metadata.uid)
+    held = None if type == "DELETED" else gpu_usage(body)
+    if _State.gpu_pods.get(uid) != held:
+        if held is None:
+            _State.gpu_pods.pop(uid, None)
+        else:
+            _State.gpu_pods[uid] = held
+        if _State.runtime is not None:
+            _State.runtime.capacity_changed()
+
+
+@kopf.on.event(*NODES)
+def node_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
+    name = str(body.metadata.name)
+    info = None if type == "DELETED" else node_info(body)
+    if _State.nodes.get(name) != info:
+        if info is None:
+            _State.nodes.pop(name, None)
+        else:
+            _State.nodes[name] = info
+        if _State.runtime is not None:
+            _State.runtime.capacity_changed()
+
+
+@kopf.on.event(*POOLS)
+def pool_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
+    if type == "DELETED":
+        metrics.forget_pool(str(body.metadata.name))
+    runtime = _State.runtime
+    if runtime is None:
         return
-    kube = _kube()
-    settings = _State.settings
-    observed = await kube.observe_job(job)
-    loader = partial(load_arch, allow_network=settings.allow_network, local_files=False)
-    now = datetime.now(UTC)
-    decision = reconcile(job, observed, settings, now=now, load_arch=loader)
-    try:
-        await _carry_out(kube, job, decision, body)
-    except ApiError as exc:
-        if exc.status.code not in (400, 422):
-            raise
-        # The spec passed admission but makes a child Kubernetes refuses (a Secret or
-        # StorageClass name, a volume size): retrying cannot help.
-        message = (
-            f"Kubernetes rejected an object built from this job's spec: {exc.status.message}. "
-            "To fix: correct the spec field it names and create the job again"
-        )
-        decision.status = failed(decision.status, Reason.INVALID_SPEC, message, now)
-        kopf.event(body, type=EventType.WARNING, reason=Reason.INVALID_SPEC, message=message)
-    patch.status.update(status_patch(dict(body.status), decision.status))
-    metrics.observe_job(raw, decision.status.to_wire())
-    if decision.requeue_after is not None:
-        logger.debug("next look in %.0fs", decision.requeue_after)
+    # Its own status writes come back here too; only a new spec or a deletion matters.
+    generation = (type, body.metadata.get("generation"))
+    if runtime.pool_generations.get(str(body.metadata.name)) != generation:
+        runtime.pool_generations[str(body.metadata.name)] = generation
+        runtime.capacity_changed()
 
 
-async def _carry_out(kube: Kube, job: FineTuneJob, d: Decision, body: kopf.Body) -> None:
-    namespace = str(job.metadata["namespace"])
-    for manifest in d.create:
-        await kube.create_if_absent(manifest)
-    for name in d.delete_jobs:
-        await kube.delete_batch_job(namespace, name)
-    for event in d.events:
-        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
-    if d.delete_self:
-        await kube.delete_finetunejob(namespace, str(job.metadata["name"]))
+@kopf.on.event(*FTJ)
+def finetunejob_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
+    """A new spec (generation) or a deletion wakes the job's loop; status writes do not."""
+    if type == "DELETED":
+        metrics.forget_job(str(body.metadata.namespace), str(body.metadata.name))
+        return
+    runtime = _State.runtime
+    if runtime is None:
+        return
+    key = job_key_of(body.metadata)
+    state = runtime.jobs.get(key)
+    if state is None:
+        return
+    if body.metadata.get("generation") != state.generation or body.metadata.get(
+        "deletionTimestamp"
+    ):
+        state.wake.set()
 
 
-@kopf.on.create(*FTJ)
-@kopf.on.resume(*FTJ)
-@kopf.on.update(*FTJ, field="spec")
-async def finetunejob_changed(
-    body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: Any
-) -> None:
-    await _reconcile_job(body, patch, logger)
+# ---------------------------------------------------------------------- loops
 
 
-@kopf.timer(*FTJ, interval=_State.settings.poll_seconds, initial_delay=1.0)
-async def finetunejob_tick(
-    body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: Any
-) -> None:
-    await _reconcile_job(body, patch, logger)
+@kopf.daemon(*FTJ, cancellation_backoff=5.0, cancellation_timeout=10.0)
+async def finetunejob_loop(body: kopf.Body, stopped: kopf.DaemonStopped, **kwargs: Any) -> None:
+    runtime = _runtime()
+    if runtime.caches is None:
+        runtime.caches = _caches(kwargs)
+    await runtime.run_job(body, stopped)
 
 
-@kopf.timer(*POOLS, interval=_State.settings.poll_seconds)
-async def gpupool_capacity(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
-    try:
-        pool = GPUPool.model_validate({"metadata": dict(body.metadata), "spec": dict(body.spec)})
-    except ValidationError as exc:
-        raise kopf.PermanentError(f"invalid GPUPool: {exc}") from exc
-    with metrics.reconcile_timer("gpupool"):
-        capacity = await _kube().pool_capacity(pool)
-    capacity["observedGeneration"] = body.metadata.get("generation")
-    changed = {k: v for k, v in capacity.items() if body.status.get(k) != v}
-    if changed or not body.status.get("updatedAt"):
-        patch.status.update(capacity)
-        patch.status["updatedAt"] = now_rfc3339()
-    metrics.observe_pool(body, capacity)
-
-
-@kopf.on.delete(*FTJ, optional=True)
-def finetunejob_deleted(body: kopf.Body, **_: Any) -> None:
-    """Drop a deleted job's series (optional: never blocks deletion with a finalizer)."""
-    metrics.forget_job(str(body.metadata.namespace), str(body.metadata.name))
-
-
-@kopf.on.delete(*POOLS, optional=True)
-def gpupool_deleted(body: kopf.Body, **_: Any) -> None:
-    metrics.forget_pool(str(body.metadata.name))
+@kopf.daemon(*POOLS, cancellation_backoff=5.0, cancellation_timeout=10.0)
+async def gpupool_loop(body: kopf.Body, stopped: kopf.DaemonStopped, **kwargs: Any) -> None:
+    runtime = _runtime()
+    if runtime.caches is None:
+        runtime.caches = _caches(kwargs)
+    await runtime.run_pool(body, stopped)

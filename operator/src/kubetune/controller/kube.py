@@ -1,40 +1,69 @@
-"""All Kubernetes API calls of the operator, in one place (lightkube, async).
+"""The operator's Kubernetes API calls, in one place (lightkube, async).
 
-Handlers read through `observe_job`/`list_pools`, and write through `create_if_absent`,
-`delete_batch_job` and friends. Creates are create-if-absent: a 409 means another
-reconcile (or an earlier, interrupted one) already made the object, which is success.
+Reconciles read the cluster from watch-fed caches (controller/cache.py); what goes through
+here are the writes (`create_if_absent`, `delete_batch_job`, `patch_status`, ...), the one
+read that resolves a create conflict (`owner_uids`) and the trainer metrics scrape.
+`patch_status` retries what a retry can fix (conflicts, throttling, server errors, lost
+connections) and raises `StatusRejected` for what it cannot (the apiserver's 422).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import httpx2
 from lightkube import AsyncClient, codecs
 from lightkube.core.exceptions import ApiError
 from lightkube.generic_resource import create_global_resource, create_namespaced_resource
-from lightkube.operators import not_in
 from lightkube.resources.batch_v1 import Job
-from lightkube.resources.core_v1 import Node, Pod
-from lightkube.types import CascadeType
+from lightkube.resources.core_v1 import ConfigMap, PersistentVolumeClaim, Service
+from lightkube.types import CascadeType, PatchType
 from prometheus_client.parser import text_string_to_metric_families
 
-from kubetune.api.v1alpha1 import GROUP, VERSION, FineTuneJob, GPUPool
-from kubetune.control.builders import (
-    COMPLETION_INDEX_ANNOTATION,
-    GPU_RESOURCE,
-    LABEL_ATTEMPT,
-    LABEL_JOB,
-    labels,
-)
-from kubetune.control.pods import POD_DONE, PodPhase
-from kubetune.control.reconcile import Observed
+from kubetune.api.v1alpha1 import GROUP, VERSION
+from kubetune.control.builders import COMPLETION_INDEX_ANNOTATION
+from kubetune.control.pods import PodPhase
+
+log = logging.getLogger("kubetune")
 
 FineTuneJobResource = create_namespaced_resource(GROUP, VERSION, "FineTuneJob", "finetunejobs")
 GPUPoolResource = create_global_resource(GROUP, VERSION, "GPUPool", "gpupools")
+
+_KINDS: dict[str, Any] = {
+    "Job": Job,
+    "Service": Service,
+    "ConfigMap": ConfigMap,
+    "PersistentVolumeClaim": PersistentVolumeClaim,
+}
+
+RETRY_CODES = frozenset({409, 429, 500, 502, 503, 504})
+"""Answers a status write is retried on: a conflict, throttling, the server's trouble."""
+RETRY_DELAYS = (0.2, 0.5, 1.0, 2.0, 4.0)
+"""Waits between the attempts of one write (about 8 s in all); the reconcile loop retries
+the write later if all of them fail."""
+
+
+class StatusRejected(Exception):
+    """The apiserver refused a status write as invalid (422): retrying cannot help."""
+
+    def __init__(self, message: str, fields: list[str]) -> None:
+        super().__init__(message)
+        self.fields = fields
+
+
+class Fenced(Exception):
+    """This replica may not write (it does not hold the leader lease)."""
+
+
+def _rejected_fields(exc: ApiError) -> list[str]:
+    details = exc.status.details
+    causes = (details.causes if details else None) or []
+    return [str(cause.field) for cause in causes if cause.field]
 
 
 def _as_dict(obj: Any) -> dict[str, Any]:
@@ -64,69 +93,25 @@ def _fetch_text(url: str, timeout_s: float) -> str:
 
 class Kube:
     def __init__(
-        self, client: AsyncClient, metrics_port: int = 9400, scrape_timeout_s: float = 1.0
+        self,
+        client: AsyncClient,
+        metrics_port: int = 9400,
+        scrape_timeout_s: float = 1.0,
+        may_write: Callable[[], bool] = lambda: True,
     ) -> None:
         self.client = client
         self.metrics_port = metrics_port
         self.scrape_timeout_s = scrape_timeout_s
+        self.may_write = may_write
+        """Asked before every write; False (the leader lease is lost) stops it with `Fenced`."""
+
+    def _check_fence(self) -> None:
+        if not self.may_write():
+            raise Fenced("this operator replica does not hold the leader lease")
 
     # ------------------------------------------------------------------ reads
 
-    async def list_pools(self) -> list[GPUPool]:
-        pools = []
-        async for obj in self.client.list(GPUPoolResource):
-            pools.append(GPUPool.model_validate(_as_dict(obj)))
-        return pools
-
-    async def list_pods(self, namespace: str, labels: Mapping[str, str]) -> list[Mapping[str, Any]]:
-        pods: list[Mapping[str, Any]] = []
-        async for pod in self.client.list(Pod, namespace=namespace, labels=dict(labels)):
-            pods.append(_as_dict(pod))
-        return pods
-
-    async def list_batch_jobs(
-        self, namespace: str, labels: Mapping[str, str]
-    ) -> list[dict[str, Any]]:
-        jobs: list[dict[str, Any]] = []
-        async for obj in self.client.list(Job, namespace=namespace, labels=dict(labels)):
-            jobs.append(_as_dict(obj))
-        return jobs
-
-    async def observe_job(self, job: FineTuneJob) -> Observed:
-        pools = await self.list_pools()
-        namespace = str(job.metadata["namespace"])
-        # Select with the label values the builders wrote (long names are shortened there).
-        selector = {LABEL_JOB: labels(job, 1)[LABEL_JOB]}
-        by_attempt: dict[int, dict[str, Any]] = {}
-        for batch in await self.list_batch_jobs(namespace, selector):
-            meta = batch.get("metadata") or {}
-            raw = (meta.get("labels") or {}).get(LABEL_ATTEMPT, "")
-            owners = {ref.get("uid") for ref in meta.get("ownerReferences") or []}
-            # Only this object's children: a job deleted and created again under the same
-            # name must not pick up the old one's (still terminating) batch Jobs.
-            if raw.isdigit() and job.metadata.get("uid") in owners:
-                by_attempt[int(raw)] = batch
-        status = job.status
-        attempt = max([status.attempt if status else 0, *by_attempt])
-        others = sorted(
-            a
-            for a, batch in by_attempt.items()
-            if a != attempt and not (batch.get("metadata") or {}).get("deletionTimestamp")
-        )
-        if not attempt:
-            return Observed(pools=pools, other_attempts=others)
-        pods = await self.list_pods(namespace, {**selector, LABEL_ATTEMPT: str(attempt)})
-        metrics = await self.trainer_metrics(pods)
-        return Observed(
-            pools=pools,
-            batch_job=by_attempt.get(attempt),
-            pods=pods,
-            trainer_metrics=metrics,
-            attempt=attempt,
-            other_attempts=others,
-        )
-
-    async def trainer_metrics(self, pods: list[Mapping[str, Any]]) -> dict[str, float] | None:
+    async def trainer_metrics(self, pods: Sequence[Mapping[str, Any]]) -> dict[str, float] | None:
         """Scrape the rank-0 trainer's Prometheus endpoint; None when it is not reachable."""
         for pod in pods:
             annotations = (pod.get("metadata") or {}).get("annotations") or {}
@@ -147,10 +132,70 @@ class Kube:
             return parse_trainer_metrics(text)
         return None
 
+    async def owner_uids(self, manifest: Mapping[str, Any]) -> set[str] | None:
+        """The owner UIDs of the live object a manifest names; None when it does not exist."""
+        meta = manifest.get("metadata") or {}
+        kind = _KINDS.get(str(manifest.get("kind")))
+        if kind is None:
+            raise ValueError(f"no reader for kind {manifest.get('kind')!r}")
+        try:
+            obj = await self.client.get(kind, name=meta["name"], namespace=meta.get("namespace"))
+        except ApiError as exc:
+            if exc.status.code == 404:
+                return None
+            raise
+        refs = obj.metadata.ownerReferences if obj.metadata else None
+        return {ref.uid for ref in refs or []}
+
     # ------------------------------------------------------------------ writes
+
+    async def patch_status(
+        self, namespace: str | None, name: str, patch: Mapping[str, Any], *, pool: bool = False
+    ) -> str | None:
+        """Merge-patch the status of a FineTuneJob (or, with `pool`, a GPUPool); the new
+        resourceVersion, or None when the object is gone.
+
+        Retried on conflicts, throttling, server errors and lost connections (RETRY_DELAYS);
+        a 422 raises `StatusRejected` naming the fields; the last error of a failed series is
+        raised for the caller to try again later.
+        """
+        body = {"status": dict(patch)}
+        for delay in (*RETRY_DELAYS, None):
+            self._check_fence()
+            try:
+                obj: Any
+                if pool:
+                    obj = await self.client.patch(
+                        GPUPoolResource.Status, name, body, patch_type=PatchType.MERGE
+                    )
+                else:
+                    obj = await self.client.patch(
+                        FineTuneJobResource.Status,
+                        name,
+                        body,
+                        namespace=namespace,
+                        patch_type=PatchType.MERGE,
+                    )
+                return str(obj.metadata.resourceVersion) if obj.metadata else ""
+            except ApiError as exc:
+                code = exc.status.code
+                if code == 404:
+                    return None
+                if code == 422:
+                    raise StatusRejected(str(exc.status.message), _rejected_fields(exc)) from exc
+                if code not in RETRY_CODES or delay is None:
+                    raise
+                log.info("status write of %s/%s answered %s; retrying", namespace, name, code)
+            except httpx2.TransportError as exc:
+                if delay is None:
+                    raise
+                log.info("status write of %s/%s failed (%s); retrying", namespace, name, exc)
+            await asyncio.sleep(delay)
+        raise AssertionError("unreachable")
 
     async def create_if_absent(self, manifest: Mapping[str, Any]) -> bool:
         """Create the object; False when it already existed."""
+        self._check_fence()
         obj = codecs.from_dict(dict(manifest))
         try:
             await self.client.create(obj)
@@ -162,6 +207,7 @@ class Kube:
 
     async def delete_batch_job(self, namespace: str, name: str) -> None:
         """Delete a batch Job and (in the background) its pods, which get SIGTERM first."""
+        self._check_fence()
         try:
             await self.client.delete(
                 Job, name=name, namespace=namespace, cascade=CascadeType.BACKGROUND
@@ -171,50 +217,9 @@ class Kube:
                 raise
 
     async def delete_finetunejob(self, namespace: str, name: str) -> None:
+        self._check_fence()
         try:
             await self.client.delete(FineTuneJobResource, name=name, namespace=namespace)
         except ApiError as exc:
             if exc.status.code != 404:
                 raise
-
-    # ------------------------------------------------------------------ pools
-
-    async def pool_capacity(self, pool: GPUPool) -> dict[str, Any]:
-        """Nodes, allocatable and free GPUs of a pool, from live Nodes and the pods on them."""
-        selector: dict[str, Any] = dict(pool.spec.node_selector)
-        nodes: dict[str, int] = {}
-        async for node in self.client.list(Node, labels=selector or None):
-            data = _as_dict(node)
-            if not _node_ready(data) or (data.get("spec") or {}).get("unschedulable"):
-                continue
-            allocatable = (data.get("status") or {}).get("allocatable") or {}
-            nodes[data["metadata"]["name"]] = int(allocatable.get(GPU_RESOURCE, 0) or 0)
-        used = dict.fromkeys(nodes, 0)
-        if nodes:
-            # Pods that finished hold no GPUs; Pending ones bound to a node already do.
-            holding: dict[str, Any] = {"status.phase": not_in(sorted(POD_DONE))}
-            async for pod in self.client.list(Pod, namespace="*", fields=holding):
-                _count_gpu_pod(_as_dict(pod), used)
-        free = [max(0, nodes[n] - used[n]) for n in sorted(nodes)]
-        return {
-            "nodes": len(nodes),
-            "allocatableGPUs": sum(nodes.values()),
-            "freeGPUs": sum(free),
-            "freeGPUsPerNode": free,
-        }
-
-
-def _node_ready(node: Mapping[str, Any]) -> bool:
-    for cond in (node.get("status") or {}).get("conditions") or []:
-        if cond.get("type") == "Ready":
-            return bool(cond.get("status") == "True")
-    return False
-
-
-def _count_gpu_pod(pod: Mapping[str, Any], used: dict[str, int]) -> None:
-    node = (pod.get("spec") or {}).get("nodeName")
-    if node not in used or (pod.get("status") or {}).get("phase") in POD_DONE:
-        return
-    for container in (pod.get("spec") or {}).get("containers") or []:
-        limits = (container.get("resources") or {}).get("limits") or {}
-        used[node] += int(limits.get(GPU_RESOURCE, 0) or 0)

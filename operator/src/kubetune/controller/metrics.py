@@ -73,6 +73,7 @@ PHASES: tuple[str, ...] = tuple(Phase)
 """Values of the `phase` label, every one present from the start."""
 FINISHED_PHASES: tuple[str, ...] = tuple(p for p in Phase if p in TERMINAL_PHASES)
 RECOVERY_REASONS: tuple[str, ...] = tuple(RecoveryReason)
+STATUS_WRITE_RESULTS: tuple[str, ...] = ("ok", "rejected", "failed")
 PLAN_REASONS: tuple[str, ...] = tuple(PlanReason)
 DEFAULT_PORT = 8000
 PORT_ENV = "KUBETUNE_METRICS_PORT"
@@ -176,6 +177,16 @@ class _StateCollector(Collector):
         with self.owner._lock:
             jobs = dict(self.owner._jobs)
             pools = dict(self.owner._pools)
+            reconciled = dict(self.owner._reconciled)
+        last = GaugeMetricFamily(
+            "kubetune_finetunejob_last_reconcile_timestamp_seconds",
+            "When the operator last completed a reconcile of this unfinished job (Unix time; "
+            "time() minus this is its age)",
+            labels=["namespace", "finetunejob"],
+        )
+        for (namespace, name), when in sorted(reconciled.items()):
+            last.add_metric([namespace, name], when)
+        yield last
         yield from _job_families(jobs)
         yield from _pool_families(jobs, pools)
 
@@ -335,6 +346,7 @@ class OperatorMetrics:
         self._lock = threading.Lock()
         self._jobs: dict[tuple[str, str], _Job] = {}
         self._pools: dict[str, _Pool] = {}
+        self._reconciled: dict[tuple[str, str], float] = {}
         self._server: Any = None
         r = self.registry
         self.reconcile_duration = Histogram(
@@ -388,6 +400,15 @@ class OperatorMetrics:
             ["phase"],
             registry=r,
         )
+        self.status_writes = Counter(
+            "kubetune_status_writes",
+            "Status writes of FineTuneJobs and GPUPools, by result: ok, rejected (HTTP 422, "
+            "the job is marked StatusRejected) or failed (retries exhausted; tried again later)",
+            ["result"],
+            registry=r,
+        )
+        for result in STATUS_WRITE_RESULTS:
+            self.status_writes.labels(result)
         for phase in FINISHED_PHASES:
             self.finished.labels(phase)
         for reason in RECOVERY_REASONS:
@@ -467,6 +488,20 @@ class OperatorMetrics:
         """Drop a deleted job: its series vanish from the next scrape."""
         with self._lock:
             self._jobs.pop((namespace, name), None)
+            self._reconciled.pop((namespace, name), None)
+
+    def reconciled(self, namespace: str, name: str, when: float | None) -> None:
+        """A job's last complete reconcile (status written), as a Unix time; None for a
+        finished job, which is not looked at again until its TTL."""
+        with self._lock:
+            if when is None:
+                self._reconciled.pop((namespace, name), None)
+            else:
+                self._reconciled[(namespace, name)] = when
+
+    def reconciled_times(self) -> dict[tuple[str, str], float]:
+        with self._lock:
+            return dict(self._reconciled)
 
     # ------------------------------------------------------------------ pools
 
@@ -587,6 +622,14 @@ def observe_job(
 
 def forget_job(namespace: str, name: str) -> None:
     METRICS.forget_job(namespace, name)
+
+
+def reconciled(namespace: str, name: str, when: float | None) -> None:
+    METRICS.reconciled(namespace, name, when)
+
+
+def status_write(result: str) -> None:
+    METRICS.status_writes.labels(result).inc()
 
 
 def observe_pool(body: Mapping[str, Any], status: Mapping[str, Any] | None = None) -> None:

@@ -8,9 +8,14 @@ KUBETUNE_DEFAULT_OBJECTIVE          objective of jobs without spec.resources.obj
 KUBETUNE_TERMINATION_GRACE_SECONDS  time the trainer gets to checkpoint on stop (120)
 KUBETUNE_TRAINER_CPU_PER_GPU        CPU request of trainer pods per GPU (4)
 KUBETUNE_TRAINER_MEMORY_PER_GPU     memory request of trainer pods per GPU (16Gi)
-KUBETUNE_POLL_SECONDS               how often running jobs are re-read (10)
-KUBETUNE_QUEUE_RETRY_SECONDS        how often queued jobs are re-planned (15)
+KUBETUNE_POLL_SECONDS               how often a running job's trainer metrics are read (10)
+KUBETUNE_QUEUE_RETRY_SECONDS        how often queued jobs are re-planned without events (15)
 KUBETUNE_RESCHEDULE_SECONDS         unschedulable trainer pods this long: move pools (120)
+KUBETUNE_RESYNC_SECONDS             every unfinished job is looked at at least this often (600)
+KUBETUNE_PROGRESS_WRITE_SECONDS     progress/cost-only status writes at most this often (60)
+KUBETUNE_STALL_SECONDS              liveness fails when reconciles stalled this long (300)
+KUBETUNE_PLANNER_WORKERS            threads that run reconciles off the event loop (2)
+KUBETUNE_SCRAPE_CONCURRENCY         trainer metrics endpoints read at once (16)
 KUBETUNE_ALLOW_NETWORK              fetch config.json of unknown hub models (false)
 KUBETUNE_METRICS_PORT               operator /metrics port (8000; read by controller.metrics)
 
@@ -40,6 +45,16 @@ def _float(env: Mapping[str, str], name: str, default: float) -> float:
         return float(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not a number") from None
+
+
+def _positive(env: Mapping[str, str], name: str, default: float) -> float:
+    value = _float(env, name, default)
+    if value <= 0:
+        raise ValueError(
+            f"{name}={env.get(name)!r} must be greater than zero; to fix: set a positive "
+            f"number, or unset it for {default:g}"
+        )
+    return value
 
 
 def _quantity(env: Mapping[str, str], name: str, default: str) -> str:
@@ -98,4 +113,15 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> ControllerSetting
         poll_seconds=_float(env, "KUBETUNE_POLL_SECONDS", 10.0),
         queue_retry_seconds=_float(env, "KUBETUNE_QUEUE_RETRY_SECONDS", 15.0),
         reschedule_seconds=_float(env, "KUBETUNE_RESCHEDULE_SECONDS", 120.0),
+        resync_seconds=_positive(env, "KUBETUNE_RESYNC_SECONDS", ControllerSettings.resync_seconds),
+        progress_write_seconds=_float(
+            env, "KUBETUNE_PROGRESS_WRITE_SECONDS", ControllerSettings.progress_write_seconds
+        ),
+        stall_seconds=_positive(env, "KUBETUNE_STALL_SECONDS", ControllerSettings.stall_seconds),
+        planner_workers=int(
+            _positive(env, "KUBETUNE_PLANNER_WORKERS", ControllerSettings.planner_workers)
+        ),
+        scrape_concurrency=int(
+            _positive(env, "KUBETUNE_SCRAPE_CONCURRENCY", ControllerSettings.scrape_concurrency)
+        ),
     )

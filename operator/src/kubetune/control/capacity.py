@@ -1,0 +1,84 @@
+"""Free GPUs per pool, from what the operator's caches hold about nodes and pods (pure).
+
+The operator watches Nodes and pods (controller/cache.py) and keeps, per node, its
+allocatable GPUs and whether it takes pods, and per pod the GPUs it holds on its node.
+`pool_capacity` turns those into a GPUPool's status numbers; it runs once per change of
+the caches, never per job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kubetune.control.builders import GPU_RESOURCE
+from kubetune.control.pods import POD_DONE
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """What capacity needs to know about one Node."""
+
+    name: str
+    labels: Mapping[str, str]
+    gpus: int
+    """Allocatable GPUs."""
+    schedulable: bool
+    """Ready and not cordoned."""
+
+
+def node_info(node: Mapping[str, Any]) -> NodeInfo:
+    meta = node.get("metadata") or {}
+    status = node.get("status") or {}
+    ready = any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in status.get("conditions") or []
+    )
+    cordoned = bool((node.get("spec") or {}).get("unschedulable"))
+    allocatable = status.get("allocatable") or {}
+    return NodeInfo(
+        name=str(meta.get("name", "")),
+        labels=dict(meta.get("labels") or {}),
+        gpus=int(allocatable.get(GPU_RESOURCE, 0) or 0),
+        schedulable=ready and not cordoned,
+    )
+
+
+def gpus_held(pod: Mapping[str, Any]) -> tuple[str, int] | None:
+    """(node, GPUs) for a pod that holds GPUs on a node now; None otherwise.
+
+    A pod holds its GPUs from the moment it is bound to a node until it finishes: Pending
+    pods bound to a node count, finished ones do not.
+    """
+    spec = pod.get("spec") or {}
+    node = spec.get("nodeName")
+    if not node or (pod.get("status") or {}).get("phase") in POD_DONE:
+        return None
+    gpus = 0
+    for container in spec.get("containers") or []:
+        limits = (container.get("resources") or {}).get("limits") or {}
+        gpus += int(limits.get(GPU_RESOURCE, 0) or 0)
+    return (str(node), gpus) if gpus else None
+
+
+def matches(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
+    return all(labels.get(key) == value for key, value in selector.items())
+
+
+def pool_capacity(
+    selector: Mapping[str, str], nodes: Iterable[NodeInfo], used: Mapping[str, int]
+) -> dict[str, Any]:
+    """A GPUPool's live numbers: ready nodes matching `selector`, their allocatable GPUs,
+    and the GPUs no pod holds (in total and per node, nodes sorted by name)."""
+    mine = sorted(
+        (n for n in nodes if n.schedulable and matches(selector, n.labels)),
+        key=lambda n: n.name,
+    )
+    free = [max(0, n.gpus - used.get(n.name, 0)) for n in mine]
+    return {
+        "nodes": len(mine),
+        "allocatableGPUs": sum(n.gpus for n in mine),
+        "freeGPUs": sum(free),
+        "freeGPUsPerNode": free,
+    }

@@ -1,0 +1,214 @@
+"""The operator's view of the cluster: watch-fed indexes instead of LIST calls.
+
+kopf watches FineTuneJobs' children (batch Jobs and pods labelled `kubetune.io/job`), all
+pods that hold GPUs, Nodes and GPUPools, and keeps one in-memory index per kind
+(`@kopf.index` in controller/handlers.py, fed by the functions below). kopf fills every
+index from its initial LIST before any other handler runs, then keeps it current from the
+watch, so a reconcile reads only memory: it makes no API call to look.
+
+Why kopf indexes rather than an informer layer of our own: they ride on the watches kopf
+already runs (one stream per kind, reconnected and resumed by kopf), and kopf's start-up
+barrier (handlers wait until every index is filled) is exactly the guarantee a reconcile
+needs not to mistake an unfilled cache for a missing child.
+
+The index values are small: the fields the pure core reads, not whole objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
+
+from pydantic import ValidationError
+
+from kubetune.api.v1alpha1 import FineTuneJob, GPUPool, GPUPoolStatus
+from kubetune.control.builders import LABEL_ATTEMPT, LABEL_JOB, label_value
+from kubetune.control.capacity import NodeInfo, gpus_held, pool_capacity
+from kubetune.control.conditions import now_rfc3339
+from kubetune.control.reconcile import Observed
+
+JobKey = tuple[str, str]
+"""(namespace, value of the `kubetune.io/job` label): how children find their job."""
+
+
+class Store(Protocol):
+    """What kopf's index lookups return: the values of every object under one key."""
+
+    def __iter__(self) -> Any: ...
+
+
+class Index(Protocol):
+    def get(self, key: Any, default: Any = None) -> Any: ...
+    def values(self) -> Any: ...
+    def items(self) -> Any: ...
+    def __len__(self) -> int: ...
+
+
+def job_key_of(meta: Mapping[str, Any]) -> JobKey:
+    """The key of a FineTuneJob from its metadata (the label value its children carry)."""
+    return (str(meta.get("namespace") or "default"), label_value(str(meta.get("name") or "")))
+
+
+def job_key(job: FineTuneJob) -> JobKey:
+    return job_key_of(job.metadata)
+
+
+def child_key(body: Mapping[str, Any]) -> JobKey | None:
+    meta = body.get("metadata") or {}
+    value = (meta.get("labels") or {}).get(LABEL_JOB)
+    if not value:
+        return None
+    return (str(meta.get("namespace") or "default"), str(value))
+
+
+# ---------------------------------------------------------------------- index values
+
+
+_META_KEEP = (
+    "name",
+    "namespace",
+    "uid",
+    "labels",
+    "annotations",
+    "ownerReferences",
+    "creationTimestamp",
+    "deletionTimestamp",
+)
+
+
+def _meta(body: Mapping[str, Any]) -> dict[str, Any]:
+    meta = body.get("metadata") or {}
+    return {k: meta[k] for k in _META_KEEP if k in meta}
+
+
+def trimmed_pod(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A trainer pod as the reconcile reads it: metadata, the node it is bound to, status."""
+    node = (body.get("spec") or {}).get("nodeName")
+    return {
+        "metadata": _meta(body),
+        "spec": {"nodeName": node} if node else {},
+        "status": dict(body.get("status") or {}),
+    }
+
+
+def trimmed_batch_job(body: Mapping[str, Any]) -> dict[str, Any]:
+    return {"metadata": _meta(body), "status": dict(body.get("status") or {})}
+
+
+def gpu_usage(body: Mapping[str, Any]) -> dict[str, int] | None:
+    """{node: GPUs} for a pod that holds GPUs; None (not indexed) otherwise."""
+    held = gpus_held(body)
+    return None if held is None else {held[0]: held[1]}
+
+
+def parse_pool(body: Mapping[str, Any]) -> GPUPool | str:
+    """The GPUPool, or why it cannot be read (it then takes part in no plan)."""
+    try:
+        return GPUPool.model_validate(
+            {"metadata": dict(body.get("metadata") or {}), "spec": dict(body.get("spec") or {})}
+        )
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        return f"spec.{where}: {first['msg']}"
+
+
+# ---------------------------------------------------------------------- reads
+
+
+def first(store: Iterable[Any] | None) -> Any:
+    for value in store or ():
+        return value
+    return None
+
+
+class Caches:
+    """Reads over kopf's indexes (live views: they change between awaits)."""
+
+    def __init__(
+        self,
+        pods: Index,
+        batch_jobs: Index,
+        nodes: Index,
+        gpu_pods: Index,
+        pools: Index,
+    ) -> None:
+        self.pods = pods
+        self.batch_jobs = batch_jobs
+        self.nodes = nodes
+        self.gpu_pods = gpu_pods
+        self.pools = pools
+
+    def valid_pools(self) -> list[GPUPool]:
+        out = []
+        for store in self.pools.values():
+            pool = first(store)
+            if isinstance(pool, GPUPool):
+                out.append(pool)
+        return sorted(out, key=lambda pool: pool.name)
+
+    def node_infos(self) -> list[NodeInfo]:
+        return [info for store in self.nodes.values() if (info := first(store)) is not None]
+
+    def used_gpus(self) -> dict[str, int]:
+        return {node: sum(store) for node, store in self.gpu_pods.items()}
+
+    def capacities(self, pools: Iterable[GPUPool]) -> dict[str, dict[str, Any]]:
+        nodes = self.node_infos()
+        used = self.used_gpus()
+        return {
+            pool.name: pool_capacity(dict(pool.spec.node_selector), nodes, used) for pool in pools
+        }
+
+    def has_batch_job(self, key: JobKey, name: str, uid: str) -> bool:
+        """Whether the cache holds batch Job `name` owned by the job with `uid`."""
+        for batch in self.batch_jobs.get(key) or ():
+            meta = batch.get("metadata") or {}
+            owners = {ref.get("uid") for ref in meta.get("ownerReferences") or []}
+            if meta.get("name") == name and uid in owners:
+                return True
+        return False
+
+    def observe(self, job: FineTuneJob, pools: list[GPUPool]) -> Observed:
+        """What `reconcile` needs about one job, from memory only."""
+        key = job_key(job)
+        uid = job.metadata.get("uid")
+        by_attempt: dict[int, dict[str, Any]] = {}
+        for batch in self.batch_jobs.get(key) or ():
+            meta = batch.get("metadata") or {}
+            raw = str((meta.get("labels") or {}).get(LABEL_ATTEMPT, ""))
+            owners = {ref.get("uid") for ref in meta.get("ownerReferences") or []}
+            # Only this object's children: a job deleted and created again under the same
+            # name must not pick up the old one's (still terminating) batch Jobs.
+            if raw.isdigit() and uid in owners:
+                by_attempt[int(raw)] = batch
+        status = job.status
+        attempt = max([status.attempt if status else 0, *by_attempt])
+        others = sorted(
+            a
+            for a, batch in by_attempt.items()
+            if a != attempt and not (batch.get("metadata") or {}).get("deletionTimestamp")
+        )
+        if not attempt:
+            return Observed(pools=pools, other_attempts=others)
+        pods = [
+            pod
+            for pod in self.pods.get(key) or ()
+            if str(((pod.get("metadata") or {}).get("labels") or {}).get(LABEL_ATTEMPT))
+            == str(attempt)
+        ]
+        return Observed(
+            pools=pools,
+            batch_job=by_attempt.get(attempt),
+            pods=sorted(pods, key=lambda pod: str(pod["metadata"].get("name"))),
+            attempt=attempt,
+            other_attempts=others,
+        )
+
+
+def with_capacity(pool: GPUPool, capacity: Mapping[str, Any], generation: Any) -> GPUPool:
+    """The pool with its status replaced by live numbers (what the planner reads)."""
+    status = GPUPoolStatus.model_validate(
+        {**capacity, "observedGeneration": generation, "updatedAt": now_rfc3339()}
+    )
+    return pool.model_copy(update={"status": status})

@@ -1,0 +1,602 @@
+"""How the operator runs its reconciles: one loop per object, woken by events, reading caches.
+
+Each FineTuneJob gets a loop (a kopf daemon, controller/handlers.py) that does, over and
+over: read the job and its children from the caches → `reconcile()` (pure, in a worker
+thread) → create/delete children → write the status itself → sleep until the decision's
+`requeue_after`, a change of one of its children or of its spec wakes it, or the slow
+resync comes round. Nothing here LISTs: the caches are watch-fed (controller/cache.py).
+
+The loop owns its status writes (a merge patch of the status subresource, retried on
+conflicts, throttling, server errors and lost connections) instead of handing a patch to
+kopf: a write that fails is tried again on the next look and can never stop the loop. A
+write the apiserver rejects as invalid (422) is logged with its fields and reported on the
+job (a Warning Event and `status.message`). Progress and cost alone are written at most
+every `progress_write_seconds`; any other change of the status is written at once.
+
+GPUPools get a loop too: it writes a pool's live capacity when it changed, and marks a pool
+the operator cannot read (condition Valid=False) without letting it affect any job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from functools import partial
+from typing import Any, Protocol
+
+from lightkube.core.exceptions import ApiError
+from pydantic import ValidationError
+
+from kubetune.api.v1alpha1 import FineTuneJob, FineTuneJobSpec, FineTuneJobStatus, GPUPool
+from kubetune.api.vocabulary import TERMINAL_PHASES, EventType, Phase, PoolConditionType, Reason
+from kubetune.control.conditions import now_rfc3339
+from kubetune.control.lifecycle import failed
+from kubetune.control.reconcile import ControllerSettings, Decision, reconcile
+from kubetune.controller import metrics
+from kubetune.controller.cache import Caches, JobKey, job_key, job_key_of, parse_pool, with_capacity
+from kubetune.controller.kube import Fenced, Kube, StatusRejected
+from kubetune.planning.arch import ModelArch
+from kubetune.planning.planner import Plan, PlannerSettings, plan_job
+
+log = logging.getLogger("kubetune")
+
+VOLATILE = frozenset({"progress", "cost"})
+"""Status fields that change on every look of a running job; written at most every
+`progress_write_seconds` unless something else changed too."""
+
+ARCH_FAILURE_SECONDS = 300.0
+"""An architecture that could not be loaded (e.g. a hub fetch that failed) is not tried
+again for this long."""
+
+
+class Stopped(Protocol):
+    """kopf's `stopped` flag of a daemon."""
+
+    def __bool__(self) -> bool: ...
+    def wait(self, timeout: float | None = None) -> Any: ...
+
+
+PostEvent = Callable[[Mapping[str, Any], EventType, Reason, str], None]
+
+
+def resource_version(meta: Mapping[str, Any]) -> int | None:
+    """The resourceVersion as a number (etcd's revision), or None when it is not one."""
+    raw = str(meta.get("resourceVersion") or "")
+    return int(raw) if raw.isdigit() else None
+
+
+def status_patch(old: Mapping[str, Any], new: FineTuneJobStatus) -> dict[str, Any]:
+    """A JSON merge patch turning `old` into `new` (None removes a field)."""
+    wire = new.to_wire()
+    patch: dict[str, Any] = {k: v for k, v in wire.items() if old.get(k) != v}
+    for key in old:
+        if key not in wire:
+            patch[key] = None
+    return patch
+
+
+# ---------------------------------------------------------------------- caches of work
+
+
+class ArchCache:
+    """Architectures by model id: found ones for good, failures for a while (thread-safe)."""
+
+    def __init__(self, load: Callable[[str], ModelArch], failure_seconds: float) -> None:
+        self._load = load
+        self._failure_seconds = failure_seconds
+        self._lock = threading.Lock()
+        self._found: dict[str, ModelArch] = {}
+        self._failed: dict[str, tuple[float, Exception]] = {}
+
+    def __call__(self, model_id: str) -> ModelArch:
+        with self._lock:
+            if model_id in self._found:
+                return self._found[model_id]
+            failure = self._failed.get(model_id)
+            if failure and time.monotonic() - failure[0] < self._failure_seconds:
+                raise failure[1]
+        try:
+            arch = self._load(model_id)
+        except Exception as exc:
+            with self._lock:
+                self._failed[model_id] = (time.monotonic(), exc)
+            raise
+        with self._lock:
+            self._found[model_id] = arch
+            self._failed.pop(model_id, None)
+        return arch
+
+
+class PlanMemo:
+    """The last plan (or planning error) of each job, reused while nothing it depends on
+    changed: the job's spec generation, the pools and their capacity, the planner
+    settings (which carry what out-of-memory re-plans learned)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: dict[str, tuple[Any, Plan | Exception]] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def planner(self, uid: str, generation: Any, capacity_version: int) -> Callable[..., Plan]:
+        def plan(
+            spec: FineTuneJobSpec,
+            pools: Sequence[GPUPool],
+            arch: ModelArch,
+            settings: PlannerSettings,
+        ) -> Plan:
+            key = (generation, capacity_version, tuple(p.name for p in pools), arch, settings)
+            with self._lock:
+                last = self._last.get(uid)
+            if last is not None and last[0] == key:
+                self.hits += 1
+                if isinstance(last[1], Exception):
+                    raise last[1]
+                return last[1]
+            self.misses += 1
+            try:
+                result: Plan | Exception = plan_job(spec, pools, arch, settings)
+            except Exception as exc:
+                result = exc
+            with self._lock:
+                self._last[uid] = (key, result)
+            if isinstance(result, Exception):
+                raise result
+            return result
+
+        return plan
+
+    def forget(self, uid: str) -> None:
+        with self._lock:
+            self._last.pop(uid, None)
+
+
+# ---------------------------------------------------------------------- per-job state
+
+
+@dataclass
+class _JobState:
+    name: str
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    written_rv: int | None = None
+    written_status: dict[str, Any] | None = None
+    """The status this loop last wrote, until the watch delivers a version that has it."""
+    written_at: float = 0.0
+    created: dict[str, float] = field(default_factory=dict)
+    """Children created by this process ("Kind/name" → monotonic time)."""
+    due_at: float | None = None
+    """When the next look is due (monotonic); None while the job waits only for events."""
+    failures: int = 0
+    generation: Any = None
+
+
+class Runtime:
+    """The operator's reconcile loops and what they share (one per operator process)."""
+
+    def __init__(
+        self,
+        settings: ControllerSettings,
+        kube: Kube,
+        load_arch: Callable[[str], ModelArch],
+        post_event: PostEvent,
+    ) -> None:
+        self.settings = settings
+        self.kube = kube
+        self.post_event = post_event
+        self.arch = ArchCache(load_arch, ARCH_FAILURE_SECONDS)
+        self.plans = PlanMemo()
+        self.executor = ThreadPoolExecutor(
+            max_workers=settings.planner_workers, thread_name_prefix="reconcile"
+        )
+        self.scrapes = asyncio.Semaphore(settings.scrape_concurrency)
+        self.caches: Caches | None = None
+        self.jobs: dict[JobKey, _JobState] = {}
+        self.queued: set[JobKey] = set()
+        self.pool_wakers: dict[str, asyncio.Event] = {}
+        self.pool_generations: dict[str, Any] = {}
+        self.capacity_version = 0
+        self._pools: tuple[int, list[GPUPool]] | None = None
+        self._wake_pending = False
+        self.last_success = time.monotonic()
+
+    # ------------------------------------------------------------------ cache changes
+
+    def capacity_changed(self) -> None:
+        """Nodes, GPU-holding pods or pools changed: pools rewrite their capacity, queued
+        jobs look again (once per burst of changes)."""
+        self.capacity_version += 1
+        if self._wake_pending:
+            return
+        self._wake_pending = True
+        try:
+            asyncio.get_running_loop().call_later(0.5, self._wake_after_capacity_change)
+        except RuntimeError:  # no loop: called outside the operator (tests)
+            self._wake_after_capacity_change()
+
+    def _wake_after_capacity_change(self) -> None:
+        self._wake_pending = False
+        for event in self.pool_wakers.values():
+            event.set()
+        for key in list(self.queued):
+            self.wake(key)
+
+    def wake(self, key: JobKey) -> None:
+        state = self.jobs.get(key)
+        if state is not None:
+            state.wake.set()
+
+    def live_pools(self) -> list[GPUPool]:
+        """Valid pools with their status replaced by capacity computed from the caches."""
+        assert self.caches is not None
+        cached = self._pools
+        if cached is not None and cached[0] == self.capacity_version:
+            return cached[1]
+        version = self.capacity_version
+        pools = self.caches.valid_pools()
+        capacity = self.caches.capacities(pools)
+        live = [
+            with_capacity(pool, capacity[pool.name], pool.metadata.get("generation"))
+            for pool in pools
+        ]
+        self._pools = (version, live)
+        return live
+
+    # ------------------------------------------------------------------ job loops
+
+    async def run_job(self, body: Mapping[str, Any], stopped: Stopped) -> None:
+        """The loop of one FineTuneJob, until kopf stops it (the job is deleted, or the
+        operator exits). It never ends on an error: a failed look is retried with backoff."""
+        meta = body["metadata"]
+        key = job_key_of(meta)
+        state = _JobState(name=str(meta.get("name")))
+        self.jobs[key] = state
+        try:
+            while not stopped:
+                state.wake.clear()
+                delay = await self._look(key, state, body)
+                await self._sleep(state, stopped, delay)
+        finally:
+            if self.jobs.get(key) is state:
+                del self.jobs[key]
+            self.queued.discard(key)
+            self.plans.forget(str(meta.get("uid")))
+
+    async def _sleep(self, state: _JobState, stopped: Stopped, delay: float | None) -> None:
+        if state.wake.is_set() or stopped:
+            return
+        woken = asyncio.ensure_future(state.wake.wait())
+        stop = asyncio.ensure_future(stopped.wait())
+        try:
+            await asyncio.wait({woken, stop}, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            woken.cancel()
+            stop.cancel()
+
+    async def _look(self, key: JobKey, state: _JobState, body: Mapping[str, Any]) -> float | None:
+        """One reconcile; returns the time until the next look (None: wait for events)."""
+        started = time.monotonic()
+        try:
+            with metrics.reconcile_timer("finetunejob"):
+                delay = await self.reconcile_job(key, state, body)
+        except Fenced:
+            log.error("not the leader any more: %s/%s is left alone", key[0], state.name)
+            return self.settings.resync_seconds
+        except Exception:
+            state.failures += 1
+            backoff = min(60.0, 2.0 ** min(state.failures, 6))
+            log.exception(
+                "reconcile of %s/%s failed (%d in a row); next try in %.0fs",
+                key[0],
+                state.name,
+                state.failures,
+                backoff,
+            )
+            state.due_at = started + backoff
+            return backoff
+        state.failures = 0
+        self.last_success = time.monotonic()
+        state.due_at = None if delay is None else self.last_success + delay
+        return delay
+
+    def _status_of(self, state: _JobState, body: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The job's latest status: the live object's, or what this loop wrote last when the
+        watch has not delivered that version yet."""
+        live = dict(body.get("status") or {}) or None
+        if state.written_status is None:
+            return live
+        seen = resource_version(body["metadata"])
+        if seen is not None and state.written_rv is not None and seen >= state.written_rv:
+            state.written_status = None
+            return live
+        return state.written_status
+
+    async def reconcile_job(
+        self, key: JobKey, state: _JobState, body: Mapping[str, Any]
+    ) -> float | None:
+        assert self.caches is not None
+        meta = dict(body["metadata"])
+        namespace, name = str(meta.get("namespace")), str(meta.get("name"))
+        state.generation = meta.get("generation")
+        old_status = self._status_of(state, body)
+        raw = {"metadata": meta, "spec": dict(body.get("spec") or {}), "status": old_status}
+        now = datetime.now(UTC)
+        try:
+            job = FineTuneJob.model_validate(raw)
+        except ValidationError as exc:
+            # Admission normally catches this; an older CRD or a hand-edited status may not.
+            message = f"invalid FineTuneJob: {exc.errors()[0]['msg']} at {exc.errors()[0]['loc']}"
+            status = failed(FineTuneJobStatus(), Reason.INVALID_SPEC, message, now)
+            self.post_event(body, EventType.WARNING, Reason.INVALID_SPEC, message)
+            await self._write_status(namespace, name, state, old_status or {}, status, body)
+            metrics.observe_job(raw, status.to_wire())
+            return None
+        capacity_version = self.capacity_version
+        observed = self.caches.observe(job, self.live_pools())
+        if job.status and job.status.phase == Phase.RUNNING and observed.pods:
+            async with self.scrapes:
+                scraped = await self.kube.trainer_metrics(observed.pods)
+            observed = replace(observed, trainer_metrics=scraped)
+        decide = partial(
+            reconcile,
+            job,
+            observed,
+            self.settings,
+            now=now,
+            load_arch=self.arch,
+            plan=self.plans.planner(str(meta.get("uid")), meta.get("generation"), capacity_version),
+        )
+        decision: Decision = await asyncio.get_running_loop().run_in_executor(self.executor, decide)
+        await self._carry_out(job, state, decision, body, now)
+        await self._write_status(namespace, name, state, old_status or {}, decision.status, body)
+        metrics.observe_job(raw, decision.status.to_wire())
+        phase = decision.status.phase
+        if phase == Phase.QUEUED or (phase == Phase.PLANNING and not observed.pools):
+            self.queued.add(key)
+        else:
+            self.queued.discard(key)
+        finished = phase in TERMINAL_PHASES
+        metrics.reconciled(namespace, name, None if finished else time.time())
+        if decision.requeue_after is not None:
+            return decision.requeue_after
+        return None if finished else self.settings.resync_seconds
+
+    async def _carry_out(
+        self,
+        job: FineTuneJob,
+        state: _JobState,
+        d: Decision,
+        body: Mapping[str, Any],
+        now: datetime,
+    ) -> None:
+        namespace = str(job.metadata["namespace"])
+        try:
+            conflict = await self._create_children(job, state, d.create)
+        except ApiError as exc:
+            if exc.status.code not in (400, 422):
+                raise
+            # The spec passed admission but makes a child Kubernetes refuses (a Secret or
+            # StorageClass name, a volume size): retrying cannot help.
+            conflict = (
+                Reason.INVALID_SPEC,
+                f"Kubernetes rejected an object built from this job's spec: "
+                f"{exc.status.message}. To fix: correct the spec field it names and create "
+                "the job again",
+            )
+        if conflict is not None:
+            reason, message = conflict
+            d.status = failed(d.status, reason, message, now)
+            d.events.clear()
+            self.post_event(body, EventType.WARNING, reason, message)
+        for name in d.delete_jobs:
+            await self.kube.delete_batch_job(namespace, name)
+        for event in d.events:
+            self.post_event(body, event.type, event.reason, event.message)
+        if d.delete_self:
+            await self.kube.delete_finetunejob(namespace, str(job.metadata["name"]))
+
+    async def _create_children(
+        self, job: FineTuneJob, state: _JobState, manifests: Sequence[Mapping[str, Any]]
+    ) -> tuple[Reason, str] | None:
+        """Create each child once; a child of that name owned by someone else is a conflict.
+
+        A child counts as created when the cache holds it (batch Jobs) or when this process
+        created it in the last resync period; only then is it POSTed again (a child deleted
+        behind the operator's back comes back within one resync).
+        """
+        assert self.caches is not None
+        uid = str(job.metadata.get("uid"))
+        key = job_key(job)
+        horizon = time.monotonic() - self.settings.resync_seconds
+        for manifest in manifests:
+            kind = str(manifest["kind"])
+            name = str(manifest["metadata"]["name"])
+            ident = f"{kind}/{name}"
+            if state.created.get(ident, -1.0) > horizon:
+                continue
+            if kind == "Job" and self.caches.has_batch_job(key, name, uid):
+                state.created[ident] = time.monotonic()
+                continue
+            if not await self.kube.create_if_absent(manifest) and kind != "PersistentVolumeClaim":
+                # A retained checkpoint volume of an earlier job of the same name is meant to
+                # be taken over (docs/runbook.md); any other child must be ours.
+                owners = await self.kube.owner_uids(manifest)
+                if owners is not None and uid not in owners:
+                    return (
+                        Reason.CHILD_CONFLICT,
+                        f"a {kind} named {name} already exists in namespace "
+                        f"{manifest['metadata'].get('namespace')} and does not belong to this "
+                        f"FineTuneJob. To fix: delete or rename that {kind}, or create this "
+                        "job under another name",
+                    )
+            state.created[ident] = time.monotonic()
+        return None
+
+    async def _write_status(
+        self,
+        namespace: str,
+        name: str,
+        state: _JobState,
+        old: Mapping[str, Any],
+        new: FineTuneJobStatus,
+        body: Mapping[str, Any],
+    ) -> None:
+        patch = status_patch(old, new)
+        if not patch:
+            return
+        volatile_only = set(patch) <= VOLATILE
+        if (
+            volatile_only
+            and time.monotonic() - state.written_at < self.settings.progress_write_seconds
+        ):
+            return
+        try:
+            rv = await self.kube.patch_status(namespace, name, patch)
+        except StatusRejected as exc:
+            metrics.status_write("rejected")
+            fields = ", ".join(exc.fields) or "unknown fields"
+            log.error("status of %s/%s rejected (%s): %s", namespace, name, fields, exc)
+            message = (
+                f"the operator's status update was rejected by the API server ({fields}): "
+                f"{exc}; it keeps reconciling the job"
+            )
+            self.post_event(body, EventType.WARNING, Reason.STATUS_REJECTED, message)
+            try:
+                await self.kube.patch_status(namespace, name, {"message": message[:1000]})
+            except (StatusRejected, ApiError):
+                log.error("could not record the rejection on %s/%s", namespace, name)
+            state.written_at = time.monotonic()
+            return
+        except Exception:
+            metrics.status_write("failed")
+            raise
+        metrics.status_write("ok")
+        state.written_at = time.monotonic()
+        if rv is not None:
+            state.written_rv = resource_version({"resourceVersion": rv})
+            state.written_status = new.to_wire()
+
+    # ------------------------------------------------------------------ pool loops
+
+    async def run_pool(self, body: Mapping[str, Any], stopped: Stopped) -> None:
+        """The loop of one GPUPool: write its capacity whenever it changed."""
+        name = str(body["metadata"]["name"])
+        wake = self.pool_wakers[name] = asyncio.Event()
+        failures = 0
+        try:
+            while not stopped:
+                wake.clear()
+                try:
+                    with metrics.reconcile_timer("gpupool"):
+                        await self.reconcile_pool(body)
+                    failures = 0
+                    delay = self.settings.resync_seconds
+                except Fenced:
+                    delay = self.settings.resync_seconds
+                except Exception:
+                    failures += 1
+                    delay = min(60.0, 2.0 ** min(failures, 6))
+                    log.exception(
+                        "GPUPool %s: capacity not written; next try in %.0fs", name, delay
+                    )
+                woken = asyncio.ensure_future(wake.wait())
+                stop = asyncio.ensure_future(stopped.wait())
+                try:
+                    await asyncio.wait(
+                        {woken, stop}, timeout=delay, return_when=asyncio.FIRST_COMPLETED
+                    )
+                finally:
+                    woken.cancel()
+                    stop.cancel()
+                # Capacity changes come in bursts (a job's pods bind one by one): write at
+                # most about once a second.
+                await asyncio.sleep(1.0)
+        finally:
+            if self.pool_wakers.get(name) is wake:
+                del self.pool_wakers[name]
+
+    async def reconcile_pool(self, body: Mapping[str, Any]) -> None:
+        assert self.caches is not None
+        meta = body["metadata"]
+        name = str(meta["name"])
+        old = dict(body.get("status") or {})
+        parsed = parse_pool(body)
+        if isinstance(parsed, str):
+            message = (
+                f"the operator cannot read this GPUPool ({parsed}); no job is planned onto it. "
+                "To fix: correct the field and apply the pool again"
+            )
+            condition = _pool_condition(old, False, Reason.INVALID_SPEC, message)
+            if condition is not None:
+                log.error("GPUPool %s is invalid: %s", name, parsed)
+                await self._write_pool(name, {"conditions": [condition]})
+            return
+        capacity = dict(self.caches.capacities([parsed])[name])
+        capacity["observedGeneration"] = meta.get("generation")
+        patch = {k: v for k, v in capacity.items() if old.get(k) != v}
+        condition = _pool_condition(old, True, Reason.POOL_ACCEPTED, "the operator reads this pool")
+        if condition is not None:
+            patch["conditions"] = [condition]
+        if patch or not old.get("updatedAt"):
+            patch["updatedAt"] = now_rfc3339()
+            await self._write_pool(name, patch)
+        metrics.observe_pool(body, capacity)
+
+    async def _write_pool(self, name: str, patch: Mapping[str, Any]) -> None:
+        try:
+            await self.kube.patch_status(None, name, patch, pool=True)
+        except StatusRejected as exc:
+            metrics.status_write("rejected")
+            log.error("status of GPUPool %s rejected (%s): %s", name, exc.fields, exc)
+            return
+        except Exception:
+            metrics.status_write("failed")
+            raise
+        metrics.status_write("ok")
+
+    # ------------------------------------------------------------------ health
+
+    def stalled(self, now: float | None = None) -> list[str]:
+        """Jobs overdue by more than `stall_seconds`, when no reconcile at all succeeded in
+        that time (liveness fails then: the operator is wedged, a restart helps)."""
+        now = time.monotonic() if now is None else now
+        limit = self.settings.stall_seconds
+        if now - self.last_success <= limit:
+            return []
+        return sorted(
+            f"{key[0]}/{state.name}"
+            for key, state in self.jobs.items()
+            if state.due_at is not None and now - state.due_at > limit
+        )
+
+    def health(self) -> dict[str, Any]:
+        late = self.stalled()
+        if late:
+            raise RuntimeError(
+                f"no reconcile succeeded for {self.settings.stall_seconds:.0f}s; "
+                f"{len(late)} job(s) overdue, e.g. {', '.join(late[:3])}"
+            )
+        return {"jobs": len(self.jobs), "queued": len(self.queued)}
+
+
+def _pool_condition(
+    old: Mapping[str, Any], valid: bool, reason: Reason, message: str
+) -> dict[str, Any] | None:
+    """The pool's Valid condition, or None when it already says so."""
+    wanted = "True" if valid else "False"
+    for cond in old.get("conditions") or []:
+        same = cond.get("status") == wanted and cond.get("reason") == reason
+        if cond.get("type") == PoolConditionType.VALID and same:
+            return None
+    return {
+        "type": str(PoolConditionType.VALID),
+        "status": wanted,
+        "reason": str(reason),
+        "message": message,
+        "lastTransitionTime": now_rfc3339(),
+    }
