@@ -84,6 +84,12 @@ SAYS = {
         "a/s is Running but its step count has not moved for 15 minutes. Check the trainer "
         "pod's logs (a hung collective, a slow model download, a stalled volume).",
     ),
+    "KubetuneReconcileStale": (
+        "kubetune operator no longer reconciles a job",
+        "The operator has not completed a reconcile of a/stale for 15 minutes. See the "
+        "operator's log for errors (status writes refused, the API server unreachable); "
+        "liveness restarts an operator that stalled on every job.",
+    ),
     "KubetuneReconcileErrors": (
         "kubetune operator handlers keep failing",
         "The finetunejob handler failed 166.7m times per second over the last 10 minutes; "
@@ -159,6 +165,15 @@ def test_promtool_checks_and_tests_the_alert_rules(tmp_path: Path, binaries: Bin
         # One handler failing 10 times a minute, another never.
         ('kubetune_reconcile_errors_total{handler="finetunejob",error="ApiError"}', "0+10x40"),
         ('kubetune_reconcile_errors_total{handler="gpupool",error="ApiError"}', "0x40"),
+        # Last reconcile: stale stopped at t=0; fresh is reconciled every minute.
+        (
+            'kubetune_finetunejob_last_reconcile_timestamp_seconds{namespace="a",finetunejob="stale"}',
+            "0x40",
+        ),
+        (
+            'kubetune_finetunejob_last_reconcile_timestamp_seconds{namespace="a",finetunejob="fresh"}',
+            "0+60x40",
+        ),
     ]
     tests = {
         "rule_files": [str(rules)],
@@ -176,6 +191,8 @@ def test_promtool_checks_and_tests_the_alert_rules(tmp_path: Path, binaries: Bin
                     alert("KubetuneNoProgress", "20m", job("s")),
                     alert("KubetuneReconcileErrors", "10m", None),
                     alert("KubetuneReconcileErrors", "30m", {"handler": "finetunejob"}),
+                    alert("KubetuneReconcileStale", "10m", None),
+                    alert("KubetuneReconcileStale", "20m", job("stale")),
                 ],
             }
         ],

@@ -15,10 +15,10 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-import logging
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta, tzinfo
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,16 +28,30 @@ import kopf
 import pytest
 import yaml
 from kopf.testing import KopfRunner
-from lightkube import AsyncClient, KubeConfig
+from lightkube import AsyncClient, KubeConfig, codecs
 from lightkube.config.models import Cluster, User
 from lightkube.core.exceptions import ApiError, ConfigError
+from lightkube.resources.core_v1 import Node
 
 from kubetune.api.v1alpha1 import FineTuneJob, GPUPool
-from kubetune.api.vocabulary import ConditionType, Reason
+from kubetune.api.vocabulary import ConditionType, EventType, Reason
 from kubetune.control.builders import child_names, labels, owner_reference
+from kubetune.control.capacity import node_info
 from kubetune.control.reconcile import ControllerSettings
 from kubetune.controller import handlers
-from kubetune.controller.kube import FineTuneJobResource, Kube
+from kubetune.controller import kube as kube_module
+from kubetune.controller import runtime as runtime_module
+from kubetune.controller.cache import (
+    Caches,
+    child_key,
+    gpu_usage,
+    parse_pool,
+    trimmed_batch_job,
+    trimmed_pod,
+)
+from kubetune.controller.kube import Fenced, FineTuneJobResource, Kube, StatusRejected
+from kubetune.controller.runtime import Runtime, _JobState
+from kubetune.sources import load_arch
 from support.kmock_apiserver import ApiServerEmulator, declare_resources
 
 pytestmark = [
@@ -60,6 +74,7 @@ PVCS = "v1/persistentvolumeclaims"
 CONFIGMAPS = "v1/configmaps"
 SERVICES = "v1/services"
 EVENTS = "v1/events"
+STATUS_PATH = f"/apis/kubetune.io/v1alpha1/namespaces/{NAMESPACE}/finetunejobs/tiny-cpu-lora/status"
 
 PLURALS = {
     "FineTuneJob": FTJ,
@@ -133,6 +148,21 @@ def stored(server: kmock.KubernetesEmulator, resource: str, namespace: str | Non
 
 def example_pools() -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all((ROOT / "examples" / "gpupools.yaml").read_text()) if d]
+
+
+def pool_nodes() -> list[dict[str, Any]]:
+    """One ready node per example pool, with its labels and GPUs."""
+    nodes = []
+    for p in example_pools():
+        n = node(f"{p['metadata']['name']}-0", p["metadata"]["name"], gpus=p["spec"]["gpusPerNode"])
+        n["metadata"]["labels"] = dict(p["spec"]["nodeSelector"])
+        nodes.append(n)
+    return nodes
+
+
+def example_cluster() -> list[dict[str, Any]]:
+    """The example GPUPools with a free node each."""
+    return [*example_pools(), *pool_nodes()]
 
 
 def pool(name: str) -> dict[str, Any]:
@@ -272,28 +302,118 @@ async def test_delete_batch_job_deletes_in_the_background(
     assert delete.params == {"propagationPolicy": "Background"}
 
 
-# ---------------------------------------------------------------------- reads
+# ---------------------------------------------------------------------- status writes
 
 
-async def test_observe_job_before_launch_reads_only_the_pools(
+async def test_patch_status_merges_into_the_status_subresource(
     apiserver: ApiServerEmulator, kube: Kube
 ) -> None:
-    seed(apiserver, *example_pools())
-    job = FineTuneJob.model_validate(tiny_job())
+    seed(apiserver, tiny_job())
 
-    observed = await kube.observe_job(job)
+    rv = await kube.patch_status(NAMESPACE, "tiny-cpu-lora", {"phase": "Planning"})
 
-    assert [p.name for p in observed.pools] == [p["metadata"]["name"] for p in example_pools()]
-    assert all(isinstance(p, GPUPool) for p in observed.pools)
-    assert observed.pools[0].spec.gpu.product == "NVIDIA-L4"
-    assert observed.batch_job is None
-    assert observed.pods == []
-    assert observed.attempt == 0 and list(observed.other_attempts) == []
-    # Pools, and the batch Jobs a launch may have left before its status was written.
-    assert {str(r.resource) for r in apiserver} == {
-        str(kmock.resource(POOLS)),
-        str(kmock.resource(JOBS)),
+    assert rv is not None
+    (patch,) = [r for r in apiserver if r.method == "PATCH"]
+    assert patch.subresource == "status"
+    assert patch.headers["Content-Type"] == "application/merge-patch+json"
+    assert patch.data == {"status": {"phase": "Planning"}}
+
+
+async def test_patch_status_retries_throttling_and_server_errors(
+    apiserver: ApiServerEmulator, kube: Kube, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seed(apiserver, tiny_job())
+    monkeypatch.setattr(kube_module, "RETRY_DELAYS", (0.0, 0.0, 0.0))
+    apiserver[kmock.method.PATCH][:2] << kmock.KubernetesError(503, "ServiceUnavailable", "busy")
+
+    rv = await kube.patch_status(NAMESPACE, "tiny-cpu-lora", {"phase": "Planning"})
+
+    assert rv is not None
+    assert len([r for r in apiserver if r.method == "PATCH"]) == 3
+
+
+async def test_patch_status_gives_up_after_its_retries(
+    apiserver: ApiServerEmulator, kube: Kube, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seed(apiserver, tiny_job())
+    monkeypatch.setattr(kube_module, "RETRY_DELAYS", (0.0, 0.0))
+    apiserver[kmock.method.PATCH] << kmock.KubernetesError(500, "InternalError", "down")
+
+    with pytest.raises(ApiError) as err:
+        await kube.patch_status(NAMESPACE, "tiny-cpu-lora", {"phase": "Planning"})
+
+    assert err.value.status.code == 500
+    assert len([r for r in apiserver if r.method == "PATCH"]) == 3
+
+
+async def test_patch_status_reports_a_rejection_with_its_fields(
+    apiserver: ApiServerEmulator, kube: Kube
+) -> None:
+    seed(apiserver, tiny_job())
+    apiserver[kmock.method.PATCH] << invalid("status.progress.percent")
+
+    with pytest.raises(StatusRejected) as err:
+        await kube.patch_status(NAMESPACE, "tiny-cpu-lora", {"progress": {"percent": 101}})
+
+    assert err.value.fields == ["status.progress.percent"]
+    assert len([r for r in apiserver if r.method == "PATCH"]) == 1  # not retried
+
+
+def invalid(field: str) -> kmock.KubernetesError:
+    """The apiserver's 422 for a status that breaks the CRD schema."""
+    return kmock.KubernetesError(
+        422,
+        "Invalid",
+        f'FineTuneJob.kubetune.io "tiny-cpu-lora" is invalid: {field}: Invalid value',
+        {"causes": [{"reason": "FieldValueInvalid", "field": field}]},
+    )
+
+
+async def test_a_fenced_replica_writes_nothing(apiserver: ApiServerEmulator, kube: Kube) -> None:
+    fenced = Kube(kube.client, may_write=lambda: False)
+
+    with pytest.raises(Fenced):
+        await fenced.patch_status(NAMESPACE, "tiny-cpu-lora", {"phase": "Planning"})
+    with pytest.raises(Fenced):
+        await fenced.create_if_absent({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {}})
+    with pytest.raises(Fenced):
+        await fenced.delete_batch_job(NAMESPACE, "x")
+
+    assert list(apiserver) == []
+
+
+# ---------------------------------------------------------------------- the caches
+
+
+def caches_from(server: kmock.KubernetesEmulator) -> Caches:
+    """The indexes kopf would hold for what the emulator stores, made by the same index
+    functions the operator registers (controller/handlers.py)."""
+    index: dict[str, defaultdict[Any, list[Any]]] = {
+        name: defaultdict(list) for name in ("pods", "jobs", "nodes", "gpus", "pools")
     }
+    for (resource, _, name), obj in list(server.objects.items()):
+        if obj.deleted:
+            continue
+        body = copy.deepcopy(dict(obj))
+        key = child_key(body)
+        if resource == kmock.resource(PODS):
+            if key is not None:
+                index["pods"][key].append(trimmed_pod(body))
+            for node_name, gpus in (gpu_usage(body) or {}).items():
+                index["gpus"][node_name].append(gpus)
+        elif resource == kmock.resource(JOBS) and key is not None:
+            index["jobs"][key].append(trimmed_batch_job(body))
+        elif resource == kmock.resource(NODES):
+            index["nodes"][name].append(node_info(body))
+        elif resource == kmock.resource(POOLS):
+            index["pools"][name].append(parse_pool(body))
+    return Caches(
+        pods=dict(index["pods"]),
+        batch_jobs=dict(index["jobs"]),
+        nodes=dict(index["nodes"]),
+        gpu_pods=dict(index["gpus"]),
+        pools=dict(index["pools"]),
+    )
 
 
 def batch_job_of(job: FineTuneJob, attempt: int, **extra: Any) -> dict[str, Any]:
@@ -311,8 +431,24 @@ def batch_job_of(job: FineTuneJob, attempt: int, **extra: Any) -> dict[str, Any]
     }
 
 
-async def test_observe_job_reads_the_batch_job_and_pods_of_the_current_attempt(
-    apiserver: ApiServerEmulator, kube: Kube
+def test_observe_before_launch_sees_only_the_pools(apiserver: ApiServerEmulator) -> None:
+    seed(apiserver, *example_pools())
+    job = FineTuneJob.model_validate(tiny_job())
+    caches = caches_from(apiserver)
+
+    observed = caches.observe(job, caches.valid_pools())
+
+    assert [p.name for p in observed.pools] == sorted(
+        p["metadata"]["name"] for p in example_pools()
+    )
+    assert all(isinstance(p, GPUPool) for p in observed.pools)
+    assert observed.batch_job is None
+    assert observed.pods == []
+    assert observed.attempt == 0 and list(observed.other_attempts) == []
+
+
+def test_observe_sees_the_batch_job_and_pods_of_the_current_attempt(
+    apiserver: ApiServerEmulator,
 ) -> None:
     body = tiny_job()
     body["status"] = {"phase": "Running", "attempt": 2}
@@ -331,45 +467,33 @@ async def test_observe_job_reads_the_batch_job_and_pods_of_the_current_attempt(
         pod(f"{a2}-0-zzzzz", pod_labels=labels(job, 2), namespace="team-b"),
         pod("unrelated", pod_labels={"app": "web"}),
     )
+    caches = caches_from(apiserver)
 
-    observed = await kube.observe_job(job)
+    observed = caches.observe(job, caches.valid_pools())
 
     assert [p.name for p in observed.pools] == ["l4"]
     assert observed.batch_job is not None
     assert observed.batch_job["metadata"]["name"] == a2
     assert observed.batch_job["status"] == {"active": 1}
     assert observed.attempt == 2 and list(observed.other_attempts) == [1]
-    assert sorted(p["metadata"]["name"] for p in observed.pods) == [
-        f"{a2}-0-abcde",
-        f"{a2}-1-fghij",
-    ]
-    (params,) = [r.params for r in requests(apiserver, kmock.action.LIST, PODS)]
-    assert params["labelSelector"] == f"kubetune.io/job={name},kubetune.io/attempt=2"
+    assert [p["metadata"]["name"] for p in observed.pods] == [f"{a2}-0-abcde", f"{a2}-1-fghij"]
 
 
-async def test_observe_job_finds_the_pods_of_a_job_with_a_long_name(
-    apiserver: ApiServerEmulator, kube: Kube
-) -> None:
+def test_observe_finds_the_pods_of_a_job_with_a_long_name(apiserver: ApiServerEmulator) -> None:
     body = tiny_job()
     body["metadata"]["name"] = "nightly-" * 8 + "qwen2-5-0-5b"  # 76 characters, a valid name
     body["status"] = {"phase": "Running", "attempt": 1}
     job = FineTuneJob.model_validate(body)
     names = child_names(body["metadata"]["name"], 1)
-    seed(
-        apiserver,
-        batch_job_of(job, 1),
-        pod(f"{names.job}-0-abcde", pod_labels=labels(job, 1)),
-    )
+    seed(apiserver, batch_job_of(job, 1), pod(f"{names.job}-0-abcde", pod_labels=labels(job, 1)))
 
-    observed = await kube.observe_job(job)
+    observed = caches_from(apiserver).observe(job, [])
 
     assert observed.batch_job is not None
     assert [p["metadata"]["name"] for p in observed.pods] == [f"{names.job}-0-abcde"]
 
 
-async def test_observe_job_finds_a_launch_the_status_never_recorded(
-    apiserver: ApiServerEmulator, kube: Kube
-) -> None:
+def test_observe_finds_a_launch_the_status_never_recorded(apiserver: ApiServerEmulator) -> None:
     body = tiny_job()
     body["status"] = {"phase": "Running", "attempt": 1}
     job = FineTuneJob.model_validate(body)
@@ -383,7 +507,7 @@ async def test_observe_job_finds_a_launch_the_status_never_recorded(
         pod(f"{child_names(job.metadata['name'], 2).job}-0-abcde", pod_labels=labels(job, 2)),
     )
 
-    observed = await kube.observe_job(job)
+    observed = caches_from(apiserver).observe(job, [])
 
     assert observed.attempt == 2
     assert observed.batch_job is not None and observed.batch_job["status"] == {"active": 1}
@@ -391,17 +515,26 @@ async def test_observe_job_finds_a_launch_the_status_never_recorded(
     assert len(observed.pods) == 1
 
 
-async def test_observe_job_finds_no_batch_job_when_it_is_gone(
-    apiserver: ApiServerEmulator, kube: Kube
-) -> None:
+def test_observe_finds_no_batch_job_when_it_is_gone(apiserver: ApiServerEmulator) -> None:
     body = tiny_job()
     body["status"] = {"phase": "Running", "attempt": 1}
 
-    observed = await kube.observe_job(FineTuneJob.model_validate(body))
+    observed = caches_from(apiserver).observe(FineTuneJob.model_validate(body), [])
 
-    assert observed.pools == []
     assert observed.batch_job is None
     assert observed.pods == []
+
+
+def test_an_unreadable_pool_is_left_out_of_planning(apiserver: ApiServerEmulator) -> None:
+    broken = pool("h100")
+    broken["metadata"]["name"] = "broken"
+    broken["spec"]["gpusPerNode"] = "eight"
+    seed(apiserver, pool("l4"), broken)
+
+    caches = caches_from(apiserver)
+
+    assert [p.name for p in caches.valid_pools()] == ["l4"]
+    assert "spec.gpusPerNode" in caches.pools["broken"][0]
 
 
 def capacity_cluster() -> list[dict[str, Any]]:
@@ -426,48 +559,40 @@ def capacity_cluster() -> list[dict[str, Any]]:
     ]
 
 
-async def test_pool_capacity_counts_ready_nodes_and_gpus_held_by_live_pods(
-    apiserver: ApiServerEmulator, kube: Kube
+def capacity(server: kmock.KubernetesEmulator, pool_name: str) -> dict[str, Any]:
+    return caches_from(server).capacities([GPUPool.model_validate(pool(pool_name))])[pool_name]
+
+
+def test_capacity_counts_ready_nodes_and_gpus_held_by_live_pods(
+    apiserver: ApiServerEmulator,
 ) -> None:
     seed(apiserver, *capacity_cluster())
 
-    capacity = await kube.pool_capacity(GPUPool.model_validate(pool("h100")))
-
-    assert capacity == {
+    assert capacity(apiserver, "h100") == {
         "nodes": 2,
         "allocatableGPUs": 16,
         "freeGPUs": 9,
         "freeGPUsPerNode": [2, 7],  # h100-0: 8 - 4 - 2; h100-1: 8 - 1
     }
-    # The filtering is the apiserver's: by label for nodes, by phase for pods.
-    (node_list,) = [r.params for r in requests(apiserver, kmock.action.LIST, NODES)]
-    (pod_list,) = requests(apiserver, kmock.action.LIST, PODS)
-    assert node_list["labelSelector"] == "kubetune.io/pool=h100"
-    assert pod_list.namespace is None  # cluster-wide
-    assert pod_list.params["fieldSelector"] == "status.phase!=Failed,status.phase!=Succeeded"
 
 
-async def test_pool_capacity_of_a_pool_without_nodes(
-    apiserver: ApiServerEmulator, kube: Kube
-) -> None:
+def test_capacity_of_a_pool_without_nodes(apiserver: ApiServerEmulator) -> None:
     seed(apiserver, *capacity_cluster())
 
-    capacity = await kube.pool_capacity(GPUPool.model_validate(pool("l40s")))
+    assert capacity(apiserver, "l40s") == {
+        "nodes": 0,
+        "allocatableGPUs": 0,
+        "freeGPUs": 0,
+        "freeGPUsPerNode": [],
+    }
 
-    assert capacity == {"nodes": 0, "allocatableGPUs": 0, "freeGPUs": 0, "freeGPUsPerNode": []}
-    assert requests(apiserver, kmock.action.LIST, PODS) == []
 
-
-async def test_pool_capacity_never_goes_below_zero(
-    apiserver: ApiServerEmulator, kube: Kube
-) -> None:
+def test_capacity_never_goes_below_zero(apiserver: ApiServerEmulator) -> None:
     # A device plugin restart can shrink allocatable below what bound pods hold.
     seed(apiserver, node("h100-0", "h100", gpus=4), pod("big", node_name="h100-0", gpus=(8,)))
 
-    capacity = await kube.pool_capacity(GPUPool.model_validate(pool("h100")))
-
-    assert capacity["freeGPUs"] == 0
-    assert capacity["freeGPUsPerNode"] == [0]
+    assert capacity(apiserver, "h100")["freeGPUs"] == 0
+    assert capacity(apiserver, "h100")["freeGPUsPerNode"] == [0]
 
 
 # ---------------------------------------------------------------------- the stock emulator
@@ -493,53 +618,40 @@ async def test_stock_emulator_errors_do_not_reach_kubetune_as_api_errors(
     assert err.value.response.status_code == 409
 
 
-async def test_stock_emulator_ignores_label_and_field_selectors(
+async def test_stock_emulator_ignores_label_selectors(
     stock_apiserver: kmock.KubernetesEmulator, stock_kube: Kube
 ) -> None:
     seed(stock_apiserver, *capacity_cluster())
 
-    capacity = await stock_kube.pool_capacity(GPUPool.model_validate(pool("h100")))
+    names = [
+        n.metadata.name
+        async for n in stock_kube.client.list(Node, labels={"kubetune.io/pool": "h100"})
+        if n.metadata
+    ]
 
-    # The a100 node counts as a pool node (the label selector is ignored); finished pods
-    # are still skipped because pool_capacity re-checks the phase client-side. A real
-    # apiserver gives nodes=2, freeGPUsPerNode=[2, 7] (test above).
-    assert capacity == {
-        "nodes": 3,
-        "allocatableGPUs": 24,
-        "freeGPUs": 9,
-        "freeGPUsPerNode": [0, 2, 7],
-    }
+    # The a100 node comes too; a real apiserver (and ApiServerEmulator) filters it out.
+    assert "a100-0" in names
 
 
-# ---------------------------------------------------------------------- FineTuneJob handler
+async def test_corrected_emulator_filters_by_label(
+    apiserver: ApiServerEmulator, kube: Kube
+) -> None:
+    seed(apiserver, *capacity_cluster())
 
-LOGGER = logging.getLogger("kubetune.test")
+    names = [
+        n.metadata.name
+        async for n in kube.client.list(Node, labels={"kubetune.io/pool": "h100"})
+        if n.metadata
+    ]
+
+    assert sorted(str(n) for n in names) == ["h100-0", "h100-1", "h100-2", "h100-3"]
 
 
-@pytest.fixture
-def posted(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, str]]:
-    """Events the handlers post, as (type, reason, message).
-
-    kopf's event functions queue events for its poster task, which exists only inside a
-    running operator; called directly, the handlers get these stand-ins.
-    """
-    events: list[tuple[str, str, str]] = []
-
-    def collect(fixed_type: str | None) -> Callable[..., None]:
-        def post(body: kopf.Body, *, reason: str, message: str = "", **kw: Any) -> None:
-            assert body.metadata.uid == UID
-            events.append((fixed_type or kw["type"], reason, message))
-
-        return post
-
-    monkeypatch.setattr(kopf, "info", collect("Normal"))
-    monkeypatch.setattr(kopf, "warn", collect("Warning"))
-    monkeypatch.setattr(kopf, "event", collect(None))
-    return events
+# ---------------------------------------------------------------------- the job loop
 
 
 class Clock(datetime):
-    """The handlers' wall clock, set by the test."""
+    """The runtime's wall clock, set by the test."""
 
     current = T0
 
@@ -551,35 +663,46 @@ class Clock(datetime):
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> type[Clock]:
     monkeypatch.setattr(Clock, "current", T0)
-    monkeypatch.setattr(handlers, "datetime", Clock)
+    monkeypatch.setattr(runtime_module, "datetime", Clock)
     return Clock
 
 
+class Loop:
+    """One job's loop state in a `Runtime` pointed at the emulator; each `look()` refreshes
+    the caches from the emulator (as the watches would) and runs one reconcile."""
+
+    def __init__(self, server: ApiServerEmulator, kube: Kube, **settings: Any) -> None:
+        self.server = server
+        self.events: list[tuple[str, str, str]] = []
+        self.runtime = Runtime(
+            ControllerSettings(**settings),
+            kube,
+            partial(load_arch, allow_network=False, local_files=False),
+            lambda _body, type_, reason, message: self.events.append(
+                (str(type_), str(reason), message)
+            ),
+        )
+        self.state = _JobState(name="tiny-cpu-lora")
+        self.key = ("team-a", "tiny-cpu-lora")
+
+    def body(self) -> dict[str, Any]:
+        return copy.deepcopy(dict(self.server.objects[FTJ, NAMESPACE, "tiny-cpu-lora"]))
+
+    async def look(self) -> float | None:
+        self.runtime.caches = caches_from(self.server)
+        self.runtime.capacity_changed()
+        return await self.runtime._look(self.key, self.state, self.body())
+
+    def status(self) -> dict[str, Any]:
+        return dict(self.body().get("status") or {})
+
+    def status_patches(self) -> list[dict[str, Any]]:
+        return [r.data["status"] for r in self.server if r.method == "PATCH" and r.subresource]
+
+
 @pytest.fixture
-def operator(kube: Kube, clock: type[Clock], monkeypatch: pytest.MonkeyPatch) -> Kube:
-    """The handlers' module state, pointed at the emulator, on the test's clock."""
-    monkeypatch.setattr(handlers._State, "kube", kube)
-    monkeypatch.setattr(handlers._State, "settings", ControllerSettings())
-    return kube
-
-
-async def reconcile_once(body: dict[str, Any]) -> dict[str, Any]:
-    """One handler call; returns the status patch it asked kopf to apply."""
-    patch = kopf.Patch()
-    await handlers._reconcile_locked(kopf.Body(copy.deepcopy(body)), patch, LOGGER)
-    return dict(patch.status)
-
-
-def applied(body: dict[str, Any], status_patch: dict[str, Any]) -> dict[str, Any]:
-    """The body after kopf applied the status patch (a JSON merge patch)."""
-    new = copy.deepcopy(body)
-    status = new.setdefault("status", {})
-    for key, value in status_patch.items():
-        if value is None:
-            status.pop(key, None)
-        else:
-            status[key] = copy.deepcopy(value)
-    return new
+def loop(apiserver: ApiServerEmulator, kube: Kube, clock: type[Clock]) -> Loop:
+    return Loop(apiserver, kube)
 
 
 def children(server: kmock.KubernetesEmulator) -> dict[str, list[str]]:
@@ -595,14 +718,10 @@ def condition(status: dict[str, Any], type_: str) -> dict[str, Any]:
     return next(x for x in status["conditions"] if x["type"] == type_)
 
 
-async def test_new_job_is_planned_and_launched(
-    apiserver: ApiServerEmulator, operator: Kube, posted: list[tuple[str, str, str]]
-) -> None:
-    seed(apiserver, *example_pools())
-    body = tiny_job()
-    seed(apiserver, body)
+async def test_new_job_is_planned_and_launched(apiserver: ApiServerEmulator, loop: Loop) -> None:
+    seed(apiserver, *example_cluster(), tiny_job())
 
-    status = await reconcile_once(body)
+    delay = await loop.look()
 
     names = child_names("tiny-cpu-lora", 1)
     assert children(apiserver) == {
@@ -633,6 +752,7 @@ async def test_new_job_is_planned_and_launched(
     assert "ownerReferences" not in pvc["metadata"]
     assert pvc["metadata"]["annotations"]["kubetune.io/job-uid"] == UID
 
+    status = loop.status()
     assert status["phase"] == "Running"
     assert status["attempt"] == 1
     assert status["observedGeneration"] == 1
@@ -653,32 +773,42 @@ async def test_new_job_is_planned_and_launched(
     assert condition(status, ConditionType.RUNNING)["reason"] == Reason.PODS_STARTING
     assert status["cost"]["estimatedUSD"] == plan["estimatedCostUSD"]
 
-    assert [(t, r) for t, r, _ in posted] == [("Normal", Reason.PLAN_READY), ("Normal", "Launched")]
-    assert posted[1][2] == f"Attempt 1 on pool {plan['pool']}"
+    assert [(t, r) for t, r, _ in loop.events] == [
+        ("Normal", Reason.PLAN_READY),
+        ("Normal", "Launched"),
+    ]
+    assert loop.events[1][2] == f"Attempt 1 on pool {plan['pool']}"
+    # The next look comes from the decision: a running job's poll interval.
+    assert delay == ControllerSettings().poll_seconds
+    # One status write, through the status subresource, with only what changed.
+    assert len(loop.status_patches()) == 1
 
 
-async def test_reconciling_again_changes_nothing_but_the_cost_clock(
-    apiserver: ApiServerEmulator,
-    operator: Kube,
-    clock: type[Clock],
-    posted: list[tuple[str, str, str]],
+async def test_looking_again_creates_nothing_and_writes_the_cost_clock_only_when_due(
+    apiserver: ApiServerEmulator, loop: Loop, clock: type[Clock]
 ) -> None:
-    seed(apiserver, *example_pools())
-    body = tiny_job()
-    first = await reconcile_once(body)
+    seed(apiserver, *example_cluster(), tiny_job())
+    await loop.look()
     launched = children(apiserver)
-    writes = len(requests(apiserver, kmock.action.CREATE))
-    del posted[:]
+    creates = len(requests(apiserver, kmock.action.CREATE))
+    first = loop.status()
+    del loop.events[:]
     clock.current += timedelta(minutes=1)
 
-    second = await reconcile_once(applied(body, first))
+    await loop.look()
 
+    # Children are created once per attempt: no POST answered 409.
     assert children(apiserver) == launched
-    assert len(requests(apiserver, kmock.action.CREATE)) == writes
-    assert posted == []
-    # One minute of the plan's price; phase, plan, conditions and their times stay.
+    assert len(requests(apiserver, kmock.action.CREATE)) == creates
+    assert loop.events == []
+    # Only the cost clock moved: that waits for the progress write interval.
+    assert len(loop.status_patches()) == 1
+
+    loop.state.written_at -= ControllerSettings().progress_write_seconds
+    await loop.look()
+
     rate = first["cost"]["rateUSDPerHour"]
-    assert second == {
+    assert loop.status_patches()[-1] == {
         "cost": {
             **first["cost"],
             "accruedUSD": round(rate / 60, 6),
@@ -688,66 +818,169 @@ async def test_reconciling_again_changes_nothing_but_the_cost_clock(
 
 
 async def test_a_batch_job_deleted_behind_the_operator_is_created_again(
-    apiserver: ApiServerEmulator, operator: Kube, posted: list[tuple[str, str, str]]
+    apiserver: ApiServerEmulator, loop: Loop
 ) -> None:
-    seed(apiserver, *example_pools())
-    body = tiny_job()
-    first = await reconcile_once(body)
+    seed(apiserver, *example_cluster(), tiny_job())
+    await loop.look()
     launched = children(apiserver)
     names = child_names("tiny-cpu-lora", 1)
     apiserver.objects[JOBS, NAMESPACE, names.job].delete()
     assert children(apiserver)["job"] == []
+    # The batch Job was created by this loop a moment ago; after a resync period, a
+    # missing one is created again.
+    loop.state.created = {
+        k: v - loop.runtime.settings.resync_seconds - 1 for k, v in loop.state.created.items()
+    }
 
-    await reconcile_once(applied(body, first))
+    await loop.look()
 
     assert children(apiserver) == launched
-    # The other three were there already: the apiserver said 409, which counts as done.
-    conflicts = [e for e in apiserver.errors if getattr(e, "status", None) == 409]
-    assert len(conflicts) == 3
 
 
-async def test_job_with_no_pools_waits_without_creating_anything(
-    apiserver: ApiServerEmulator, operator: Kube, posted: list[tuple[str, str, str]]
+async def test_a_child_owned_by_someone_else_fails_the_job(
+    apiserver: ApiServerEmulator, loop: Loop
 ) -> None:
-    status = await reconcile_once(tiny_job())
+    names = child_names("tiny-cpu-lora", 1)
+    foreign = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": names.service, "namespace": NAMESPACE, "uid": "someone-else"},
+    }
+    seed(apiserver, *example_cluster(), tiny_job(), foreign)
+
+    await loop.look()
+
+    status = loop.status()
+    assert status["phase"] == "Failed"
+    assert condition(status, ConditionType.FAILED)["reason"] == Reason.CHILD_CONFLICT
+    assert f"a Service named {names.service} already exists" in status["message"]
+    assert "To fix:" in status["message"]
+    assert [(t, r) for t, r, _ in loop.events] == [("Warning", Reason.CHILD_CONFLICT)]
+
+
+async def test_job_with_no_pools_waits_for_them(apiserver: ApiServerEmulator, loop: Loop) -> None:
+    seed(apiserver, tiny_job())
+
+    delay = await loop.look()
 
     assert children(apiserver) == {"pvc": [], "configmap": [], "service": [], "job": []}
+    status = loop.status()
     assert status["phase"] == "Planning"
     assert status["attempt"] == 0
     assert condition(status, ConditionType.PLANNED)["reason"] == Reason.NO_POOLS
     assert status["message"].startswith("no GPUPool exists yet")
-    assert posted == []
+    assert loop.events == []
+    # Waiting for pools counts as queued: a new pool wakes it; otherwise it retries.
+    assert loop.key in loop.runtime.queued
+    assert delay == ControllerSettings().queue_retry_seconds
 
 
-async def test_invalid_job_fails_with_a_warning(
-    apiserver: ApiServerEmulator, operator: Kube, posted: list[tuple[str, str, str]]
-) -> None:
+async def test_invalid_job_fails_with_a_warning(apiserver: ApiServerEmulator, loop: Loop) -> None:
     body = tiny_job()
     body["spec"]["method"] = "full"  # with spec.lora set: admission would have refused it
+    seed(apiserver, body)
 
-    status = await reconcile_once(body)
+    delay = await loop.look()
 
+    status = loop.status()
     assert status["phase"] == "Failed"
     assert condition(status, ConditionType.FAILED)["reason"] == Reason.INVALID_SPEC
-    assert [(t, r) for t, r, _ in posted] == [("Warning", Reason.INVALID_SPEC)]
-    assert list(apiserver) == []  # decided without a single API call
+    assert [(t, r) for t, r, _ in loop.events] == [("Warning", Reason.INVALID_SPEC)]
+    assert delay is None  # finished: no further look until an event
 
 
-# ---------------------------------------------------------------------- GPUPool handler
-
-
-async def test_gpupool_capacity_patches_status_only_when_it_changed(
-    apiserver: ApiServerEmulator, operator: Kube
+async def test_a_rejected_status_write_does_not_stop_the_job(
+    apiserver: ApiServerEmulator, loop: Loop
 ) -> None:
-    seed(apiserver, *capacity_cluster())
+    seed(apiserver, *example_cluster(), tiny_job())
+    apiserver[kmock.method.PATCH][:1] << invalid("status.plan")
+
+    delay = await loop.look()
+
+    # The launch happened; its status write was refused as invalid; the job got the
+    # reason and the loop carries on.
+    assert children(apiserver)["job"] == [child_names("tiny-cpu-lora", 1).job]
+    assert (str(EventType.WARNING), Reason.STATUS_REJECTED) in [(t, r) for t, r, _ in loop.events]
+    assert "status.plan" in loop.status()["message"]
+    assert delay is not None
+
+    await loop.look()
+
+    # The next look writes the whole status (the adopted launch) without trouble.
+    assert loop.status()["phase"] == "Running"
+    assert loop.status()["attempt"] == 1
+
+
+async def test_a_failed_look_is_retried_with_growing_backoff(
+    apiserver: ApiServerEmulator, loop: Loop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seed(apiserver, *example_cluster(), tiny_job())
+
+    async def down(*_: Any, **__: Any) -> str:
+        raise httpx2.ConnectError("connection refused")
+
+    monkeypatch.setattr(loop.runtime.kube, "patch_status", down)
+
+    delays = [await loop.look() for _ in range(4)]
+
+    assert delays == [2.0, 4.0, 8.0, 16.0]
+    assert loop.state.failures == 4
+    # Whatever failed, the job stays due: liveness sees it once nothing succeeds.
+    assert loop.state.due_at is not None
+
+
+async def test_the_latest_written_status_wins_over_a_stale_cache(
+    apiserver: ApiServerEmulator, loop: Loop
+) -> None:
+    seed(apiserver, *example_cluster(), tiny_job())
+    stale = loop.body()  # what the watch still shows while the first write travels
+    stale["metadata"]["resourceVersion"] = "0"  # older than anything written
+    await loop.look()
+
+    loop.runtime.caches = caches_from(apiserver)
+    await loop.runtime._look(loop.key, loop.state, stale)
+
+    # Seen through the stale body, the job would be planned and launched again.
+    assert [(t, r) for t, r, _ in loop.events].count(("Normal", "Launched")) == 1
+    assert len(stored(apiserver, JOBS, NAMESPACE)) == 1
+
+
+# ---------------------------------------------------------------------- health
+
+
+def test_liveness_fails_only_when_every_due_job_stalled(kube: Kube) -> None:
+    runtime = Runtime(ControllerSettings(stall_seconds=60), kube, load_arch, lambda *_: None)
+    now = runtime.last_success
+    runtime.jobs[("a", "x")] = _JobState(name="x", due_at=now + 10)
+    runtime.jobs[("a", "idle")] = _JobState(name="idle", due_at=None)
+
+    assert runtime.stalled(now + 30) == []
+    assert runtime.stalled(now + 100) == ["a/x"]  # overdue 90 s, nothing succeeded for 100 s
+    assert runtime.health() == {"jobs": 2, "queued": 0}
+
+    runtime.last_success -= 100
+    runtime.jobs[("a", "x")].due_at = now - 90
+    with pytest.raises(RuntimeError, match="no reconcile succeeded for 60s; 1 job"):
+        runtime.health()
+
+
+# ---------------------------------------------------------------------- the pool loop
+
+
+async def test_pool_capacity_is_written_only_when_it_changed(
+    apiserver: ApiServerEmulator, loop: Loop
+) -> None:
     body = pool("h100")
     body["metadata"]["generation"] = 3
+    seed(apiserver, *capacity_cluster(), body)
+    loop.runtime.caches = caches_from(apiserver)
 
-    patch = kopf.Patch()
-    await handlers.gpupool_capacity(body=kopf.Body(copy.deepcopy(body)), patch=patch)
+    await loop.runtime.reconcile_pool(copy.deepcopy(dict(apiserver.objects[POOLS, None, "h100"])))
 
-    status = dict(patch.status)
+    status = dict(apiserver.objects[POOLS, None, "h100"]["status"])
     assert status.pop("updatedAt")
+    (valid,) = status.pop("conditions")
+    assert (valid["type"], valid["status"], valid["reason"]) == ("Valid", "True", "Accepted")
     assert status == {
         "nodes": 2,
         "allocatableGPUs": 16,
@@ -755,13 +988,26 @@ async def test_gpupool_capacity_patches_status_only_when_it_changed(
         "freeGPUsPerNode": [2, 7],
         "observedGeneration": 3,
     }
-    pool_status = GPUPool.model_validate(applied(body, dict(patch.status))).status
-    assert pool_status is not None and pool_status.free_gpus_per_node == [2, 7]
+    writes = len([r for r in apiserver if r.method == "PATCH"])
 
-    again = kopf.Patch()
-    await handlers.gpupool_capacity(body=kopf.Body(applied(body, dict(patch.status))), patch=again)
+    await loop.runtime.reconcile_pool(copy.deepcopy(dict(apiserver.objects[POOLS, None, "h100"])))
 
-    assert again == {}
+    assert len([r for r in apiserver if r.method == "PATCH"]) == writes
+
+
+async def test_an_unreadable_pool_gets_a_condition(
+    apiserver: ApiServerEmulator, loop: Loop
+) -> None:
+    body = pool("h100")
+    body["spec"]["gpusPerNode"] = "eight"
+    seed(apiserver, body)
+    loop.runtime.caches = caches_from(apiserver)
+
+    await loop.runtime.reconcile_pool(copy.deepcopy(dict(apiserver.objects[POOLS, None, "h100"])))
+
+    (valid,) = apiserver.objects[POOLS, None, "h100"]["status"]["conditions"]
+    assert (valid["type"], valid["status"], valid["reason"]) == ("Valid", "False", "InvalidSpec")
+    assert "spec.gpusPerNode" in valid["message"] and "To fix:" in valid["message"]
 
 
 # ---------------------------------------------------------------------- the operator
@@ -775,6 +1021,36 @@ async def operator_run(
     apiserver: ApiServerEmulator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[KopfRunner]:
     """`kopf run -m kubetune.controller.handlers` logged in to the emulator."""
+    write_kubeconfig(apiserver, tmp_path, monkeypatch)
+    # The operator's startup and cleanup rewrite the module state.
+    monkeypatch.setattr(handlers._State, "runtime", None)
+    monkeypatch.setattr(handlers._State, "nodes", {})
+    monkeypatch.setattr(handlers._State, "gpu_pods", {})
+    # kopf picks its fallback login handlers when its default registry is first built,
+    # long before KUBECONFIG was set here; a copy with an explicit kubeconfig login fixes
+    # that without touching the registry other tests see.
+    default_registry = kopf.get_default_registry()
+    registry = copy.deepcopy(default_registry)
+    kopf.on.login(registry=registry)(kopf.login_with_kubeconfig)
+    runner = KopfRunner(
+        ["run", "-m", "kubetune.controller.handlers", "--standalone", "--all-namespaces"],
+        registry=registry,
+        timeout=20,
+    )
+    # The runner blocks while it starts and stops; this loop must keep serving the emulator.
+    await asyncio.to_thread(runner.__enter__)
+    try:
+        await eventually(lambda: requests(apiserver, kmock.action.WATCH, FTJ) != [])
+        yield runner
+    finally:
+        await asyncio.to_thread(runner.__exit__, None, None, None)
+        kopf.set_default_registry(default_registry)  # `kopf run` installs its registry
+    assert runner.exit_code == 0
+
+
+def write_kubeconfig(
+    apiserver: ApiServerEmulator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     kubeconfig = {
         "apiVersion": "v1",
         "kind": "Config",
@@ -788,30 +1064,11 @@ async def operator_run(
     # lightkube prefers an in-cluster service account to KUBECONFIG: never reach a real
     # cluster when the tests themselves run in a pod.
     monkeypatch.setattr(KubeConfig, "from_service_account", classmethod(_not_in_cluster))
-    # The operator's startup and cleanup rewrite the module state; its locks bind to its loop.
-    monkeypatch.setattr(handlers._State, "kube", None)
-    monkeypatch.setattr(handlers._State, "settings", handlers._State.settings)
-    monkeypatch.setattr(handlers._State, "locks", defaultdict(asyncio.Lock))
-    # kopf picks its fallback login handlers when its default registry is first built,
-    # long before KUBECONFIG was set here; a copy with an explicit kubeconfig login fixes
-    # that without touching the registry other tests see.
-    default_registry = kopf.get_default_registry()
-    registry = copy.deepcopy(default_registry)
-    kopf.on.login(registry=registry)(kopf.login_with_kubeconfig)
-    runner = KopfRunner(
-        ["run", "-m", "kubetune.controller.handlers", "--standalone", "--all-namespaces"],
-        registry=registry,
-        timeout=10,
-    )
-    # The runner blocks while it starts and stops; this loop must keep serving the emulator.
-    await asyncio.to_thread(runner.__enter__)
-    try:
-        await eventually(lambda: requests(apiserver, kmock.action.WATCH, FTJ) != [])
-        yield runner
-    finally:
-        await asyncio.to_thread(runner.__exit__, None, None, None)
-        kopf.set_default_registry(default_registry)  # `kopf run` installs its registry
-    assert runner.exit_code == 0
+
+
+async def create(kube: Kube, *manifests: dict[str, Any]) -> None:
+    for manifest in manifests:
+        await kube.client.create(codecs.from_dict(copy.deepcopy(manifest)))
 
 
 def _not_in_cluster(cls: type[KubeConfig], *_: Any, **__: Any) -> KubeConfig:
@@ -835,7 +1092,7 @@ def phase(server: kmock.KubernetesEmulator) -> str | None:
 async def test_operator_launches_an_applied_job(
     apiserver: ApiServerEmulator, kube: Kube, operator_run: KopfRunner
 ) -> None:
-    seed(apiserver, *example_pools())
+    await create(kube, *example_cluster())  # through the API: the operator's watches see them
 
     await kube.client.create(FineTuneJobResource.from_dict(tiny_job()))  # kubectl apply
     await eventually(lambda: phase(apiserver) == "Running")
@@ -858,7 +1115,7 @@ async def test_operator_launches_an_applied_job(
 async def test_operator_posts_plan_and_launch_events(
     apiserver: ApiServerEmulator, kube: Kube, operator_run: KopfRunner
 ) -> None:
-    seed(apiserver, *example_pools())
+    await create(kube, *example_cluster())
 
     await kube.client.create(FineTuneJobResource.from_dict(tiny_job()))
     await eventually(lambda: phase(apiserver) == "Running")
@@ -884,3 +1141,51 @@ def test_parse_trainer_metrics_keeps_only_trainer_samples() -> None:
         "process_cpu_seconds_total 3.0\n"
     )
     assert parse_trainer_metrics(text) == {"step": 12.0, "loss": 1.5}
+
+
+# ---------------------------------------------------------------------- why the loop writes
+
+
+async def test_kopf_stops_a_timer_whose_status_patch_was_rejected(
+    apiserver: ApiServerEmulator, kube: Kube, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What made the operator write its own status: a kopf timer that hands kopf a status
+    patch is never called again once the apiserver rejected one such patch (422)."""
+    calls: list[float] = []
+    registry = kopf.OperatorRegistry()
+
+    @kopf.timer(*handlers.FTJ, interval=0.2, registry=registry)
+    async def tick(patch: kopf.Patch, **_: Any) -> None:
+        calls.append(asyncio.get_running_loop().time())
+        patch.status["message"] = f"tick {len(calls)}"
+
+    kopf.on.login(registry=registry)(kopf.login_with_kubeconfig)
+    write_kubeconfig(apiserver, tmp_path, monkeypatch)
+    await kube.client.create(FineTuneJobResource.from_dict(tiny_job()))
+    apiserver[f"patch {STATUS_PATH}"][:1] << invalid("status.message")
+    # kopf in this test's own event loop (no thread): the emulator serves on it too.
+    stop = asyncio.Event()
+    operator = asyncio.create_task(
+        kopf.operator(registry=registry, standalone=True, clusterwide=True, stop_flag=stop)
+    )
+    try:
+        await eventually(lambda: len(calls) >= 1)
+        await asyncio.sleep(3.0)  # 15 intervals
+    finally:
+        stop.set()
+        await asyncio.wait_for(operator, timeout=10)
+
+    assert len(calls) == 1, calls
+
+
+async def test_the_operator_keeps_reconciling_after_a_rejected_status_write(
+    apiserver: ApiServerEmulator, kube: Kube, operator_run: KopfRunner
+) -> None:
+    await create(kube, *example_cluster())
+    apiserver[f"patch {STATUS_PATH}"][:1] << invalid("status.plan")
+
+    await kube.client.create(FineTuneJobResource.from_dict(tiny_job()))
+    await eventually(lambda: phase(apiserver) == "Running", timeout=20)
+
+    status_patches = [r for r in apiserver if r.method == "PATCH" and r.subresource == "status"]
+    assert len(status_patches) >= 2
