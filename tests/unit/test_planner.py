@@ -16,7 +16,7 @@ from kubetune.api.v1alpha1 import FineTuneJobSpec, GPUPool
 from kubetune.planning import planner as planner_module
 from kubetune.planning.arch import ModelArch
 from kubetune.planning.catalog import default_pools
-from kubetune.planning.estimator import TrainingSetup, VramEstimate
+from kubetune.planning.estimator import TrainingSetup, VramEstimate, estimate_vram
 from kubetune.planning.planner import (
     GIB,
     Layout,
@@ -303,7 +303,7 @@ def test_planner_matches_brute_force(case: tuple[FineTuneJobSpec, list[GPUPool]]
             brute_force_plan(s, pool_list, arch, NO_LIVE)
         return
     slow = brute_force_plan(s, pool_list, arch, NO_LIVE)
-    objective, spot = s.resources.objective, s.resources.spot
+    objective, spot = objective_of(s, NO_LIVE), s.resources.spot
     assert rank_key(fast.chosen, objective, spot) == rank_key(slow.chosen, objective, spot)
     assert fast.chosen.layout == slow.chosen.layout
 
@@ -403,11 +403,10 @@ def test_estimates_are_shared_by_pools(monkeypatch: pytest.MonkeyPatch) -> None:
     """The memory estimate depends on the layout, not the pool: planning on four pools with
     the same GPU shape sizes each layout once, as planning on one does."""
     calls: list[object] = []
-    real = planner_module.estimate_vram
 
     def counting(arch: ModelArch, setup: TrainingSetup) -> VramEstimate:
         calls.append(setup)
-        return real(arch, setup)
+        return estimate_vram(arch, setup)
 
     monkeypatch.setattr(planner_module, "estimate_vram", counting)
     s = spec(model={"uri": "meta-llama/Llama-3.1-70B"}, method="auto")
