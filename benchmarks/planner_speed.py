@@ -31,6 +31,7 @@ import datetime as dt
 import gc
 import hashlib
 import json
+import os
 import platform
 import random
 import statistics
@@ -43,7 +44,7 @@ import yaml
 
 from kubetune.api.errors import InfeasibleError
 from kubetune.api.v1alpha1 import FineTuneJob, FineTuneJobSpec, GPUPool
-from kubetune.planning.planner import PlannerSettings, plan_job
+from kubetune.planning.planner import Plan, PlannerSettings, plan_job
 from kubetune.sources import load_arch
 
 HERE = Path(__file__).resolve().parent
@@ -175,24 +176,30 @@ def run_catalog(
     archs = {name: load_arch(s.model.architecture or s.model.uri) for name, s in jobs}
     digest = hashlib.sha256()
     times_ms: list[float] = []
+    cpu_ms: list[float] = []
+    per_job: dict[str, list[float]] = {name: [] for name, _ in jobs}
     infeasible = queued = 0
     for round_ in range(rounds):
         for name, spec in jobs:
+            plan: Plan | None = None
+            cpu_start = time.thread_time()
             start = time.perf_counter()
             try:
                 plan = plan_job(spec, pools, archs[name], settings)
             except InfeasibleError as exc:
-                elapsed = time.perf_counter() - start
-                plan = None
-                text = str(exc)
-            else:
-                elapsed = time.perf_counter() - start
-                text = json.dumps(plan.to_status(pools).to_wire(), sort_keys=True)
+                error = str(exc)
+            elapsed = time.perf_counter() - start
+            cpu_ms.append((time.thread_time() - cpu_start) * 1000)
             times_ms.append(elapsed * 1000)
+            per_job[name].append(elapsed * 1000)
             if round_ == 0:
+                if plan is None:
+                    infeasible += 1
+                    text = error
+                else:
+                    queued += plan.queued
+                    text = json.dumps(plan.to_status(pools).to_wire(), sort_keys=True)
                 digest.update(f"{name}\n{text}\n".encode())
-                infeasible += plan is None
-                queued += plan is not None and plan.queued
     ordered = sorted(times_ms)
     total_s = sum(times_ms) / 1000
     return {
@@ -207,7 +214,10 @@ def run_catalog(
         "max_ms": ordered[-1],
         "mean_ms": statistics.fmean(ordered),
         "plans_per_s": len(times_ms) / total_s,
+        "cpu_p50_ms": percentile(sorted(cpu_ms), 50),
+        "cpu_p99_ms": percentile(sorted(cpu_ms), 99),
         "digest": digest.hexdigest()[:16],
+        "job_median_ms": {name: statistics.median(ms) for name, ms in per_job.items()},
     }
 
 
@@ -219,8 +229,10 @@ def measure(quick: bool, rounds: int | None, count: int | None) -> dict[str, Any
     # Warm-up: imports, the model table, first-call costs; not counted.
     run_catalog(jobs[:5], base, 1)
     gc.collect()
+    load_before = os.getloadavg()[0]
     results = {name: run_catalog(jobs, pools, rounds) for name, pools in catalogs.items()}
     return {
+        "load": f"{load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end",
         "date": dt.date.today().isoformat(),
         "quick": quick,
         "rounds": rounds,
@@ -236,38 +248,58 @@ def fmt(x: float) -> str:
     return f"{x:.1f}" if x < 100 else f"{x:.0f}"
 
 
+def row(name: str, label: str, x: dict[str, Any]) -> str:
+    return (
+        f"| {name} | {x['pools']} | {label} | {fmt(x['p50_ms'])} | {fmt(x['p95_ms'])} | "
+        f"{fmt(x['p99_ms'])} | {fmt(x['max_ms'])} | {x['plans_per_s']:.0f} | "
+        f"{fmt(x['cpu_p50_ms'])} / {fmt(x['cpu_p99_ms'])} | `{x['digest']}` |"
+    )
+
+
 def table(run: dict[str, Any], before: dict[str, Any] | None) -> list[str]:
-    lines = []
-    if before is None:
-        lines += [
-            "| catalog | pools | plans | p50 ms | p95 ms | p99 ms | max ms | plans/s | digest |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
-        ]
-        for name, r in run["catalogs"].items():
-            lines.append(
-                f"| {name} | {r['pools']} | {r['plans']} | {fmt(r['p50_ms'])} | "
-                f"{fmt(r['p95_ms'])} | {fmt(r['p99_ms'])} | {fmt(r['max_ms'])} | "
-                f"{r['plans_per_s']:.0f} | `{r['digest']}` |"
-            )
-        return lines
-    lines += [
-        "| catalog | pools | code | p50 ms | p95 ms | p99 ms | max ms | plans/s | digest |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    lines = [
+        "| catalog | pools | code | p50 ms | p95 ms | p99 ms | max ms | plans/s "
+        "| CPU p50 / p99 ms | digest |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for name, r in run["catalogs"].items():
+        if before is None:
+            lines.append(row(name, "this", r))
+            continue
         b = before["catalogs"][name]
-        for label, x in (("before", b), ("after", r)):
-            lines.append(
-                f"| {name} | {x['pools']} | {label} | {fmt(x['p50_ms'])} | {fmt(x['p95_ms'])} | "
-                f"{fmt(x['p99_ms'])} | {fmt(x['max_ms'])} | {x['plans_per_s']:.0f} | "
-                f"`{x['digest']}` |"
-            )
+        lines += [row(name, "before", b), row(name, "after", r)]
         lines.append(
             f"| {name} | | speed-up | {b['p50_ms'] / r['p50_ms']:.0f}× | "
             f"{b['p95_ms'] / r['p95_ms']:.0f}× | {b['p99_ms'] / r['p99_ms']:.0f}× | "
             f"{b['max_ms'] / r['max_ms']:.0f}× | {r['plans_per_s'] / b['plans_per_s']:.0f}× | "
+            f"{b['cpu_p50_ms'] / r['cpu_p50_ms']:.0f}× / "
+            f"{b['cpu_p99_ms'] / r['cpu_p99_ms']:.0f}× | "
             f"{'same plans' if b['digest'] == r['digest'] else 'PLANS DIFFER'} |"
         )
+    return lines
+
+
+def job_table(run: dict[str, Any], before: dict[str, Any] | None) -> list[str]:
+    """The example jobs and the slowest generated ones, median ms per plan."""
+    reference = before or run
+    cols = list(run["catalogs"])
+    slowest = sorted(
+        (n for n in reference["catalogs"][cols[0]]["job_median_ms"] if n.startswith("gen")),
+        key=lambda n: -reference["catalogs"][cols[0]]["job_median_ms"][n],
+    )[:3]
+    names = [n for n in run["catalogs"][cols[0]]["job_median_ms"] if n.startswith("ex")]
+    head = " | ".join(f"{c} before | {c} after" if before else f"{c} ms" for c in cols)
+    lines = [
+        f"| job (median ms per plan) | {head} |",
+        "| --- |" + " ---: |" * (len(cols) * (2 if before else 1)),
+    ]
+    for name in names + slowest:
+        cells = []
+        for c in cols:
+            if before:
+                cells.append(fmt(before["catalogs"][c]["job_median_ms"][name]))
+            cells.append(fmt(run["catalogs"][c]["job_median_ms"][name]))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -278,7 +310,8 @@ def report(run: dict[str, Any], before: dict[str, Any] | None, command: str) -> 
         "",
         f"Made by `{command}`.",
         "",
-        f"- Machine: {run['machine']}, one process, 2 cores shared with other work",
+        f"- Machine: {run['machine']}, one process; 1-minute load average "
+        f"{run['load']}" + (f" (before: {before['load']})" if before else ""),
         f"- {any_catalog['jobs']} jobs (the FineTuneJobs in examples/ and generated variants), "
         f"each planned {run['rounds']}× per catalog; time of one `plan_job` call, "
         "architecture already loaded",
@@ -288,6 +321,12 @@ def report(run: dict[str, Any], before: dict[str, Any] | None, command: str) -> 
         "digests mean the same plans",
         "",
         *table(run, before),
+        "",
+        "The jobs of examples/ and the slowest generated ones"
+        + (" (slowest before)" if before else "")
+        + ":",
+        "",
+        *job_table(run, before),
         "",
     ]
     for name, r in run["catalogs"].items():
