@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -10,14 +13,19 @@ from hypothesis import strategies as st
 
 from kubetune.api.errors import InfeasibleError
 from kubetune.api.v1alpha1 import FineTuneJobSpec, GPUPool
+from kubetune.planning import planner as planner_module
+from kubetune.planning.arch import ModelArch
 from kubetune.planning.catalog import default_pools
+from kubetune.planning.estimator import TrainingSetup, VramEstimate, estimate_vram
 from kubetune.planning.planner import (
     GIB,
+    Layout,
     Limit,
     Plan,
     PlannerSettings,
     Rejection,
     brute_force_plan,
+    objective_of,
     plan_job,
     rank_key,
     replan_settings_after_oom,
@@ -208,6 +216,38 @@ SMALL_MODELS = [
 ]
 
 
+def twin(pool: GPUPool, price_factor: float, network_gbps: float | None = None) -> GPUPool:
+    """The same GPUs under another name: shared estimates (and step times, on the same
+    network), and ties when the price is the same."""
+    doc = pool.to_wire()
+    doc["metadata"] = {"name": f"{pool.name}-twin"}
+    doc["spec"]["pricePerGPUHour"] = pool.spec.price_per_gpu_hour * price_factor
+    if network_gbps is not None:
+        doc["spec"]["networkGbps"] = network_gbps
+    return GPUPool.model_validate(doc)
+
+
+def with_free_gpus(pool: GPUPool, free_per_node: list[int]) -> GPUPool:
+    """`pool` with live status: nodes holding `free_per_node` free GPUs each."""
+    doc = pool.to_wire()
+    doc["status"] = {
+        "nodes": len(free_per_node),
+        "allocatableGPUs": len(free_per_node) * pool.spec.gpus_per_node,
+        "freeGPUs": sum(free_per_node),
+        "freeGPUsPerNode": free_per_node,
+        "updatedAt": "2026-01-01T00:00:00Z",
+    }
+    return GPUPool.model_validate(doc)
+
+
+TWINS = [
+    twin(pools("l40s")[0], 1.0),
+    twin(pools("a100-80gb")[0], 0.9, 25),
+    twin(pools("h100")[0], 0.8),
+]
+CANDIDATE_POOLS = POOLS + TWINS
+
+
 @st.composite
 def jobs(draw: st.DrawFn) -> tuple[FineTuneJobSpec, list[GPUPool]]:
     model = draw(st.sampled_from(SMALL_MODELS))
@@ -219,6 +259,7 @@ def jobs(draw: st.DrawFn) -> tuple[FineTuneJobSpec, list[GPUPool]]:
             "sequenceLength": draw(st.sampled_from([512, 2048, 8192])),
             "globalBatchSize": draw(st.sampled_from([8, 16, 48, 64])),
             "gradientCheckpointing": draw(st.sampled_from([None, True, False])),
+            "microBatchSize": draw(st.sampled_from([None, None, None, 1, 4])),
         },
         "resources": {
             "objective": draw(st.sampled_from(["cost", "time"])),
@@ -233,9 +274,21 @@ def jobs(draw: st.DrawFn) -> tuple[FineTuneJobSpec, list[GPUPool]]:
     if method == "full":
         over["lora"] = None
     chosen = draw(
-        st.lists(st.sampled_from(POOLS), min_size=1, max_size=4, unique_by=lambda p: p.name)
+        st.lists(
+            st.sampled_from(CANDIDATE_POOLS), min_size=1, max_size=5, unique_by=lambda p: p.name
+        )
     )
     return spec(**over), chosen
+
+
+@st.composite
+def live_pools(draw: st.DrawFn, pool_list: list[GPUPool]) -> list[GPUPool]:
+    """Some pools busy: layouts beyond their free GPUs are planned as queued."""
+    out = []
+    for pool in pool_list:
+        busy = draw(st.sampled_from([None, [0], [8, 0], [4, 2, 1], [8, 8, 8, 8]]))
+        out.append(pool if busy is None else with_free_gpus(pool, busy))
+    return out
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -250,6 +303,139 @@ def test_planner_matches_brute_force(case: tuple[FineTuneJobSpec, list[GPUPool]]
             brute_force_plan(s, pool_list, arch, NO_LIVE)
         return
     slow = brute_force_plan(s, pool_list, arch, NO_LIVE)
-    objective, spot = s.resources.objective, s.resources.spot
+    objective, spot = objective_of(s, NO_LIVE), s.resources.spot
     assert rank_key(fast.chosen, objective, spot) == rank_key(slow.chosen, objective, spot)
     assert fast.chosen.layout == slow.chosen.layout
+
+
+def plan_or_error(plan: Callable[[], Plan]) -> Plan | str:
+    try:
+        return plan()
+    except InfeasibleError as exc:
+        return str(exc)
+
+
+def assert_same_as_reference(
+    s: FineTuneJobSpec, pool_list: list[GPUPool], settings_: PlannerSettings
+) -> Plan | str:
+    """plan_job's whole answer (alternatives, rejections, error text) is the reference walk's,
+    and its choice is the exhaustive search's."""
+    arch = load_arch(s.model.uri)
+    fast = plan_or_error(lambda: plan_job(s, pool_list, arch, settings_))
+    walk = plan_or_error(lambda: brute_force_plan(s, pool_list, arch, settings_, exhaustive=False))
+    assert fast == walk
+    if isinstance(fast, Plan) and isinstance(walk, Plan):
+        assert fast.to_status(pool_list) == walk.to_status(pool_list)
+        slow = brute_force_plan(s, pool_list, arch, settings_)
+        objective = objective_of(s, settings_)
+        assert rank_key(fast.chosen, objective, s.resources.spot) == rank_key(
+            slow.chosen, objective, s.resources.spot
+        )
+    return fast
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_planner_equals_the_unoptimised_walk(data: st.DataObject) -> None:
+    """Shared estimates and lazy pricing change nothing: with live capacity (queued
+    layouts), twins of a pool (ties, shared step times), an OOM re-plan's forbidden layouts
+    and memory scale, and a higher GPU floor."""
+    s, pool_list = data.draw(jobs())
+    pool_list = data.draw(live_pools(pool_list))
+    live = PlannerSettings(default_objective=data.draw(st.sampled_from(["cost", "time"])))
+    first = assert_same_as_reference(s, pool_list, live)
+    if not isinstance(first, Plan):
+        return
+    status = first.to_status(pool_list)
+    replan = replan_settings_after_oom(status, live, measured_peak_gib=None)
+    # Forbid the runners-up too, as later OOMs would.
+    forbid = replan.forbid | {
+        Layout(a.pool, a.method, a.total_gpus, m, ck)
+        for a in first.alternatives
+        for m in (1, 2, 4, 8)
+        for ck in (False, True)
+    }
+    for settings_ in (
+        replan,
+        replace(replan, forbid=forbid),
+        replace(live, min_total_gpus=max(2, first.chosen.total_gpus * 2)),
+    ):
+        assert_same_as_reference(s, pool_list, settings_)
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {},
+        {"resources": {"deadline": "2h"}},
+        {"resources": {"maxCostUSD": 3}},
+        {"resources": {"gpus": 8, "objective": "time"}},
+        {"resources": {"gpus": 16}},
+        {"method": "auto", "resources": {"spot": "preferred"}},
+        {"model": {"uri": "meta-llama/Llama-3.1-70B"}, "method": "full", "lora": None},
+        {"model": {"uri": "meta-llama/Llama-3.1-405B"}, "method": "full", "lora": None},
+        {"training": {"microBatchSize": 3}},
+    ],
+    ids=[
+        "plain",
+        "deadline",
+        "budget",
+        "fixed-gpus",
+        "two-nodes",
+        "auto-spot",
+        "full-70b",
+        "nowhere",
+        "batch",
+    ],
+)
+def test_whole_catalog_equals_the_unoptimised_walk(over: dict[str, Any]) -> None:
+    """Every pool of the catalog and its twins, live capacity off and on (nothing free on
+    any pool: everything that fits is queued)."""
+    pool_list = CANDIDATE_POOLS
+    busy = [with_free_gpus(p, [0] * p.spec.max_nodes) for p in pool_list]
+    for pools_, settings_ in ((pool_list, NO_LIVE), (busy, PlannerSettings())):
+        result = assert_same_as_reference(spec(**over), pools_, settings_)
+        if pools_ is busy and isinstance(result, Plan):
+            assert result.queued
+
+
+def test_estimates_are_shared_by_pools(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The memory estimate depends on the layout, not the pool: planning on four pools with
+    the same GPU shape sizes each layout once, as planning on one does."""
+    calls: list[object] = []
+
+    def counting(arch: ModelArch, setup: TrainingSetup) -> VramEstimate:
+        calls.append(setup)
+        return estimate_vram(arch, setup)
+
+    monkeypatch.setattr(planner_module, "estimate_vram", counting)
+    s = spec(model={"uri": "meta-llama/Llama-3.1-70B"}, method="auto")
+    arch = load_arch(s.model.uri)
+    one = pools("a100-80gb")
+    four = [*pools("a100-80gb", "a100-80gb-spot", "h100"), twin(one[0], 1.1)]
+    plan_job(s, one, arch, NO_LIVE)
+    alone = len(calls)
+    calls.clear()
+    plan_job(s, four, arch, NO_LIVE)
+    assert alone > 1
+    assert len(calls) == len(set(calls)) == alone
+
+
+def test_a_budget_miss_is_not_reported_as_a_slower_configuration_s_deadline() -> None:
+    """The walk of a group stops at the first configuration that fits: when it meets the
+    deadline but not the budget, the pool is rejected for the budget, although slower
+    configurations of the group would miss the deadline."""
+    arch = load_arch("meta-llama/Llama-3.1-8B")
+    l40s = pools("l40s")
+    fastest = plan_job(spec(resources={"gpus": 1}), l40s, arch, NO_LIVE).chosen
+    deadline = f"{math.ceil(fastest.duration_s * 1.02)}s"
+    without_fastest = replace(NO_LIVE, forbid=frozenset({fastest.layout}))
+    with pytest.raises(InfeasibleError, match="over the deadline"):
+        plan_job(spec(resources={"gpus": 1, "deadline": deadline}), l40s, arch, without_fastest)
+    s = spec(resources={"gpus": 1, "deadline": deadline, "maxCostUSD": fastest.cost * 0.9})
+    error = assert_same_as_reference(s, l40s, NO_LIVE)
+    assert isinstance(error, str)
+    assert (
+        f"l40s: cheapest fitting configuration costs ${fastest.cost:,.2f}, over maxCostUSD" in error
+    )
+    assert "deadline" not in error

@@ -23,7 +23,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from functools import cache
+from functools import cache, cached_property
 from typing import Protocol
 
 from kubetune.planning.models_table import MODELS, KnownModel
@@ -241,6 +241,13 @@ class ModelArch:
         sub-modules (Qwen2-MoE's experts and shared expert both have ``gate_proj``); ``path``
         tells them apart.
         """
+        return list(self._linear_layers)
+
+    # The shapes below derive from the frozen fields alone, so each is computed once per
+    # instance: the planner asks for them for every configuration it sizes.
+
+    @cached_property
+    def _linear_layers(self) -> tuple[LinearLayer, ...]:
         lay = _LAYOUTS.get(self.model_type, _LLAMA_LAYOUT)
         h, n = self.hidden_size, self.num_layers
         layers: list[LinearLayer] = []
@@ -311,7 +318,7 @@ class ModelArch:
                     path="lm_head",
                 )
             )
-        return layers
+        return tuple(layers)
 
     def _add_mlp(self, add: _AddFn, lay: _Layout, width: int, count: int, prefix: str) -> None:
         h, b = self.hidden_size, self.mlp_bias
@@ -345,22 +352,22 @@ class ModelArch:
         per_layer = self.norms_per_layer * per_norm + (2 * per_qk if self.qk_norm else 0)
         return self.num_layers * per_layer + per_norm  # + the final norm
 
-    @property
+    @cached_property
     def linear_params(self) -> int:
         """All linears including an untied ``lm_head``."""
         return sum(layer.total_params for layer in self.linear_layers())
 
-    @property
+    @cached_property
     def total_params(self) -> int:
         """Every parameter of the model; MoE models count all experts."""
         return self.embedding_params + self.linear_params + self.norm_params
 
-    @property
+    @cached_property
     def expert_params(self) -> int:
         """Parameters held by routed experts (0 for dense models)."""
         return sum(layer.total_params for layer in self.linear_layers() if layer.per_expert)
 
-    @property
+    @cached_property
     def active_params(self) -> int:
         """Parameters used for one token: MoE models count ``experts_per_token`` experts."""
         if not self.is_moe:
@@ -368,7 +375,7 @@ class ModelArch:
         active_experts = self.expert_params * self.experts_per_token // self.num_experts
         return self.total_params - self.expert_params + active_experts
 
-    @property
+    @cached_property
     def non_embedding_params(self) -> int:
         return self.total_params - self.embedding_params - self.lm_head_params
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 from typing import Literal, get_args
 
 from kubetune.planning.arch import LinearLayer, ModelArch
@@ -328,9 +329,13 @@ def trainable_params(arch: ModelArch, setup: TrainingSetup) -> int:
     _validate(setup)
     if setup.method == "full":
         return arch.total_params
+    return _adapter_params(setup, resolve_lora_targets(arch, setup.lora_targets))
+
+
+def _adapter_params(setup: TrainingSetup, targets: list[LinearLayer]) -> int:
     return sum(
         setup.lora_rank * (layer.in_features + layer.out_features) * layer.count
-        for layer in resolve_lora_targets(arch, setup.lora_targets)
+        for layer in targets
     )
 
 
@@ -353,7 +358,9 @@ class _Params:
     """Weight elements of the largest decoder-block linear."""
 
 
+@lru_cache(maxsize=64)
 def _param_groups(arch: ModelArch) -> _Params:
+    """Derived from the (frozen) architecture alone: computed once per architecture."""
     block = [layer for layer in arch.linear_layers() if layer.name != "lm_head"]
     block_linear = sum(layer.in_features * layer.out_features * layer.count for layer in block)
     final_norm = arch.hidden_size * (2 if arch.norm_bias else 1)
@@ -499,7 +506,7 @@ def estimate_vram(arch: ModelArch, setup: TrainingSetup) -> VramEstimate:
     shard = n if (full_shard or grad_op) else 1
     e = _compute_bytes(setup)
     targets = [] if setup.method == "full" else resolve_lora_targets(arch, setup.lora_targets)
-    trainable = trainable_params(arch, setup)
+    trainable = arch.total_params if setup.method == "full" else _adapter_params(setup, targets)
     a = _trainable_bytes(setup)
     autocast = setup.precision == "amp-bf16" and not (full_shard or grad_op or offload)
 

@@ -10,6 +10,13 @@ Within one (pool, method, GPU layout, sharding) group, configurations are tried 
 fastest to the slowest and the first that fits wins: a larger micro-batch and no
 recomputation are never slower, so nothing better is skipped. `brute_force_plan`
 evaluates every candidate and exists to prove that claim in the property tests.
+
+`plan_job` walks the same groups in the same order, but the memory estimate depends on the
+method and layout only, never on the pool, so it is computed once per layout and shared by
+every pool; a configuration is priced (step time, duration, cost) only once it fits, and step
+times are shared by pools with the same GPU and network. `brute_force_plan(...,
+exhaustive=False)` is that walk without any of this, and the property tests hold `plan_job`
+to it plan for plan (alternatives and rejections included).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from kubetune.planning.arch import ModelArch
 from kubetune.planning.estimator import TrainingSetup, VramEstimate, estimate_vram
 from kubetune.planning.throughput import (
     DatasetSize,
+    StepTime,
     cost_usd,
     dataset_size,
     flops_per_token,
@@ -310,6 +318,11 @@ def _setup(
     )
 
 
+_StepKey = tuple[float, float, float, int, int, Method, Sharding, int, bool]
+"""bf16 TFLOPS, interconnect GB/s, network Gb/s, nodes, GPUs per node, method, sharding,
+micro-batch, checkpointing: everything a step time depends on besides the job."""
+
+
 class _Context:
     """Per-job values every candidate needs, computed once."""
 
@@ -327,6 +340,11 @@ class _Context:
             else None
         )
         self.budget = spec.resources.max_cost_usd
+        # What the fast walk computes once for this job.
+        self._estimates: dict[tuple[Method, int, Sharding, int, bool], VramEstimate] = {}
+        self._orders: dict[tuple[Method, tuple[tuple[int, bool], ...]], list[tuple[int, bool]]] = {}
+        self._step_times: dict[_StepKey, StepTime] = {}
+        self._startup_s = startup_seconds(2.0 * arch.total_params)
 
     def evaluate(
         self,
@@ -392,6 +410,107 @@ class _Context:
 
     def fits(self, c: Candidate) -> bool:
         return c.estimate.per_gpu_bytes * self.settings.safety_factor <= c.gpu_memory_gib * GIB
+
+    # ---- the fast walk: the same numbers as `evaluate`, each computed once per job
+
+    def estimate(
+        self, method: Method, total: int, sharding: Sharding, micro: int, ckpt: bool
+    ) -> VramEstimate:
+        """`evaluate`'s memory estimate; it depends on no pool, so every pool shares it."""
+        key = (method, total, sharding, micro, ckpt)
+        estimate = self._estimates.get(key)
+        if estimate is None:
+            estimate = estimate_vram(
+                self.arch, _setup(self.spec, method, total, sharding, micro, ckpt)
+            )
+            if self.settings.memory_scale != 1.0:
+                estimate = _scaled(estimate, self.settings.memory_scale)
+            self._estimates[key] = estimate
+        return estimate
+
+    def ordered(self, configs: list[tuple[int, bool]], method: Method) -> list[tuple[int, bool]]:
+        key = (method, tuple(configs))
+        order = self._orders.get(key)
+        if order is None:
+            order = self._orders[key] = _ordered(
+                configs, method, self.spec.training.sequence_length
+            )
+        return order
+
+    def candidate(
+        self,
+        pool: GPUPool,
+        method: Method,
+        nodes: int,
+        gpn: int,
+        sharding: Sharding,
+        micro: int,
+        ckpt: bool,
+        estimate: VramEstimate,
+        queued: bool,
+    ) -> Candidate:
+        """What `evaluate` returns for this configuration, given its (shared) estimate."""
+        total = nodes * gpn
+        seq = self.spec.training.sequence_length
+        gpu = pool.spec.gpu
+        step_key = (
+            gpu.bf16_tflops,
+            gpu.interconnect_gbps,
+            pool.spec.network_gbps,
+            nodes,
+            gpn,
+            method,
+            sharding,
+            micro,
+            ckpt,
+        )
+        st = self._step_times.get(step_key)
+        if st is None:
+            weight_bytes = (
+                2.0 * self.arch.total_params if method != "qlora" else 0.56 * self.arch.total_params
+            )
+            grad_bytes = 2.0 * (
+                self.arch.total_params if method == "full" else estimate.trainable_params
+            )
+            st = self._step_times[step_key] = step_time(
+                gpu=gpu,
+                network_gbps=pool.spec.network_gbps,
+                nodes=nodes,
+                gpus_per_node=gpn,
+                method=method,
+                sharding=sharding,
+                flops_token=flops_per_token(
+                    self.arch.active_params,
+                    self.arch.num_layers,
+                    self.arch.hidden_size,
+                    seq,
+                    method,
+                    ckpt,
+                ),
+                tokens_per_step=self.tokens_per_step,
+                micro_batch_tokens=micro * seq,
+                weight_bytes=weight_bytes,
+                grad_bytes=grad_bytes,
+            )
+        duration = self.steps * st.step_s + self._startup_s
+        return Candidate(
+            pool=pool.name,
+            method=method,
+            nodes=nodes,
+            gpus_per_node=gpn,
+            sharding=sharding,
+            micro_batch=micro,
+            grad_accum=self.spec.training.global_batch_size // (micro * total),
+            grad_ckpt=ckpt,
+            estimate=estimate,
+            gpu_memory_gib=gpu.memory_gib,
+            spot=pool.spec.spot,
+            price_per_hour=total * pool.spec.price_per_gpu_hour,
+            tokens_per_second=st.tokens_per_s,
+            duration_s=duration,
+            cost=cost_usd(duration, total, pool.spec.price_per_gpu_hour),
+            queued=queued,
+        )
 
 
 def _scaled(estimate: VramEstimate, scale: float) -> VramEstimate:
@@ -543,9 +662,59 @@ def _hours(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def _search(
+def _search(ctx: _Context, pools: Sequence[GPUPool]) -> tuple[list[Candidate], list[Rejection]]:
+    """`_reference_search(exhaustive=False)`, with shared estimates and lazy pricing.
+
+    Per configuration, in the reference's order: forbidden? fits? Only a configuration that
+    passes both is priced, and the group's walk ends there (accepted, or past the deadline or
+    the budget, which slower configurations of the group would miss too). The report records
+    exactly what the reference's `_consider` records, from the same numbers.
+    """
+    rejected: list[Rejection] = []
+    accepted: list[Candidate] = []
+    forbid = ctx.settings.forbid
+    safety = ctx.settings.safety_factor
+    deadline, budget = ctx.deadline_s, ctx.budget
+    for pool in _eligible_pools(ctx.spec, pools, rejected):
+        report = _PoolReport()
+        before = len(accepted)
+        memory_gib = pool.spec.gpu.memory_gib
+        memory_bytes = memory_gib * GIB
+        for method, nodes, gpn, sharding, configs, capacity in _groups(ctx, pool, report):
+            total = nodes * gpn
+            for micro, ckpt in ctx.ordered(configs, method):
+                if forbid and Layout(pool.name, method, total, micro, ckpt) in forbid:
+                    report.forbidden += 1
+                    continue
+                estimate = ctx.estimate(method, total, sharding, micro, ckpt)
+                if not estimate.per_gpu_bytes * safety <= memory_bytes:
+                    need = estimate.per_gpu_bytes * safety / GIB
+                    if report.smallest_fit_gib is None or need < report.smallest_fit_gib:
+                        report.smallest_fit_gib = need
+                    report.memory_gib = memory_gib
+                    continue
+                c = ctx.candidate(
+                    pool, method, nodes, gpn, sharding, micro, ckpt, estimate, capacity is True
+                )
+                if deadline is not None and c.duration_s > deadline:
+                    if report.fastest_s is None or c.duration_s < report.fastest_s:
+                        report.fastest_s = c.duration_s
+                elif budget is not None and c.cost > budget:
+                    if report.cheapest is None or c.cost < report.cheapest:
+                        report.cheapest = c.cost
+                else:
+                    accepted.append(c)
+                break
+        if len(accepted) == before:
+            rejected.append(_explain(pool.name, report, ctx))
+    return accepted, sorted(rejected, key=lambda r: r.pool)
+
+
+def _reference_search(
     ctx: _Context, pools: Sequence[GPUPool], exhaustive: bool
 ) -> tuple[list[Candidate], list[Rejection]]:
+    """The plain walk: every configuration evaluated from scratch (`exhaustive`: all of
+    them; otherwise each group up to its first acceptable configuration)."""
     rejected: list[Rejection] = []
     accepted: list[Candidate] = []
     for pool in _eligible_pools(ctx.spec, pools, rejected):
@@ -656,7 +825,7 @@ def plan_job(
 ) -> Plan:
     """Choose the best configuration for `spec` or raise InfeasibleError with advice."""
     ctx = _Context(spec, arch, settings or PlannerSettings())
-    accepted, rejected = _search(ctx, pools, exhaustive=False)
+    accepted, rejected = _search(ctx, pools)
     return _finish(ctx, accepted, rejected, alternatives)
 
 
@@ -665,11 +834,16 @@ def brute_force_plan(
     pools: Sequence[GPUPool],
     arch: ModelArch,
     settings: PlannerSettings | None = None,
+    alternatives: int = 3,
+    *,
+    exhaustive: bool = True,
 ) -> Plan:
-    """Evaluate every candidate; the reference the property tests compare against."""
+    """The references the property tests compare `plan_job` against, both unoptimised:
+    every candidate evaluated (`exhaustive`), or `plan_job`'s walk with every candidate it
+    visits evaluated from scratch (no shared estimates, no lazy pricing)."""
     ctx = _Context(spec, arch, settings or PlannerSettings())
-    accepted, rejected = _search(ctx, pools, exhaustive=True)
-    return _finish(ctx, accepted, rejected, alternatives=3)
+    accepted, rejected = _reference_search(ctx, pools, exhaustive=exhaustive)
+    return _finish(ctx, accepted, rejected, alternatives)
 
 
 def replan_settings_after_oom(
