@@ -181,6 +181,7 @@ helm install kubetune charts/kubetune --namespace kubetune-system --create-names
   --set image.pullPolicy=Never \
   --set operator.trainerImage="$TRAINER_IMAGE" --set operator.trainerImagePullPolicy=Never \
   --set operator.pollSeconds=1 --set operator.queueRetrySeconds=2 \
+  --set operator.progressWriteSeconds=1 \
   --set operator.terminationGraceSeconds=60 --set operator.rescheduleSeconds=5 \
   --set operator.trainerCPUPerGPU=250m --set operator.trainerMemoryPerGPU=1Gi
 

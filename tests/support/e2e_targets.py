@@ -72,6 +72,9 @@ NODE_A, NODE_B = "local-0", "local-1"
 OPERATOR_SETTINGS = {
     "KUBETUNE_POLL_SECONDS": "1",
     "KUBETUNE_QUEUE_RETRY_SECONDS": "2",
+    # The scenarios read progress from the status; a production operator writes it once a
+    # minute.
+    "KUBETUNE_PROGRESS_WRITE_SECONDS": "1",
     "KUBETUNE_TERMINATION_GRACE_SECONDS": "60",
     "KUBETUNE_RESCHEDULE_SECONDS": "5",
     "KUBETUNE_TRAINER_IMAGE": "kubetune/trainer:e2e",
