@@ -46,6 +46,7 @@ test: lint
 
 crds: setup
 	$(VENV)/bin/kubetune crds --out crds/
+	$(PY) tests/unit/test_chart.py  # the chart's copies of crds/
 
 demo: setup
 	$(VENV)/bin/kubetune demo

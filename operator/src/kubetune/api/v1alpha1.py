@@ -266,6 +266,15 @@ class ResourceSettings(_Model):
         default="allowed",
         description="Spot/preemptible pools: `never`, `allowed`, or `preferred` (ties go to spot).",
     )
+    priority: int = Field(
+        default=0,
+        ge=-1000,
+        le=1000,
+        description=(
+            "Place in the queue for a pool's GPUs: a higher priority goes first; jobs of equal "
+            "priority go in the order they were created. It never stops a running job."
+        ),
+    )
 
 
 class CheckpointStorage(_Model):

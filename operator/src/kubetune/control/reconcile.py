@@ -68,6 +68,19 @@ Manifest = dict[str, Any]
 ArchLoader = Callable[[str], ModelArch]
 PlanFn = Callable[[FineTuneJobSpec, Sequence[GPUPool], ModelArch, PlannerSettings], Plan]
 """`planner.plan_job`, or a stand-in with its signature (the operator passes a cached one)."""
+AdmitFn = Callable[[PlanStatus, bool], str | None]
+"""Asked before a new plan launches, with the plan and whether the planner found it must
+wait for capacity: None launches it, a message queues the job with that message. The
+operator passes its queue (controller/runtime.py); `wait_when_busy` is the default."""
+
+
+def wait_when_busy(plan: PlanStatus, queued: bool) -> str | None:
+    """Launch whenever the planner found room; no queue order."""
+    if not queued:
+        return None
+    return (
+        f"waiting for {plan.total_gpus} free GPU(s) in pool {plan.pool}; re-planning periodically"
+    )
 
 
 @dataclass(frozen=True)
@@ -148,12 +161,13 @@ def reconcile(
     now: datetime,
     load_arch: ArchLoader,
     plan: PlanFn = plan_job,
+    admit: AdmitFn = wait_when_busy,
 ) -> Decision:
     status = (job.status or FineTuneJobStatus()).model_copy(deep=True)
     generation = job.metadata.get("generation")
     status.observed_generation = generation
     decision = Decision(status=status)
-    _Reconciler(job, observed, settings, now, load_arch, decision, generation, plan).run()
+    _Reconciler(job, observed, settings, now, load_arch, decision, generation, plan, admit).run()
     return decision
 
 
@@ -170,6 +184,7 @@ class _Reconciler:
         decision: Decision,
         generation: int | None,
         plan: PlanFn = plan_job,
+        admit: AdmitFn = wait_when_busy,
     ) -> None:
         self.job = job
         self.spec = job.spec
@@ -178,6 +193,7 @@ class _Reconciler:
         self.now = now
         self.load_arch = load_arch
         self.plan_job = plan
+        self.admit = admit
         self.d = decision
         self.s = decision.status
         self.go = Transitions(decision.status, now, generation)
@@ -298,11 +314,8 @@ class _Reconciler:
         if new is None:
             return
         self.s.plan = new.status
-        if new.queued:
-            message = (
-                f"waiting for {new.status.total_gpus} free GPU(s) in pool {new.status.pool}; "
-                "re-planning periodically"
-            )
+        message = self.admit(new.status, new.queued)
+        if message is not None:
             if not is_true(self.s.conditions, ConditionType.QUEUED):
                 self.d.event(Reason.INSUFFICIENT_CAPACITY, message)
             self.go.queue(message)

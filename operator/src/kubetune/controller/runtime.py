@@ -33,10 +33,17 @@ from typing import Any, Protocol
 from lightkube.core.exceptions import ApiError
 from pydantic import ValidationError
 
-from kubetune.api.v1alpha1 import FineTuneJob, FineTuneJobSpec, FineTuneJobStatus, GPUPool
+from kubetune.api.v1alpha1 import (
+    FineTuneJob,
+    FineTuneJobSpec,
+    FineTuneJobStatus,
+    GPUPool,
+    PlanStatus,
+)
 from kubetune.api.vocabulary import TERMINAL_PHASES, EventType, Phase, PoolConditionType, Reason
 from kubetune.control.conditions import now_rfc3339
 from kubetune.control.lifecycle import failed
+from kubetune.control.queue import Ticket, ahead_of, free_after, why_wait
 from kubetune.control.reconcile import ControllerSettings, Decision, reconcile
 from kubetune.controller import metrics
 from kubetune.controller.cache import Caches, JobKey, job_key, job_key_of, parse_pool, with_capacity
@@ -124,14 +131,14 @@ class PlanMemo:
         self.hits = 0
         self.misses = 0
 
-    def planner(self, uid: str, generation: Any, capacity_version: int) -> Callable[..., Plan]:
+    def planner(self, uid: str, generation: Any, view_version: Any) -> Callable[..., Plan]:
         def plan(
             spec: FineTuneJobSpec,
             pools: Sequence[GPUPool],
             arch: ModelArch,
             settings: PlannerSettings,
         ) -> Plan:
-            key = (generation, capacity_version, tuple(p.name for p in pools), arch, settings)
+            key = (generation, view_version, tuple(p.name for p in pools), arch, settings)
             with self._lock:
                 last = self._last.get(uid)
             if last is not None and last[0] == key:
@@ -155,6 +162,65 @@ class PlanMemo:
     def forget(self, uid: str) -> None:
         with self._lock:
             self._last.pop(uid, None)
+
+
+class GpuQueue:
+    """The queue for GPUs (control/queue.py has the rules), shared by every job's loop.
+
+    `waiting` holds the jobs that wait for a pool; `reserved` the jobs admitted whose pods
+    are not all bound to nodes yet: their GPUs count as taken until the pods hold them.
+    Loops call in from worker threads, hence the lock.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.waiting: dict[JobKey, Ticket] = {}
+        self.reserved: dict[JobKey, tuple[Ticket, float]] = {}
+        self.version = 0
+        """Changes whenever reservations change (part of what a plan depends on)."""
+
+    def admit(
+        self, key: JobKey, ticket: Ticket, free_per_node: Sequence[int], queued: bool
+    ) -> str | None:
+        """None: launch now (GPUs reserved); otherwise the job waits, and why."""
+        with self._lock:
+            if queued:
+                self.waiting[key] = ticket
+                position = len(ahead_of(ticket, self.waiting.values())) + 1
+                return (
+                    f"position {position} in the queue of pool {ticket.pool}: waiting for "
+                    f"{ticket.gpus} free GPU(s); re-planning as capacity changes"
+                )
+            others = [
+                t for k, (t, _) in self.reserved.items() if k != key and t.pool == ticket.pool
+            ]
+            why = why_wait(ticket, self.waiting.values(), free_after(free_per_node, others))
+            if why is None:
+                self.waiting.pop(key, None)
+                self.reserved[key] = (ticket, time.monotonic())
+                self.version += 1
+            else:
+                self.waiting[key] = ticket
+            return why
+
+    def reserved_in(self, pool: str) -> list[Ticket]:
+        with self._lock:
+            return [t for t, _ in self.reserved.values() if t.pool == pool]
+
+    def release(self, key: JobKey) -> bool:
+        with self._lock:
+            if self.reserved.pop(key, None) is None:
+                return False
+            self.version += 1
+            return True
+
+    def reservation(self, key: JobKey) -> tuple[Ticket, float] | None:
+        with self._lock:
+            return self.reserved.get(key)
+
+    def stop_waiting(self, key: JobKey) -> None:
+        with self._lock:
+            self.waiting.pop(key, None)
 
 
 # ---------------------------------------------------------------------- per-job state
@@ -198,10 +264,11 @@ class Runtime:
         self.caches: Caches | None = None
         self.jobs: dict[JobKey, _JobState] = {}
         self.queued: set[JobKey] = set()
+        self.queue = GpuQueue()
         self.pool_wakers: dict[str, asyncio.Event] = {}
         self.pool_generations: dict[str, Any] = {}
         self.capacity_version = 0
-        self._pools: tuple[int, list[GPUPool]] | None = None
+        self._pools: tuple[Any, list[GPUPool], dict[str, list[int]]] | None = None
         self._wake_pending = False
         self.last_success = time.monotonic()
 
@@ -231,21 +298,33 @@ class Runtime:
         if state is not None:
             state.wake.set()
 
-    def live_pools(self) -> list[GPUPool]:
-        """Valid pools with their status replaced by capacity computed from the caches."""
+    @property
+    def view_version(self) -> tuple[int, int]:
+        """Changes whenever what the planner sees changes: capacity or reservations."""
+        return (self.capacity_version, self.queue.version)
+
+    def live_pools(self) -> tuple[list[GPUPool], dict[str, list[int]]]:
+        """Valid pools with their status replaced by live capacity, less the GPUs reserved
+        for admitted jobs (what the planner sees), and each pool's free GPUs per node
+        before reservations (what admission starts from)."""
         assert self.caches is not None
         cached = self._pools
-        if cached is not None and cached[0] == self.capacity_version:
-            return cached[1]
-        version = self.capacity_version
+        version = self.view_version
+        if cached is not None and cached[0] == version:
+            return cached[1], cached[2]
         pools = self.caches.valid_pools()
         capacity = self.caches.capacities(pools)
-        live = [
-            with_capacity(pool, capacity[pool.name], pool.metadata.get("generation"))
-            for pool in pools
-        ]
-        self._pools = (version, live)
-        return live
+        live = []
+        for pool in pools:
+            numbers = dict(capacity[pool.name])
+            reserved = self.queue.reserved_in(pool.name)
+            if reserved:
+                free = free_after(numbers["freeGPUsPerNode"], reserved)
+                numbers.update(freeGPUsPerNode=free, freeGPUs=sum(free))
+            live.append(with_capacity(pool, numbers, pool.metadata.get("generation")))
+        raw = {name: list(c["freeGPUsPerNode"]) for name, c in capacity.items()}
+        self._pools = (version, live, raw)
+        return live, raw
 
     # ------------------------------------------------------------------ job loops
 
@@ -265,6 +344,9 @@ class Runtime:
             if self.jobs.get(key) is state:
                 del self.jobs[key]
             self.queued.discard(key)
+            self.queue.stop_waiting(key)
+            if self.queue.release(key):
+                self.capacity_changed()
             self.plans.forget(str(meta.get("uid")))
 
     async def _sleep(self, state: _JobState, stopped: Stopped, delay: float | None) -> None:
@@ -336,8 +418,9 @@ class Runtime:
             await self._write_status(namespace, name, state, old_status or {}, status, body)
             metrics.observe_job(raw, status.to_wire())
             return None
-        capacity_version = self.capacity_version
-        observed = self.caches.observe(job, self.live_pools())
+        version = self.view_version
+        pools, free = self.live_pools()
+        observed = self.caches.observe(job, pools)
         if job.status and job.status.phase == Phase.RUNNING and observed.pods:
             async with self.scrapes:
                 scraped = await self.kube.trainer_metrics(observed.pods)
@@ -349,7 +432,8 @@ class Runtime:
             self.settings,
             now=now,
             load_arch=self.arch,
-            plan=self.plans.planner(str(meta.get("uid")), meta.get("generation"), capacity_version),
+            plan=self.plans.planner(str(meta.get("uid")), meta.get("generation"), version),
+            admit=partial(self._admit, key, job, free),
         )
         decision: Decision = await asyncio.get_running_loop().run_in_executor(self.executor, decide)
         await self._carry_out(job, state, decision, body, now)
@@ -360,11 +444,47 @@ class Runtime:
             self.queued.add(key)
         else:
             self.queued.discard(key)
+            self.queue.stop_waiting(key)
+        self._release_when_bound(key, phase, observed.pods)
         finished = phase in TERMINAL_PHASES
         metrics.reconciled(namespace, name, None if finished else time.time())
         if decision.requeue_after is not None:
             return decision.requeue_after
         return None if finished else self.settings.resync_seconds
+
+    def _admit(
+        self,
+        key: JobKey,
+        job: FineTuneJob,
+        free: Mapping[str, list[int]],
+        plan: PlanStatus,
+        queued: bool,
+    ) -> str | None:
+        ticket = Ticket(
+            namespace=key[0],
+            name=str(job.metadata.get("name")),
+            priority=job.spec.resources.priority,
+            created=str(job.metadata.get("creationTimestamp") or ""),
+            pool=plan.pool,
+            nodes=plan.nodes,
+            gpus_per_node=plan.gpus_per_node,
+        )
+        return self.queue.admit(key, ticket, free.get(plan.pool, []), queued)
+
+    def _release_when_bound(
+        self, key: JobKey, phase: Phase, pods: Sequence[Mapping[str, Any]]
+    ) -> None:
+        """Give back a reservation once the job's pods hold their GPUs (or it stopped, or
+        its pods found no node for longer than the reschedule time)."""
+        held = self.queue.reservation(key)
+        if held is None:
+            return
+        ticket, since = held
+        bound = sum(1 for pod in pods if (pod.get("spec") or {}).get("nodeName"))
+        stale = time.monotonic() - since > self.settings.reschedule_seconds
+        if phase != Phase.RUNNING or bound >= ticket.nodes or stale:
+            self.queue.release(key)
+            self.capacity_changed()
 
     async def _carry_out(
         self,

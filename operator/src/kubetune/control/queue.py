@@ -1,0 +1,85 @@
+"""Who gets a pool's free GPUs next (pure).
+
+Jobs that wait for GPUs queue per pool, in a stated order: higher `spec.resources.priority`
+first, then earlier creation, then namespace and name. A job may launch only when no job
+ahead of it waits for the same pool (no overtaking, so a large job is never starved by a
+stream of small ones) and when its layout fits in the pool's free GPUs after the GPUs
+reserved for jobs that were admitted but whose pods are not bound to nodes yet. The
+reservation is what keeps two jobs from launching into the same free GPUs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """A job's place in the queue of one pool, for one layout."""
+
+    namespace: str
+    name: str
+    priority: int
+    created: str
+    """creationTimestamp (RFC 3339 in UTC, so it sorts as text)."""
+    pool: str
+    nodes: int
+    gpus_per_node: int
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.namespace, self.name)
+
+    def order(self) -> tuple[int, str, str, str]:
+        return (-self.priority, self.created, self.namespace, self.name)
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+def free_after(per_node_free: Sequence[int], reserved: Iterable[Ticket]) -> list[int]:
+    """Free GPUs per node once each reservation took its nodes (best fit: the node with
+    the fewest free GPUs that still holds one of its pods)."""
+    free = list(per_node_free)
+    for ticket in reserved:
+        for _ in range(ticket.nodes):
+            fitting = [i for i, f in enumerate(free) if f >= ticket.gpus_per_node]
+            if not fitting:
+                break
+            i = min(fitting, key=lambda i: free[i])
+            free[i] -= ticket.gpus_per_node
+    return free
+
+
+def fits(free: Sequence[int], nodes: int, gpus_per_node: int) -> bool:
+    return sum(1 for f in free if f >= gpus_per_node) >= nodes
+
+
+def ahead_of(ticket: Ticket, waiting: Iterable[Ticket]) -> list[Ticket]:
+    """The jobs waiting for the same pool that go before `ticket`, in queue order."""
+    return sorted(
+        (
+            t
+            for t in waiting
+            if t.pool == ticket.pool and t.key != ticket.key and t.order() < ticket.order()
+        ),
+        key=Ticket.order,
+    )
+
+
+def why_wait(ticket: Ticket, waiting: Iterable[Ticket], free: Sequence[int]) -> str | None:
+    """None when the job may launch now; otherwise what it waits for, with its position."""
+    ahead = ahead_of(ticket, waiting)
+    if ahead:
+        return (
+            f"position {len(ahead) + 1} in the queue of pool {ticket.pool}: "
+            f"{len(ahead)} job(s) ahead (higher priority, or created earlier) go first"
+        )
+    if not fits(free, ticket.nodes, ticket.gpus_per_node):
+        return (
+            f"position 1 in the queue of pool {ticket.pool}: waiting for {ticket.gpus} free "
+            f"GPU(s) ({ticket.nodes} node(s) with {ticket.gpus_per_node} free each)"
+        )
+    return None

@@ -1,0 +1,89 @@
+"""The queue for GPUs: order, no overtaking, reservations (control/queue.py) and the
+operator's shared queue (controller/runtime.GpuQueue)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kubetune.control.queue import Ticket, ahead_of, fits, free_after, why_wait
+from kubetune.controller.runtime import GpuQueue
+
+pytestmark = pytest.mark.unit
+
+
+def ticket(
+    name: str, *, priority: int = 0, created: str = "2026-11-24T00:00:00Z", gpus: int = 1,
+    nodes: int = 1, pool: str = "a100", namespace: str = "team-a",
+) -> Ticket:  # fmt: skip
+    return Ticket(namespace, name, priority, created, pool, nodes, gpus)
+
+
+def test_order_is_priority_then_creation_then_name() -> None:
+    waiting = [
+        ticket("late", created="2026-11-24T00:00:05Z"),
+        ticket("urgent", priority=10, created="2026-11-24T00:00:09Z"),
+        ticket("b"),
+        ticket("a"),
+        ticket("other-pool", pool="h100", created="2026-11-23T00:00:00Z"),
+    ]
+    me = ticket("me", created="2026-11-24T00:00:07Z")
+
+    assert [t.name for t in ahead_of(me, waiting)] == ["urgent", "a", "b", "late"]
+
+
+def test_a_job_never_overtakes_one_ahead_of_it() -> None:
+    big = ticket("big", gpus=8, created="2026-11-24T00:00:00Z")
+    small = ticket("small", gpus=1, created="2026-11-24T00:00:01Z")
+
+    # Room for the small one only: it still waits behind the big one.
+    why = why_wait(small, [big, small], free=[4])
+
+    assert why is not None and why.startswith("position 2 in the queue of pool a100")
+    assert why_wait(big, [big, small], free=[4]) == (
+        "position 1 in the queue of pool a100: waiting for 8 free GPU(s) "
+        "(1 node(s) with 8 free each)"
+    )
+    assert why_wait(big, [big, small], free=[8]) is None
+
+
+def test_reservations_take_the_best_fitting_nodes() -> None:
+    reserved = [ticket("r1", gpus=2), ticket("r2", gpus=4, nodes=2)]
+
+    assert free_after([8, 4, 2], reserved) == [4, 0, 0]
+    assert free_after([8], [ticket("r", gpus=4, nodes=3)]) == [0]  # no room left: stops
+    assert fits([4, 0, 0], nodes=1, gpus_per_node=4)
+    assert not fits([4, 0, 0], nodes=2, gpus_per_node=1)
+
+
+def test_two_jobs_never_launch_into_the_same_free_gpus() -> None:
+    queue = GpuQueue()
+    first, second = (
+        ticket("first", gpus=8),
+        ticket("second", gpus=8, created="2026-11-24T00:01:00Z"),
+    )
+
+    # Both looked at the same free node (8 GPUs) before either launched.
+    assert queue.admit(("team-a", "first"), first, [8], queued=False) is None
+    why = queue.admit(("team-a", "second"), second, [8], queued=False)
+
+    assert why is not None and "waiting for 8 free GPU(s)" in why
+    assert queue.reserved_in("a100") == [first]
+    # The first one's pods hold the GPUs now: the capacity says 0 free, the reservation goes.
+    assert queue.release(("team-a", "first"))
+    assert queue.admit(("team-a", "second"), second, [0], queued=False) is not None
+    assert queue.admit(("team-a", "second"), second, [8], queued=False) is None
+
+
+def test_jobs_the_planner_queued_hold_their_place() -> None:
+    queue = GpuQueue()
+    old = ticket("old", gpus=8)
+    new = ticket("new", gpus=1, created="2026-11-24T00:05:00Z")
+
+    why_old = queue.admit(("team-a", "old"), old, [0], queued=True)
+    why_new = queue.admit(("team-a", "new"), new, [1], queued=False)
+
+    assert why_old is not None and why_old.startswith("position 1 in the queue of pool a100")
+    assert why_new is not None and why_new.startswith("position 2 in the queue of pool a100")
+    queue.stop_waiting(("team-a", "old"))  # e.g. deleted, or moved to another pool
+    assert queue.admit(("team-a", "new"), new, [1], queued=False) is None
+    assert queue.version == 1
