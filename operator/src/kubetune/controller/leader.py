@@ -408,7 +408,7 @@ class LeaseElector:
                         return True
             except Exception as exc:  # the API server may be away for a while
                 self._warn(exc)
-            if self.holder != last_holder:
+            if self.holder and self.holder != last_holder:
                 last_holder = self.holder
                 log.info("the lease %s is held by %s; standing by", self._where, self.holder)
             await _sleep_or_stop(self.settings.retry_period_s, stop)
