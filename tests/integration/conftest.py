@@ -93,8 +93,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
         local: LocalCluster = item.funcargs.get("local_cluster") or item._request.getfixturevalue(
             "local_cluster"
         )  # type: ignore[attr-defined]
+        replicas = sorted(p.stem for p in local.logs.glob("operator-*.log"))
         for name in (
             "operator",
+            *replicas,
             "kube-controller-manager",
             "kube-scheduler",
             "kwok",

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
+from kubetune.controller.leader import leader_settings_from_env
 from kubetune_dev.binaries import Binaries
 from support.helm import Helm
 
@@ -60,7 +61,19 @@ def env_of(docs: list[dict]) -> dict[str, str]:
 
 def args_of(docs: list[dict]) -> list[str]:
     (deploy,) = find(docs, "Deployment")
-    return list(deploy["spec"]["template"]["spec"]["containers"][0]["args"])
+    container = deploy["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["kubetune"] and container["args"][0] == "operator"
+    return list(container["args"])
+
+
+def field_refs(docs: list[dict]) -> dict[str, str]:
+    (deploy,) = find(docs, "Deployment")
+    container = deploy["spec"]["template"]["spec"]["containers"][0]
+    return {
+        e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"]
+        for e in container["env"]
+        if "fieldRef" in e.get("valueFrom", {})
+    }
 
 
 def rules(docs: list[dict]) -> Iterator[tuple[dict, dict]]:
@@ -125,7 +138,7 @@ def test_default_render_is_a_standalone_cluster_wide_operator(helm: Helm) -> Non
         "ServiceAccount",
     ]
     args = args_of(docs)
-    assert "--standalone" in args and "--all-namespaces" in args
+    assert not [a for a in args if a.startswith("--namespace")]  # all namespaces
     assert "--liveness=http://0.0.0.0:8080/healthz" in args
     (deploy,) = find(docs, "Deployment")
     pod = deploy["spec"]["template"]["spec"]
@@ -134,9 +147,11 @@ def test_default_render_is_a_standalone_cluster_wide_operator(helm: Helm) -> Non
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     assert pod["securityContext"]["runAsNonRoot"] is True
-    assert deploy["spec"]["strategy"]["type"] == "Recreate"
+    assert deploy["spec"]["strategy"] == {"type": "Recreate"}
     assert container["image"] == "kubetune/operator:0.1.0"
     env = env_of(docs)
+    assert env["KUBETUNE_LEADER_ELECTION"] == "false"
+    assert field_refs(docs) == {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
     assert env["KUBETUNE_SAFETY_FACTOR"] == "1.1"
     assert env["KUBETUNE_DEFAULT_OBJECTIVE"] == "cost"
     assert env["KUBETUNE_METRICS_PORT"] == "8000"
@@ -146,42 +161,52 @@ def test_default_render_is_a_standalone_cluster_wide_operator(helm: Helm) -> Non
 
 
 def test_every_operator_setting_reaches_the_container(helm: Helm) -> None:
-    """Each KUBETUNE_* variable the operator reads is set by the chart."""
-    text = (ROOT / "operator/src/kubetune/controller/settings.py").read_text()
-    read = set(re.findall(r"KUBETUNE_[A-Z_]+", text))
-    assert read, "no settings found"
-    assert read <= set(env_of(render(helm)))
+    """Each KUBETUNE_* variable the operator reads is set by the chart.
+
+    The Lease's namespace is the release's: the operator reads it from POD_NAMESPACE.
+    """
+    controller = ROOT / "operator/src/kubetune/controller"
+    for module, unset in (("settings.py", set()), ("leader.py", {"KUBETUNE_LEASE_NAMESPACE"})):
+        read = set(re.findall(r"KUBETUNE_[A-Z_]+", (controller / module).read_text()))
+        assert read, f"no settings found in {module}"
+        assert read - unset <= set(env_of(render(helm))), module
 
 
 def test_non_default_values(helm: Helm, tmp_path: Path) -> None:
     docs = render(helm, values=ALL_ON, tmp=tmp_path)
     args = args_of(docs)
-    assert "--peering=kubetune" in args and "--standalone" not in args
     assert "--namespace=team-a" in args and "--namespace=team-b" in args
-    assert "--all-namespaces" not in args and "--verbose" in args
+    assert "--verbose" in args
     (deploy,) = find(docs, "Deployment")
-    assert deploy["spec"]["replicas"] == 2 and "strategy" not in deploy["spec"]
+    assert deploy["spec"]["replicas"] == 2
+    assert deploy["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
     env = env_of(docs)
+    assert env["KUBETUNE_LEADER_ELECTION"] == "true"
+    assert env["KUBETUNE_LEASE_NAME"] == "rel-kubetune"
     assert env["KUBETUNE_CHECKPOINT_STORAGE_CLASS"] == "fast-rwx"
     assert env["KUBETUNE_SAFETY_FACTOR"] == "1.2"
     assert env["KUBETUNE_DEFAULT_OBJECTIVE"] == "time"
     assert env["KUBETUNE_TRAINER_CPU_PER_GPU"] == "1500m"
     assert env["KUBETUNE_TRAINER_MEMORY_PER_GPU"] == "2Gi"
     assert env["EXTRA"] == "1"
-    # Namespaced RBAC: a Role + RoleBinding per watched namespace, a small ClusterRole.
-    roles = find(docs, "Role")
+    # Namespaced RBAC: a Role + RoleBinding per watched namespace, a small ClusterRole,
+    # and the leader election's Role in the release namespace.
+    roles = find(docs, "Role", "rel-kubetune")
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
-    assert len(find(docs, "RoleBinding")) == 2
+    assert len(find(docs, "RoleBinding", "rel-kubetune")) == 2
+    (lease_role,) = find(docs, "Role", "rel-kubetune-leader-election")
+    assert lease_role["metadata"]["namespace"] == "kubetune-system"
     (cluster_role,) = find(docs, "ClusterRole")
     cluster_resources = {r for rule in cluster_role["rules"] for r in rule["resources"]}
     assert "finetunejobs" not in cluster_resources and "jobs" not in cluster_resources
     assert {"gpupools", "nodes", "customresourcedefinitions"} <= cluster_resources
-    assert any("kopfpeerings" in rule["resources"] for r in roles for rule in r["rules"])
-    peerings = find(docs, "KopfPeering")
-    assert sorted(p["metadata"]["namespace"] for p in peerings) == ["team-a", "team-b"]
-    assert {c["metadata"]["name"] for c in find(docs, "CustomResourceDefinition")} >= {
-        "kopfpeerings.kopf.dev",
-        "clusterkopfpeerings.kopf.dev",
+    assert not [d for d in docs if "KopfPeering" in d["kind"]]
+    assert {c["metadata"]["name"] for c in find(docs, "CustomResourceDefinition")} == {
+        "finetunejobs.kubetune.io",
+        "gpupools.kubetune.io",
     }
     # Monitoring objects.
     (sm,) = find(docs, "ServiceMonitor")
@@ -212,12 +237,70 @@ def test_non_default_values(helm: Helm, tmp_path: Path) -> None:
     assert pool["metadata"]["name"] == "l40s" and pool["spec"]["pricePerGPUHour"] == 0.79
 
 
-def test_cluster_wide_peering_uses_a_cluster_peering(helm: Helm) -> None:
-    docs = render(helm, "peering.enabled=true")
-    assert "--peering=kubetune" in args_of(docs)
-    (peering,) = find(docs, "ClusterKopfPeering")
-    assert peering["metadata"]["name"] == "kubetune"
-    assert any("clusterkopfpeerings" in rule["resources"] for _, rule in rules(docs))
+LEASE_RULES = {
+    ("create", None),
+    ("get", ("ops-lease",)),
+    ("update", ("ops-lease",)),
+}
+
+
+def test_leader_election_gets_its_lease_settings_and_a_role_for_the_lease(helm: Helm) -> None:
+    docs = render(
+        helm,
+        "leaderElection.enabled=true",
+        "leaderElection.leaseName=ops-lease",
+        "leaderElection.leaseDurationSeconds=30",
+        "leaderElection.renewDeadlineSeconds=20",
+        "leaderElection.retryPeriodSeconds=4",
+    )
+    (deploy,) = find(docs, "Deployment")
+    assert deploy["spec"]["replicas"] == 1
+    assert deploy["spec"]["strategy"]["type"] == "RollingUpdate"
+    env = env_of(docs)
+    assert env["KUBETUNE_LEADER_ELECTION"] == "true"
+    assert env["KUBETUNE_LEASE_NAME"] == "ops-lease"
+    assert env["KUBETUNE_LEASE_DURATION_SECONDS"] == "30"
+    assert env["KUBETUNE_LEASE_RENEW_DEADLINE_SECONDS"] == "20"
+    assert env["KUBETUNE_LEASE_RETRY_SECONDS"] == "4"
+    assert "KUBETUNE_LEASE_NAMESPACE" not in env  # POD_NAMESPACE: the release's
+    assert field_refs(docs)["POD_NAMESPACE"] == "metadata.namespace"
+    # The operator accepts the settings the chart renders.
+    settings = leader_settings_from_env(
+        {**{k: v for k, v in env.items() if v is not None}, "POD_NAMESPACE": "kubetune-system"}
+    )
+    assert (settings.lease_duration_s, settings.renew_deadline_s) == (30, 20.0)
+    (role,) = find(docs, "Role", "rel-kubetune-leader-election")
+    assert role["metadata"]["namespace"] == "kubetune-system"
+    granted = {
+        (verb, tuple(rule["resourceNames"]) if "resourceNames" in rule else None)
+        for rule in role["rules"]
+        for verb in rule["verbs"]
+    }
+    assert granted == LEASE_RULES
+    assert all(
+        rule["apiGroups"] == ["coordination.k8s.io"] and rule["resources"] == ["leases"]
+        for rule in role["rules"]
+    )
+    (binding,) = find(docs, "RoleBinding", "rel-kubetune-leader-election")
+    assert binding["roleRef"]["name"] == "rel-kubetune-leader-election"
+    assert binding["subjects"][0]["name"] == "rel-kubetune"
+    assert binding["subjects"][0]["namespace"] == "kubetune-system"
+    # One replica without leader election gets no Lease rights.
+    assert not find(render(helm), "Role")
+
+
+def test_lease_timings_that_cannot_fence_are_refused(helm: Helm) -> None:
+    for sets in (
+        ["replicaCount=2", "leaderElection.renewDeadlineSeconds=15"],
+        ["replicaCount=2", "leaderElection.retryPeriodSeconds=10"],
+    ):
+        args = ["template", "rel", str(CHART)]
+        for s in sets:
+            args += ["--set", s]
+        out = helm(*args, check=False)
+        assert out.returncode != 0, f"{sets} was accepted"
+        assert "retryPeriodSeconds < renewDeadlineSeconds < leaseDurationSeconds" in out.stderr
+        assert "To fix" in out.stderr
 
 
 def test_toggles_turn_objects_off(helm: Helm) -> None:
@@ -276,6 +359,11 @@ def test_gpu_pool_catalog_example_in_values_is_valid(helm: Helm, tmp_path: Path)
         (["gpuPools[0].name=x"], "spec"),
         (["gpuPools[0].name=x", "gpuPools[0].spec.gpusPerNode=1"], "maxNodes"),
         (["gpuPools[0].name=BAD", "gpuPools[0].spec.gpusPerNode=1"], "name"),
+        (["peering.enabled=true"], "peering"),
+        (["leaderElection.leaseDurationSeconds=1"], "leaseDurationSeconds"),
+        (["leaderElection.leaseDurationSeconds=7.5"], "leaseDurationSeconds"),
+        (["leaderElection.renewDeadlineSeconds=0"], "renewDeadlineSeconds"),
+        (["leaderElection.leaseName=Bad_Name"], "leaseName"),
     ],
 )
 def test_schema_rejects_bad_values(helm: Helm, sets: list[str], message: str) -> None:
@@ -292,7 +380,7 @@ def test_rbac_has_no_wildcards_and_no_secrets(helm: Helm, tmp_path: Path) -> Non
     for docs in (
         render(helm),
         render(helm, values=ALL_ON, tmp=tmp_path),
-        render(helm, "peering.enabled=true"),
+        render(helm, "leaderElection.enabled=true"),
     ):
         for role, rule in rules(docs):
             where = f"{role['kind']} {role['metadata']['name']}: {rule}"
@@ -336,8 +424,17 @@ def test_rbac_rules_are_the_documented_set(helm: Helm) -> None:
         ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
     }
     assert granted == expected
+    with_lease = {
+        (g, r, v)
+        for _, rule in rules(render(helm, "replicaCount=2"))
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
+    lease = {("coordination.k8s.io", "leases", v) for v in ("create", "get", "update")}
+    assert with_lease == expected | lease
     readme = (CHART / "README.md").read_text()
-    for _, resource, _ in expected:
+    for _, resource, _ in expected | lease:
         assert f"`{resource}`" in readme, f"README.md does not explain {resource}"
 
 

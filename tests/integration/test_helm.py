@@ -1,8 +1,9 @@
 """The Helm chart against a real kube-apiserver, and the operator running with only its RBAC.
 
 `helm install` puts the chart into the local control plane; the checks then use the objects
-the API server holds. The operator itself runs as a local `kopf run` process with exactly
-the command line of the chart's Deployment, authenticated as the chart's ServiceAccount (a
+the API server holds. The operator itself runs as a local `kubetune operator` process with
+the command line and environment of the chart's Deployment, authenticated as the chart's
+ServiceAccount (a
 token from the TokenRequest API), so every call it makes is authorized by the chart's
 (Cluster)Roles and nothing else. A FineTuneJob going from apply to Succeeded on the
 simulated pools proves those rules are enough; tests/integration/test_chart_render.py
@@ -14,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import signal
 import subprocess
 import sys
 import urllib.request
@@ -26,8 +26,8 @@ from typing import Any
 import pytest
 import yaml
 
-from kubetune_dev.cluster import LocalCluster, free_port, process_alive
-from support.cluster import Cluster, job_doc, wait_phase
+from kubetune_dev.cluster import LocalCluster, free_port
+from support.cluster import Cluster, job_doc, operators_paused, wait_phase
 from support.helm import Helm
 from support.waiting import wait_for
 
@@ -82,20 +82,6 @@ def install(local: LocalCluster, release: str, values: dict[str, Any], tmp: Path
     )
 
 
-@contextlib.contextmanager
-def other_operators_paused(local: LocalCluster) -> Iterator[None]:
-    """Pause the session's admin operator (if a test started it) so only ours acts."""
-    pid = local.state.pids.get("operator")
-    paused = pid is not None and process_alive(pid)
-    if paused:
-        os.kill(pid, signal.SIGSTOP)  # type: ignore[arg-type]
-    try:
-        yield
-    finally:
-        if paused:
-            os.kill(pid, signal.SIGCONT)  # type: ignore[arg-type]
-
-
 def service_account_kubeconfig(cluster: Cluster, sa: str, path: Path) -> Path:
     """A kubeconfig that authenticates as the chart's ServiceAccount, and only as it."""
     token = cluster.kubectl("create", "token", sa, "-n", RELEASE_NS, "--duration=2h").stdout.strip()
@@ -122,27 +108,43 @@ def service_account_kubeconfig(cluster: Cluster, sa: str, path: Path) -> Path:
 
 @contextlib.contextmanager
 def chart_operator(
-    cluster: Cluster, docs: list[dict[str, Any]], kubeconfig: Path, log: Path
+    cluster: Cluster,
+    docs: list[dict[str, Any]],
+    kubeconfig: Path,
+    log: Path,
+    pod: str | None = None,
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """Run the chart's operator container command locally, with the container's env."""
+    """Run the chart's operator container command locally, with the container's env.
+
+    `pod` is the pod name the downward API would give it (POD_NAME); POD_NAMESPACE is the
+    release namespace.
+    """
     (deploy,) = [d for d in docs if d["kind"] == "Deployment"]
     container = deploy["spec"]["template"]["spec"]["containers"][0]
-    assert container["command"] == ["python", "-m", "kopf"]
-    # kopf reads port 0 as "no port" (80): give the probe endpoint a real free port.
+    assert container["command"] == ["kubetune"]
+    # A real free port for the probe endpoint, as each pod would have its own.
     health = f"http://127.0.0.1:{free_port()}/healthz"
     args = [f"--liveness={health}" if a.startswith("--liveness=") else a for a in container["args"]]
     env = dict(os.environ)
+    downward = {
+        "metadata.name": pod or f"chart-operator-{uuid.uuid4().hex[:6]}",
+        "metadata.namespace": RELEASE_NS,
+    }
     for item in container["env"]:
-        env[item["name"]] = item.get("value", "")
-    env["POD_ID"] = f"chart-operator-{uuid.uuid4().hex[:6]}"
+        field = item.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+        env[item["name"]] = downward[field] if field else item.get("value", "")
     env["KUBECONFIG"] = str(kubeconfig)
     with log.open("ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kopf", *args], stdout=out, stderr=subprocess.STDOUT, env=env
+            [sys.executable, "-m", "kubetune.cli", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
         )
     try:
-        # The liveness endpoint the chart's probe uses answers once kopf is up.
-        wait_for("kopf /healthz", lambda: proc.poll() is not None or _healthy(health), 30)
+        # The liveness endpoint the chart's probe uses answers once kopf is up (or, with
+        # leader election, once the replica stands by).
+        wait_for("/healthz", lambda: proc.poll() is not None or _healthy(health), 30)
         assert proc.poll() is None, log.read_text()[-3000:]
         yield proc
     finally:
@@ -300,7 +302,7 @@ def test_operator_with_only_the_chart_rbac_runs_a_job_to_success(
     docs = manifest(local, release)
     kubeconfig = service_account_kubeconfig(cluster, sa, tmp_path / "sa.kubeconfig")
     log = local.logs / "chart-operator.log"
-    with other_operators_paused(local), chart_operator(cluster, docs, kubeconfig, log):
+    with operators_paused(local), chart_operator(cluster, docs, kubeconfig, log):
         obj = run_job_to_success(cluster, namespace, "via-chart")
         assert obj["status"]["plan"]["pool"] == "l40s"
         # The pools' capacity was written by the same operator.
@@ -335,11 +337,77 @@ def test_namespaced_mode_runs_with_roles_in_watched_namespaces(
         docs = manifest(local, name)
         kubeconfig = service_account_kubeconfig(cluster, sa, tmp_path / "sa.kubeconfig")
         log = local.logs / "chart-operator-namespaced.log"
-        with other_operators_paused(local), chart_operator(cluster, docs, kubeconfig, log):
+        with operators_paused(local), chart_operator(cluster, docs, kubeconfig, log):
             run_job_to_success(cluster, namespace, "via-role")
         assert not forbidden_lines(log), "\n".join(forbidden_lines(log)[-20:])
     finally:
         helm(local, "uninstall", name, "-n", RELEASE_NS, "--wait", check=False)
+
+
+# ---------------------------------------------------------------------- leader election
+
+
+def lease_holder(cluster: Cluster, name: str) -> str:
+    lease = cluster.get("lease", name, RELEASE_NS)
+    return str(((lease or {}).get("spec") or {}).get("holderIdentity") or "")
+
+
+def test_replicas_elect_a_leader_with_only_the_chart_rbac(
+    cluster: Cluster, namespace: str, release: str, tmp_path: Path
+) -> None:
+    """replicaCount 2: both replicas run as the chart's ServiceAccount, one leads."""
+    local = cluster.local
+    name = "ktha"
+    sa = lease = f"{name}-kubetune"
+    values = {
+        **base_values(),
+        "replicaCount": 2,
+        "leaderElection": {
+            "leaseDurationSeconds": 6,
+            "renewDeadlineSeconds": 4,
+            "retryPeriodSeconds": 1,
+        },
+        "watch": {"namespaces": [namespace]},
+        "crds": {"install": False},
+    }
+    install(local, name, values, tmp_path)
+    try:
+        leases = "leases.coordination.k8s.io"
+        assert can_i(cluster, sa, "create", leases, "-n", RELEASE_NS)
+        assert can_i(cluster, sa, "update", f"{leases}/{lease}", "-n", RELEASE_NS)
+        assert not can_i(cluster, sa, "update", f"{leases}/another", "-n", RELEASE_NS)
+        assert not can_i(cluster, sa, "delete", f"{leases}/{lease}", "-n", RELEASE_NS)
+        assert not can_i(cluster, sa, "create", leases, "-n", namespace)
+        docs = manifest(local, name)
+        kubeconfig = service_account_kubeconfig(cluster, sa, tmp_path / "sa.kubeconfig")
+        logs = [local.logs / f"chart-replica-{i}.log" for i in range(2)]
+        with (
+            operators_paused(local),
+            chart_operator(cluster, docs, kubeconfig, logs[0], pod=f"{name}-0") as first,
+        ):
+            wait_for(
+                "replica 0 to lead",
+                lambda: lease_holder(cluster, lease).startswith(f"{name}-0_"),
+                30,
+            )
+            with chart_operator(cluster, docs, kubeconfig, logs[1], pod=f"{name}-1"):
+                wait_for("replica 1 to stand by", lambda: "standing by" in logs[1].read_text(), 30)
+                run_job_to_success(cluster, namespace, "via-leader")
+                first.terminate()  # SIGTERM, as a rolling update does: it releases the lease
+                assert first.wait(timeout=30) == 0, logs[0].read_text()[-3000:]
+                wait_for(
+                    "replica 1 to take over",
+                    lambda: lease_holder(cluster, lease).startswith(f"{name}-1_"),
+                    15,
+                )
+                run_job_to_success(cluster, namespace, "via-new-leader")
+        for log in logs:
+            assert not forbidden_lines(log), "\n".join(forbidden_lines(log)[-20:])
+    finally:
+        helm(local, "uninstall", name, "-n", RELEASE_NS, "--wait", check=False)
+        cluster.kubectl(
+            "delete", "lease", lease, "-n", RELEASE_NS, "--ignore-not-found", check=False
+        )
 
 
 def test_upgrade_then_uninstall_keeps_the_crds(

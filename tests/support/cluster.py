@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
+from collections.abc import Iterator
 from typing import Any
 
 import yaml
 
-from kubetune_dev.cluster import LocalCluster
+from kubetune_dev.cluster import LocalCluster, process_alive
 from support.waiting import wait_for
 
 
@@ -90,3 +94,20 @@ def wait_phase(
         return None
 
     return dict(wait_for(f"{ns}/{name} in {wanted}", probe, timeout=timeout))
+
+
+@contextlib.contextmanager
+def operators_paused(local: LocalCluster) -> Iterator[None]:
+    """Pause the session's operator (if a test started it) so that only the test's act.
+
+    It watches every namespace; SIGSTOP freezes it (watches included) until SIGCONT.
+    """
+    pid = local.state.pids.get("operator")
+    paused = pid is not None and process_alive(pid)
+    if paused:
+        os.kill(pid, signal.SIGSTOP)  # type: ignore[arg-type]
+    try:
+        yield
+    finally:
+        if paused:
+            os.kill(pid, signal.SIGCONT)  # type: ignore[arg-type]

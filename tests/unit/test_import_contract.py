@@ -61,6 +61,7 @@ BREAKS = [
     ("kubetune/control/reconcile.py", "from kubetune import controller", "layers"),
     ("kubetune/api/v1alpha1.py", "from kubetune.planning import planner", "layers"),
     ("kubetune/sources.py", "import kubetune.cli", "layers"),
+    ("kubetune/controller/run.py", "import kubetune.cli", "layers"),
     ("kubetune/planning/arch.py", "import urllib.request", "pure-core"),
     ("kubetune/control/progress.py", "import kopf", "pure-core"),
     ("kubetune_trainer/recipe.py", "import kopf", "trainer-knows-no-kubernetes"),
@@ -72,6 +73,8 @@ BREAKS = [
     ("kubetune/planning/arch.py", "from kubetune.planning import estimator", "planning-layers"),
     ("kubetune/control/pods.py", "from kubetune.control import reconcile", "control-layers"),
     ("kubetune/controller/kube.py", "from kubetune.controller import handlers", "thin-handlers"),
+    ("kubetune/controller/leader.py", "from kubetune.controller import kube", "thin-handlers"),
+    ("kubetune/controller/handlers.py", "from kubetune.controller import run", "thin-handlers"),
     (
         "kubetune_dev/podrunner/podspec.py",
         "from kubetune_dev.podrunner import runner",

@@ -47,9 +47,13 @@ app.kubernetes.io/component: operator
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
 
-{{/* Peering is required for more than one replica (the schema also enforces it). */}}
-{{- define "kubetune.peering" -}}
-{{- if or .Values.peering.enabled (gt (int .Values.replicaCount) 1) }}true{{ end }}
+{{/* Leader election: on for more than one replica, or when asked for. */}}
+{{- define "kubetune.leaderElection" -}}
+{{- if or .Values.leaderElection.enabled (gt (int .Values.replicaCount) 1) }}true{{ end }}
+{{- end }}
+
+{{- define "kubetune.leaseName" -}}
+{{- default (include "kubetune.fullname" .) .Values.leaderElection.leaseName }}
 {{- end }}
 
 {{/* Cluster mode: no namespace list, so one ClusterRole covers everything. */}}

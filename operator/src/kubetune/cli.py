@@ -377,21 +377,38 @@ def crds(outdir: str | None) -> None:
 @click.option(
     "--namespace", "-n", multiple=True, help="Watch only these namespaces (default: all)."
 )
-@click.option("--standalone/--peering", default=True, show_default=True, help="kopf peering mode.")
-@click.option("--liveness", default="http://0.0.0.0:8080/healthz", show_default=True)
-def operator(namespace: tuple[str, ...], standalone: bool, liveness: str) -> None:
-    """Run the operator (kopf) against the current kubeconfig / in-cluster config."""
-    args = ["kopf", "run", "-m", "kubetune.controller.handlers", "--liveness", liveness]
-    args.append("--standalone" if standalone else "--peering=kubetune")
-    if namespace:
-        for ns in namespace:
-            args += ["--namespace", ns]
-    else:
-        args.append("--all-namespaces")
-    from kopf.cli import main as kopf_main
+@click.option(
+    "--liveness",
+    default="http://0.0.0.0:8080/healthz",
+    show_default=True,
+    help="Liveness endpoint (/healthz); a standby replica answers it too.",
+)
+@click.option(
+    "--log-format",
+    type=click.Choice(["plain", "full", "json"]),
+    default="full",
+    show_default=True,
+)
+@click.option("--quiet", "-q", "log_level", flag_value="quiet", help="Warnings and errors only.")
+@click.option("--verbose", "-v", "log_level", flag_value="verbose", help="Debug logging.")
+@click.option("--debug", "-d", "log_level", flag_value="debug", help="Debug logging.")
+def operator(
+    namespace: tuple[str, ...], liveness: str, log_format: str, log_level: str | None
+) -> None:
+    """Run the operator (kopf) against the current kubeconfig / in-cluster config.
 
-    sys.argv = args
-    kopf_main()
+    One replica runs standalone. With KUBETUNE_LEADER_ELECTION=true several replicas share
+    a Lease and only its holder works (docs/operations.md).
+    """
+    from kubetune.controller.leader import leader_settings_from_env
+    from kubetune.controller.run import configure_logging, run_operator
+
+    try:
+        settings = leader_settings_from_env()
+    except ValueError as exc:
+        raise Abort(str(exc)) from exc
+    configure_logging(log_format, log_level or "normal")
+    sys.exit(run_operator(namespace, liveness, settings))
 
 
 if __name__ == "__main__":

@@ -174,6 +174,8 @@ class LocalCluster:
         self.kubeconfig = root / "kubeconfig"
         self.volumes = root / "volumes"
         self.state = State(root=str(root))
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        """Each component this object started, to read its exit status (`poll()`)."""
 
     # ------------------------------------------------------------------ paths
 
@@ -237,6 +239,7 @@ class LocalCluster:
             start_new_session=True,  # survives `kubetune dev up` exiting; not hit by Ctrl-C
         )
         log.close()
+        self.processes[name] = proc
         self.state.pids[name] = proc.pid
         self.state.save()
 
@@ -459,13 +462,27 @@ class LocalCluster:
             args += ["--server-side", "--force-conflicts", "--field-manager=kubetune-dev"]
         self.kubectl(*args, input=text)
 
-    def start_operator(self, settings: Mapping[str, str] | None = None) -> int:
-        """Run the operator (`kopf run`) against this cluster as its own process; its pid."""
+    def start_operator(
+        self,
+        settings: Mapping[str, str] | None = None,
+        *,
+        name: str = "operator",
+        argv: Sequence[str] | None = None,
+    ) -> int:
+        """Run the operator against this cluster as its own process; its pid.
+
+        By default `kopf run --standalone --all-namespaces`, as component `operator`.
+        Several replicas run side by side under their own `name`s (e.g. `operator-a`) with
+        their own `argv`, e.g. `kubetune operator` with leader election; `settings` are
+        environment variables added to the cluster's.
+        """
         env = self.env()
         env.update({"KUBETUNE_METRICS_PORT": "0", **(settings or {})})
-        argv = [sys.executable, "-m", "kopf", "run", "-m", "kubetune.controller.handlers"]
-        self._spawn("operator", [*argv, "--standalone", "--all-namespaces"], env=env)
-        return self.state.pids["operator"]
+        if argv is None:
+            argv = [sys.executable, "-m", "kopf", "run", "-m", "kubetune.controller.handlers"]
+            argv = [*argv, "--standalone", "--all-namespaces"]
+        self._spawn(name, argv, env=env)
+        return self.state.pids[name]
 
     def stop_component(self, name: str, timeout_s: float = 15.0) -> bool:
         """Stop one component; True when it is gone."""

@@ -28,7 +28,7 @@ from kubetune.api.v1alpha1 import GROUP, VERSION
 from kubetune.api.vocabulary import EventType, Reason
 from kubetune.control.builders import LABEL_JOB
 from kubetune.control.capacity import NodeInfo, node_info
-from kubetune.controller import metrics
+from kubetune.controller import leader, metrics
 from kubetune.controller.cache import (
     Caches,
     child_key,
@@ -95,7 +95,10 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # default, which made `kubectl delete ftj` hang for a minute.
     settings.background.cancellation_polling = 1.0
     controller = settings_from_env()
-    kube = Kube(AsyncClient(), metrics_port=controller.build.metrics_port)
+    # Every write asks the Lease elector first (always yes without leader election).
+    kube = Kube(
+        AsyncClient(), metrics_port=controller.build.metrics_port, may_write=leader.may_write
+    )
     loader = partial(load_arch, allow_network=controller.allow_network, local_files=False)
     _State.runtime = Runtime(controller, kube, loader, _post_event)
     try:
