@@ -525,6 +525,17 @@ def test_observe_finds_no_batch_job_when_it_is_gone(apiserver: ApiServerEmulator
     assert observed.pods == []
 
 
+def test_a_finished_pod_leaves_the_gpu_index() -> None:
+    # kopf keeps an object's earlier values when its index function returns None; {} clears.
+    running = pod("p", node_name="h100-0", gpus=(8,))
+    done = pod("p", node_name="h100-0", gpus=(8,), phase="Succeeded")
+
+    assert handlers.gpu_pods(body=kopf.Body(running)) == {"h100-0": 8}
+    assert handlers.gpu_pods(body=kopf.Body(done)) == {}
+    assert handlers.ftj_pods(body=kopf.Body(pod("unlabelled"))) == {}
+    assert handlers.ftj_batch_jobs(body=kopf.Body(pod("unlabelled"))) == {}
+
+
 def test_an_unreadable_pool_is_left_out_of_planning(apiserver: ApiServerEmulator) -> None:
     broken = pool("h100")
     broken["metadata"]["name"] = "broken"

@@ -131,23 +131,26 @@ def reconciles(**_: Any) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- caches
+# An index function returns {} (never None) for an object that no longer belongs in the
+# index: kopf keeps an object's previous values when its function returns None, so a pod
+# that finished would hold its GPUs in the cache until it is deleted.
 
 
 @kopf.index(*BATCH_JOBS, labels=CHILD)
-def ftj_batch_jobs(body: kopf.Body, **_: Any) -> dict[Any, Any] | None:
+def ftj_batch_jobs(body: kopf.Body, **_: Any) -> dict[Any, Any]:
     key = child_key(body)
-    return None if key is None else {key: trimmed_batch_job(body)}
+    return {} if key is None else {key: trimmed_batch_job(body)}
 
 
 @kopf.index(*PODS, labels=CHILD)
-def ftj_pods(body: kopf.Body, **_: Any) -> dict[Any, Any] | None:
+def ftj_pods(body: kopf.Body, **_: Any) -> dict[Any, Any]:
     key = child_key(body)
-    return None if key is None else {key: trimmed_pod(body)}
+    return {} if key is None else {key: trimmed_pod(body)}
 
 
 @kopf.index(*PODS)
-def gpu_pods(body: kopf.Body, **_: Any) -> dict[str, int] | None:
-    return gpu_usage(body)
+def gpu_pods(body: kopf.Body, **_: Any) -> dict[str, int]:
+    return gpu_usage(body) or {}
 
 
 @kopf.index(*NODES)

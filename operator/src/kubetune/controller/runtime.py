@@ -433,7 +433,7 @@ class Runtime:
             now=now,
             load_arch=self.arch,
             plan=self.plans.planner(str(meta.get("uid")), meta.get("generation"), version),
-            admit=partial(self._admit, key, job, free),
+            admit=partial(self._admit, asyncio.get_running_loop(), key, job, free),
         )
         decision: Decision = await asyncio.get_running_loop().run_in_executor(self.executor, decide)
         await self._carry_out(job, state, decision, body, now)
@@ -454,12 +454,14 @@ class Runtime:
 
     def _admit(
         self,
+        loop: asyncio.AbstractEventLoop,
         key: JobKey,
         job: FineTuneJob,
         free: Mapping[str, list[int]],
         plan: PlanStatus,
         queued: bool,
     ) -> str | None:
+        """Admission for `reconcile` (runs in a worker thread)."""
         ticket = Ticket(
             namespace=key[0],
             name=str(job.metadata.get("name")),
@@ -469,7 +471,11 @@ class Runtime:
             nodes=plan.nodes,
             gpus_per_node=plan.gpus_per_node,
         )
-        return self.queue.admit(key, ticket, free.get(plan.pool, []), queued)
+        why = self.queue.admit(key, ticket, free.get(plan.pool, []), queued)
+        if why is None:
+            # The next job in the queue may go now (or once this one's pods hold the GPUs).
+            loop.call_soon_threadsafe(self.capacity_changed)
+        return why
 
     def _release_when_bound(
         self, key: JobKey, phase: Phase, pods: Sequence[Mapping[str, Any]]
