@@ -87,3 +87,19 @@ def test_jobs_the_planner_queued_hold_their_place() -> None:
     queue.stop_waiting(("team-a", "old"))  # e.g. deleted, or moved to another pool
     assert queue.admit(("team-a", "new"), new, [1], queued=False) is None
     assert queue.version == 1
+
+
+def test_a_change_of_capacity_wakes_the_front_of_each_queue() -> None:
+    queue = GpuQueue()
+    for i in range(20):
+        t = ticket(f"a{i:02d}", created=f"2026-11-24T00:00:{i:02d}Z")
+        queue.admit(("team-a", t.name), t, [0], queued=True)
+    late = ticket("h", pool="h100")
+    queue.admit(("team-a", "h"), late, [0], queued=True)
+
+    assert queue.heads(3) == {
+        ("team-a", "a00"),
+        ("team-a", "a01"),
+        ("team-a", "a02"),
+        ("team-a", "h"),
+    }

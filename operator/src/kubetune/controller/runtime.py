@@ -57,6 +57,9 @@ VOLATILE = frozenset({"progress", "cost"})
 """Status fields that change on every look of a running job; written at most every
 `progress_write_seconds` unless something else changed too."""
 
+WAKE_PER_POOL = 8
+"""How many jobs at the front of a pool's queue a change of capacity wakes at once."""
+
 ARCH_FAILURE_SECONDS = 300.0
 """An architecture that could not be loaded (e.g. a hub fetch that failed) is not tried
 again for this long."""
@@ -203,6 +206,19 @@ class GpuQueue:
                 self.waiting[key] = ticket
             return why
 
+    def heads(self, per_pool: int) -> set[JobKey]:
+        """The first `per_pool` waiting jobs of each pool's queue: the only ones a change of
+        capacity can let in (nobody overtakes them)."""
+        with self._lock:
+            by_pool: dict[str, list[tuple[Any, JobKey]]] = {}
+            for key, ticket in self.waiting.items():
+                by_pool.setdefault(ticket.pool, []).append((ticket.order(), key))
+        return {key for queue in by_pool.values() for _, key in sorted(queue)[:per_pool]}
+
+    def waiting_keys(self) -> set[JobKey]:
+        with self._lock:
+            return set(self.waiting)
+
     def reserved_in(self, pool: str) -> list[Ticket]:
         with self._lock:
             return [t for t, _ in self.reserved.values() if t.pool == pool]
@@ -290,7 +306,10 @@ class Runtime:
         self._wake_pending = False
         for event in self.pool_wakers.values():
             event.set()
-        for key in list(self.queued):
+        # Jobs in a pool's queue: only its first few can go; the others look again at their
+        # queue retry. Jobs waiting for any pool at all: every one.
+        waiting = self.queue.waiting_keys()
+        for key in self.queue.heads(WAKE_PER_POOL) | (self.queued - waiting):
             self.wake(key)
 
     def wake(self, key: JobKey) -> None:
