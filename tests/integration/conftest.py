@@ -21,13 +21,10 @@ import yaml
 from kubetune.api.crdgen import render_all
 from kubetune_dev.binaries import Binaries
 from kubetune_dev.cli import simulated_pool_docs
-from kubetune_dev.cluster import LocalCluster, process_alive
-from support.cluster import Cluster
-from support.waiting import wait_for
+from kubetune_dev.cluster import LocalCluster
+from support.cluster import FAST_OPERATOR, Cluster, start_operator
 
 ROOT = Path(__file__).resolve().parents[2]
-OPERATOR_UP = "Initial authentication has finished."
-"""What kopf logs once its startup handlers ran and it logged in; its watches start next."""
 
 
 @pytest.fixture(scope="session")
@@ -54,22 +51,8 @@ def cluster(local_cluster: LocalCluster) -> Cluster:
 @pytest.fixture(scope="session")
 def operator(local_cluster: LocalCluster) -> Iterator[Path]:
     """The operator as its own process, polling fast so tests are quick."""
-    log = local_cluster.logs / "operator.log"
-    start = log.stat().st_size if log.exists() else 0
-    pid = local_cluster.start_operator(
-        {
-            "KUBETUNE_POLL_SECONDS": "1",
-            "KUBETUNE_QUEUE_RETRY_SECONDS": "2",
-            "KUBETUNE_TRAINER_IMAGE": "kubetune/trainer:test",
-        }
-    )
-
-    def logged_in() -> bool:
-        assert process_alive(pid), log.read_text(errors="replace")[-3000:]
-        return OPERATOR_UP in log.read_bytes()[start:].decode(errors="replace")
-
-    wait_for("the operator to log in to the API server", logged_in, timeout=60, interval=0.1)
-    yield log
+    start_operator(local_cluster, FAST_OPERATOR)
+    yield local_cluster.logs / "operator.log"
     assert local_cluster.stop_component("operator"), "the operator did not stop"
 
 

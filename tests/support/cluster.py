@@ -7,13 +7,44 @@ import json
 import os
 import signal
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import yaml
 
 from kubetune_dev.cluster import LocalCluster, process_alive
 from support.waiting import wait_for
+
+OPERATOR_UP = "Initial authentication has finished."
+"""What kopf logs once its startup handlers ran and it logged in; its watches start next."""
+
+FAST_OPERATOR = {
+    "KUBETUNE_POLL_SECONDS": "1",
+    "KUBETUNE_QUEUE_RETRY_SECONDS": "2",
+    "KUBETUNE_TRAINER_IMAGE": "kubetune/trainer:test",
+}
+"""The operator settings of the integration tier: it polls fast so tests are quick."""
+
+
+def start_operator(
+    local: LocalCluster,
+    settings: Mapping[str, str] = FAST_OPERATOR,
+    kubeconfig: Path | None = None,
+    timeout: float = 60,
+) -> int:
+    """Start the operator as its own process (component `operator`) and wait until it has
+    logged in to the API server; its pid."""
+    log = local.logs / "operator.log"
+    start = log.stat().st_size if log.exists() else 0
+    pid = local.start_operator(settings, kubeconfig=kubeconfig)
+
+    def logged_in() -> bool:
+        assert process_alive(pid), log.read_text(errors="replace")[-3000:]
+        return OPERATOR_UP in log.read_bytes()[start:].decode(errors="replace")
+
+    wait_for("the operator to log in to the API server", logged_in, timeout=timeout, interval=0.1)
+    return pid
 
 
 class Cluster:

@@ -1,7 +1,8 @@
 """Leader election without a cluster: the decisions, the next Lease spec, the settings.
 
 The elector against a real API server (conflicts, takeover, release, the watchdog) is
-tests/integration/test_lease_election.py; whole replicas failing over, tests/integration/test_failover.py.
+tests/integration/test_lease_election.py; whole replicas failing over,
+tests/integration/test_failover.py.
 """
 
 from __future__ import annotations

@@ -70,6 +70,7 @@ class State:
     root: str
     apiserver_port: int = 0
     etcd_port: int = 0
+    etcd_peer_port: int = 0
     pids: dict[str, int] = field(default_factory=dict)
     started_at: float = 0.0
 
@@ -141,19 +142,19 @@ def stop_processes(state: State, timeout_s: float = 15.0, save: bool = True) -> 
 
 
 def _write_kubeconfig(path: Path, server: str, pki: Pki, user: str) -> None:
-    cert, key = pki.client(user)
+    """A kubeconfig for `server` as `user`: the cluster CA and the user's client certificate
+    for https; no TLS material at all for plain http (e.g. a local proxy that holds them)."""
+    cluster: dict[str, str] = {"server": server}
+    credentials: dict[str, str] = {}
+    if not server.startswith("http://"):
+        cert, key = pki.client(user)
+        cluster["certificate-authority"] = str(pki.ca_cert)
+        credentials = {"client-certificate": str(cert), "client-key": str(key)}
     config = {
         "apiVersion": "v1",
         "kind": "Config",
-        "clusters": [
-            {
-                "name": "kubetune-local",
-                "cluster": {"server": server, "certificate-authority": str(pki.ca_cert)},
-            }
-        ],
-        "users": [
-            {"name": user, "user": {"client-certificate": str(cert), "client-key": str(key)}}
-        ],
+        "clusters": [{"name": "kubetune-local", "cluster": cluster}],
+        "users": [{"name": user, "user": credentials}],
         "contexts": [
             {"name": "kubetune-local", "context": {"cluster": "kubetune-local", "user": user}}
         ],
@@ -181,6 +182,13 @@ class LocalCluster:
 
     def component_kubeconfig(self, user: str) -> Path:
         return self.root / f"{user}.kubeconfig"
+
+    def kubeconfig_for(self, server: str, name: str) -> Path:
+        """Write `<root>/<name>.kubeconfig` for another `server` in front of this cluster's
+        apiserver (say, a proxy) as the admin user; plain http gets no TLS material."""
+        path = self.root / f"{name}.kubeconfig"
+        _write_kubeconfig(path, server, self.pki, ADMIN)
+        return path
 
     @property
     def server(self) -> str:
@@ -212,6 +220,7 @@ class LocalCluster:
             root=str(self.root),
             apiserver_port=free_port(),
             etcd_port=free_port(),
+            etcd_peer_port=free_port(),
             started_at=time.time(),
         )
         _write_kubeconfig(self.kubeconfig, self.server, self.pki, ADMIN)
@@ -244,7 +253,7 @@ class LocalCluster:
         self.state.save()
 
     def _start_etcd(self) -> None:
-        peer = free_port()
+        peer = self.state.etcd_peer_port or free_port()
         port = self.state.etcd_port
         self._spawn(
             "etcd",
@@ -407,6 +416,15 @@ class LocalCluster:
             "the default ServiceAccount never appeared; see kube-controller-manager.log"
         )
 
+    def start_etcd(self, timeout_s: float = 60.0) -> None:
+        """Start etcd again on its ports and data (after `stop_component("etcd")`) and wait
+        until the apiserver is ready again."""
+        pid = self.state.pids.get("etcd")
+        if pid is not None and process_alive(pid):
+            raise ClusterError("etcd is running; stop it first with stop_component('etcd')")
+        self._start_etcd()
+        self._wait_ready(time.monotonic() + timeout_s)
+
     def stop(self, timeout_s: float = 15.0) -> list[str]:
         """Stop every component (SIGTERM, then SIGKILL); returns the names still alive."""
         return stop_processes(State.load(self.root) or self.state, timeout_s)
@@ -465,6 +483,7 @@ class LocalCluster:
     def start_operator(
         self,
         settings: Mapping[str, str] | None = None,
+        kubeconfig: Path | None = None,
         *,
         name: str = "operator",
         argv: Sequence[str] | None = None,
@@ -474,10 +493,13 @@ class LocalCluster:
         By default `kopf run --standalone --all-namespaces`, as component `operator`.
         Several replicas run side by side under their own `name`s (e.g. `operator-a`) with
         their own `argv`, e.g. `kubetune operator` with leader election; `settings` are
-        environment variables added to the cluster's.
+        environment variables added to the cluster's; `kubeconfig` points it elsewhere than
+        the admin kubeconfig (e.g. at a proxy).
         """
         env = self.env()
         env.update({"KUBETUNE_METRICS_PORT": "0", **(settings or {})})
+        if kubeconfig is not None:
+            env["KUBECONFIG"] = str(kubeconfig)
         if argv is None:
             argv = [sys.executable, "-m", "kopf", "run", "-m", "kubetune.controller.handlers"]
             argv = [*argv, "--standalone", "--all-namespaces"]

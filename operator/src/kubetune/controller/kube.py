@@ -3,8 +3,9 @@
 Reconciles read the cluster from watch-fed caches (controller/cache.py); what goes through
 here are the writes (`create_if_absent`, `delete_batch_job`, `patch_status`, ...), the one
 read that resolves a create conflict (`owner_uids`) and the trainer metrics scrape.
-`patch_status` retries what a retry can fix (conflicts, throttling, server errors, lost
-connections) and raises `StatusRejected` for what it cannot (the apiserver's 422).
+Every call retries what a retry can fix (throttling, server errors, lost connections, and
+for status writes conflicts) a few times before it gives up; `patch_status` raises
+`StatusRejected` for what it cannot (the apiserver's 422).
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import asyncio
 import logging
 import math
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import httpx2
 from lightkube import AsyncClient, codecs
@@ -41,11 +42,15 @@ _KINDS: dict[str, Any] = {
     "PersistentVolumeClaim": PersistentVolumeClaim,
 }
 
-RETRY_CODES = frozenset({409, 429, 500, 502, 503, 504})
-"""Answers a status write is retried on: a conflict, throttling, the server's trouble."""
+TRANSIENT_CODES = frozenset({429, 500, 502, 503, 504})
+"""Answers every call is retried on: throttling, the server's trouble."""
+RETRY_CODES = TRANSIENT_CODES | {409}
+"""Answers a status write is retried on: those and a conflict."""
 RETRY_DELAYS = (0.2, 0.5, 1.0, 2.0, 4.0)
-"""Waits between the attempts of one write (about 8 s in all); the reconcile loop retries
-the write later if all of them fail."""
+"""Waits between the attempts of one call (about 8 s in all); the reconcile loop tries the
+call again later if all of them fail."""
+
+T = TypeVar("T")
 
 
 class StatusRejected(Exception):
@@ -139,13 +144,44 @@ class Kube:
         if kind is None:
             raise ValueError(f"no reader for kind {manifest.get('kind')!r}")
         try:
-            obj = await self.client.get(kind, name=meta["name"], namespace=meta.get("namespace"))
+            obj = await self._retrying(
+                f"read of {kind.__name__} {meta.get('namespace')}/{meta['name']}",
+                lambda: self.client.get(kind, name=meta["name"], namespace=meta.get("namespace")),
+                write=False,
+            )
         except ApiError as exc:
             if exc.status.code == 404:
                 return None
             raise
         refs = obj.metadata.ownerReferences if obj.metadata else None
         return {ref.uid for ref in refs or []}
+
+    async def _retrying(
+        self,
+        what: str,
+        call: Callable[[], Awaitable[T]],
+        codes: frozenset[int] = TRANSIENT_CODES,
+        write: bool = True,
+    ) -> T:
+        """`call()`, tried again after RETRY_DELAYS while it is answered with one of `codes`
+        or loses its connection; then the last error is raised. A write checks the fence
+        before each attempt. (A create retried after a lost answer may find its own object:
+        the caller's 409 handling covers that.)"""
+        for delay in (*RETRY_DELAYS, None):
+            if write:
+                self._check_fence()
+            try:
+                return await call()
+            except ApiError as exc:
+                if exc.status.code not in codes or delay is None:
+                    raise
+                log.info("%s answered %s; retrying", what, exc.status.code)
+            except httpx2.TransportError as exc:
+                if delay is None:
+                    raise
+                log.info("%s failed (%s); retrying", what, exc)
+            await asyncio.sleep(delay)
+        raise AssertionError("unreachable")
 
     # ------------------------------------------------------------------ writes
 
@@ -160,45 +196,38 @@ class Kube:
         raised for the caller to try again later.
         """
         body = {"status": dict(patch)}
-        for delay in (*RETRY_DELAYS, None):
-            self._check_fence()
-            try:
-                obj: Any
-                if pool:
-                    obj = await self.client.patch(
-                        GPUPoolResource.Status, name, body, patch_type=PatchType.MERGE
-                    )
-                else:
-                    obj = await self.client.patch(
-                        FineTuneJobResource.Status,
-                        name,
-                        body,
-                        namespace=namespace,
-                        patch_type=PatchType.MERGE,
-                    )
-                return str(obj.metadata.resourceVersion) if obj.metadata else ""
-            except ApiError as exc:
-                code = exc.status.code
-                if code == 404:
-                    return None
-                if code == 422:
-                    raise StatusRejected(str(exc.status.message), _rejected_fields(exc)) from exc
-                if code not in RETRY_CODES or delay is None:
-                    raise
-                log.info("status write of %s/%s answered %s; retrying", namespace, name, code)
-            except httpx2.TransportError as exc:
-                if delay is None:
-                    raise
-                log.info("status write of %s/%s failed (%s); retrying", namespace, name, exc)
-            await asyncio.sleep(delay)
-        raise AssertionError("unreachable")
+
+        async def write() -> Any:
+            if pool:
+                return await self.client.patch(
+                    GPUPoolResource.Status, name, body, patch_type=PatchType.MERGE
+                )
+            return await self.client.patch(
+                FineTuneJobResource.Status,
+                name,
+                body,
+                namespace=namespace,
+                patch_type=PatchType.MERGE,
+            )
+
+        try:
+            obj = await self._retrying(f"status write of {namespace}/{name}", write, RETRY_CODES)
+        except ApiError as exc:
+            code = exc.status.code
+            if code == 404:
+                return None
+            if code == 422:
+                raise StatusRejected(str(exc.status.message), _rejected_fields(exc)) from exc
+            raise
+        return str(obj.metadata.resourceVersion) if obj.metadata else ""
 
     async def create_if_absent(self, manifest: Mapping[str, Any]) -> bool:
         """Create the object; False when it already existed."""
-        self._check_fence()
         obj = codecs.from_dict(dict(manifest))
+        meta = manifest.get("metadata") or {}
+        what = f"create of {manifest.get('kind')} {meta.get('namespace')}/{meta.get('name')}"
         try:
-            await self.client.create(obj)
+            await self._retrying(what, lambda: self.client.create(obj))
         except ApiError as exc:
             if exc.status.code == 409:
                 return False
@@ -207,19 +236,23 @@ class Kube:
 
     async def delete_batch_job(self, namespace: str, name: str) -> None:
         """Delete a batch Job and (in the background) its pods, which get SIGTERM first."""
-        self._check_fence()
         try:
-            await self.client.delete(
-                Job, name=name, namespace=namespace, cascade=CascadeType.BACKGROUND
+            await self._retrying(
+                f"delete of Job {namespace}/{name}",
+                lambda: self.client.delete(
+                    Job, name=name, namespace=namespace, cascade=CascadeType.BACKGROUND
+                ),
             )
         except ApiError as exc:
             if exc.status.code != 404:
                 raise
 
     async def delete_finetunejob(self, namespace: str, name: str) -> None:
-        self._check_fence()
         try:
-            await self.client.delete(FineTuneJobResource, name=name, namespace=namespace)
+            await self._retrying(
+                f"delete of FineTuneJob {namespace}/{name}",
+                lambda: self.client.delete(FineTuneJobResource, name=name, namespace=namespace),
+            )
         except ApiError as exc:
             if exc.status.code != 404:
                 raise

@@ -10,8 +10,10 @@ The loop owns its status writes (a merge patch of the status subresource, retrie
 conflicts, throttling, server errors and lost connections) instead of handing a patch to
 kopf: a write that fails is tried again on the next look and can never stop the loop. A
 write the apiserver rejects as invalid (422) is logged with its fields and reported on the
-job (a Warning Event and `status.message`). Progress and cost alone are written at most
-every `progress_write_seconds`; any other change of the status is written at once.
+job (a Warning Event and `status.message`), and the job is looked at again soon
+(`REJECTED_RETRY_SECONDS`, backing off), even when the rejected write was its last.
+Progress and cost alone are written at most every `progress_write_seconds`; any other
+change of the status is written at once.
 
 GPUPools get a loop too: it writes a pool's live capacity when it changed, and marks a pool
 the operator cannot read (condition Valid=False) without letting it affect any job.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -59,6 +62,10 @@ VOLATILE = frozenset({"progress", "cost"})
 
 WAKE_PER_POOL = 8
 """How many jobs at the front of a pool's queue a change of capacity wakes at once."""
+
+REJECTED_RETRY_SECONDS = 5.0
+"""A job whose status write was rejected is looked at again after this long, doubling with
+each rejection in a row up to the resync period: finished or not, its status must land."""
 
 ARCH_FAILURE_SECONDS = 300.0
 """An architecture that could not be loaded (e.g. a hub fetch that failed) is not tried
@@ -255,6 +262,8 @@ class _JobState:
     due_at: float | None = None
     """When the next look is due (monotonic); None while the job waits only for events."""
     failures: int = 0
+    rejections: int = 0
+    """Status writes the apiserver rejected in a row."""
     generation: Any = None
 
 
@@ -434,9 +443,11 @@ class Runtime:
             message = f"invalid FineTuneJob: {exc.errors()[0]['msg']} at {exc.errors()[0]['loc']}"
             status = failed(FineTuneJobStatus(), Reason.INVALID_SPEC, message, now)
             self.post_event(body, EventType.WARNING, Reason.INVALID_SPEC, message)
-            await self._write_status(namespace, name, state, old_status or {}, status, body)
+            written = await self._write_status(
+                namespace, name, state, old_status or {}, status, body
+            )
             metrics.observe_job(raw, status.to_wire())
-            return None
+            return None if written else self._after_rejection(state)
         version = self.view_version
         pools, free = self.live_pools()
         observed = self.caches.observe(job, pools)
@@ -456,7 +467,9 @@ class Runtime:
         )
         decision: Decision = await asyncio.get_running_loop().run_in_executor(self.executor, decide)
         await self._carry_out(job, state, decision, body, now)
-        await self._write_status(namespace, name, state, old_status or {}, decision.status, body)
+        written = await self._write_status(
+            namespace, name, state, old_status or {}, decision.status, body
+        )
         metrics.observe_job(raw, decision.status.to_wire())
         phase = decision.status.phase
         if phase == Phase.QUEUED or (phase == Phase.PLANNING and not observed.pools):
@@ -465,11 +478,20 @@ class Runtime:
             self.queued.discard(key)
             self.queue.stop_waiting(key)
         self._release_when_bound(key, phase, observed.pods)
-        finished = phase in TERMINAL_PHASES
+        # A job is finished once its status says so; until its last write lands it is not.
+        finished = phase in TERMINAL_PHASES and written
         metrics.reconciled(namespace, name, None if finished else time.time())
-        if decision.requeue_after is not None:
-            return decision.requeue_after
-        return None if finished else self.settings.resync_seconds
+        delay = decision.requeue_after
+        if delay is None and not finished:
+            delay = self.settings.resync_seconds
+        if not written:
+            delay = min(math.inf if delay is None else delay, self._after_rejection(state))
+        return delay
+
+    def _after_rejection(self, state: _JobState) -> float:
+        """When to look again at a job whose status write was rejected."""
+        backoff = REJECTED_RETRY_SECONDS * 2.0 ** min(state.rejections - 1, 6)
+        return min(backoff, self.settings.resync_seconds)
 
     def _admit(
         self,
@@ -590,16 +612,18 @@ class Runtime:
         old: Mapping[str, Any],
         new: FineTuneJobStatus,
         body: Mapping[str, Any],
-    ) -> None:
+    ) -> bool:
+        """Write what changed of the status; False when the apiserver rejected it (422)."""
         patch = status_patch(old, new)
         if not patch:
-            return
+            state.rejections = 0
+            return True
         volatile_only = set(patch) <= VOLATILE
         if (
             volatile_only
             and time.monotonic() - state.written_at < self.settings.progress_write_seconds
         ):
-            return
+            return True
         try:
             rv = await self.kube.patch_status(namespace, name, patch)
         except StatusRejected as exc:
@@ -616,15 +640,18 @@ class Runtime:
             except (StatusRejected, ApiError):
                 log.error("could not record the rejection on %s/%s", namespace, name)
             state.written_at = time.monotonic()
-            return
+            state.rejections += 1
+            return False
         except Exception:
             metrics.status_write("failed")
             raise
         metrics.status_write("ok")
         state.written_at = time.monotonic()
+        state.rejections = 0
         if rv is not None:
             state.written_rv = resource_version({"resourceVersion": rv})
             state.written_status = new.to_wire()
+        return True
 
     # ------------------------------------------------------------------ pool loops
 
