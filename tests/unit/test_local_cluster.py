@@ -74,3 +74,18 @@ def test_apiserver_args_come_last_so_they_win(tmp_path: Path) -> None:
     # Go's flag parsing keeps the last value of a repeated flag: the extra --v=2 wins.
     assert argv[-2:] == extra
     assert len(argv) == len(plain) + len(extra)
+
+
+def test_controller_manager_args_extend_the_controller_list(tmp_path: Path) -> None:
+    bins = _binaries(tmp_path)
+    off = "--controllers=-endpoints-controller,-endpointslice-controller"
+    argv = LocalCluster(
+        tmp_path / "r", bins, controller_manager_args=[off]
+    ).controller_manager_argv()
+    assert argv[0] == str(bins.kube_controller_manager)
+    # pflag appends a repeated list flag: node IPAM stays off and the endpoint controllers join it.
+    assert [a for a in argv if a.startswith("--controllers=")] == [
+        "--controllers=*,-node-ipam-controller",
+        off,
+    ]
+    assert argv[-1] == off

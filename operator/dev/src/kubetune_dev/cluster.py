@@ -174,16 +174,20 @@ class LocalCluster:
         kwok_stages: Path | None = None,
         kwok_args: Sequence[str] = (),
         apiserver_args: Sequence[str] = (),
+        controller_manager_args: Sequence[str] = (),
     ) -> None:
         """`kwok_stages` replaces the Stage objects kwok runs (default: the release's "fast"
-        set next to the kwok binary); `kwok_args` and `apiserver_args` are appended to those
-        components' command lines, so a flag given there wins over the default one."""
+        set next to the kwok binary). `kwok_args`, `apiserver_args` and
+        `controller_manager_args` are appended to those components' command lines: a flag
+        given there wins over the default one, and a list flag such as `--controllers`
+        extends it (`--controllers=-endpoints-controller` turns one more controller off)."""
         self.root = root
         self.binaries = binaries
         self.progress = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.kwok_stages = kwok_stages
         self.kwok_args = tuple(kwok_args)
         self.apiserver_args = tuple(apiserver_args)
+        self.controller_manager_args = tuple(controller_manager_args)
         self.pki = Pki(root / "pki")
         self.logs = root / "logs"
         self.kubeconfig = root / "kubeconfig"
@@ -335,29 +339,7 @@ class LocalCluster:
         raise ClusterError(f"kube-apiserver not ready: {last}\n{self.log_tail('kube-apiserver')}")
 
     def _start_controllers(self) -> None:
-        p = self.pki
-        self._spawn(
-            "kube-controller-manager",
-            [
-                str(self.binaries.kube_controller_manager),
-                f"--kubeconfig={self.component_kubeconfig('controller-manager')}",
-                f"--authentication-kubeconfig={self.component_kubeconfig('controller-manager')}",
-                f"--authorization-kubeconfig={self.component_kubeconfig('controller-manager')}",
-                "--bind-address=127.0.0.1",
-                f"--secure-port={free_port()}",
-                "--leader-elect=false",
-                "--controllers=*,-node-ipam-controller",
-                f"--service-account-private-key-file={p.sa_key}",
-                f"--root-ca-file={p.ca_cert}",
-                f"--cluster-signing-cert-file={p.ca_cert}",
-                f"--cluster-signing-key-file={p.ca_key}",
-                "--use-service-account-credentials=true",
-                f"--service-cluster-ip-range={SERVICE_CIDR}",
-                "--node-monitor-grace-period=40s",
-                "--concurrent-job-syncs=10",
-                "--v=1",
-            ],
-        )
+        self._spawn("kube-controller-manager", self.controller_manager_argv())
         self._spawn(
             "kube-scheduler",
             [
@@ -383,6 +365,29 @@ class LocalCluster:
                 f"--storage-class={STORAGE_CLASS}",
             ],
         )
+
+    def controller_manager_argv(self) -> list[str]:
+        p = self.pki
+        return [
+            str(self.binaries.kube_controller_manager),
+            f"--kubeconfig={self.component_kubeconfig('controller-manager')}",
+            f"--authentication-kubeconfig={self.component_kubeconfig('controller-manager')}",
+            f"--authorization-kubeconfig={self.component_kubeconfig('controller-manager')}",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={free_port()}",
+            "--leader-elect=false",
+            "--controllers=*,-node-ipam-controller",
+            f"--service-account-private-key-file={p.sa_key}",
+            f"--root-ca-file={p.ca_cert}",
+            f"--cluster-signing-cert-file={p.ca_cert}",
+            f"--cluster-signing-key-file={p.ca_key}",
+            "--use-service-account-credentials=true",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            "--node-monitor-grace-period=40s",
+            "--concurrent-job-syncs=10",
+            "--v=1",
+            *self.controller_manager_args,
+        ]
 
     def kwok_argv(self) -> list[str]:
         argv = [
