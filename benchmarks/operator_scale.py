@@ -562,15 +562,19 @@ class Snapshot:
     planned: int
     phases: Counter[str]
     pending_pods: int
+    young_pending_pods: int
+    """Pending for less than the operator waits before it moves a pod to another pool."""
     running_pods: int
     running_without_pods: int
     not_planned_reasons: Counter[str]
 
     def settled(self, expected: int) -> bool:
+        """Every job in a settled phase with pods for its attempt, and no pod still waiting
+        for a place the operator might yet find it (an older Pending pod found none)."""
         return (
             self.jobs == expected
             and all(phase in SETTLED_PHASES for phase in self.phases.elements())
-            and self.pending_pods == 0
+            and self.young_pending_pods == 0
             and self.running_without_pods == 0
         )
 
@@ -585,7 +589,8 @@ class Tracker:
         self._lock = threading.Lock()
         self.jobs: dict[tuple[str, str], JobState] = {}
         self.first_pod: dict[tuple[str, str], float] = {}
-        self.pods: dict[tuple[str, str], tuple[tuple[str, str], str]] = {}
+        self.pods: dict[tuple[str, str], tuple[tuple[str, str], str, float]] = {}
+        """(namespace, pod) → (namespace, job), phase, creation time."""
         self.phase_changes = 0
 
     def on_job(self, kind: str, obj: Mapping[str, Any]) -> None:
@@ -622,21 +627,29 @@ class Tracker:
             if kind == "DELETED" or meta.get("deletionTimestamp"):
                 self.pods.pop(key, None)
             else:
-                self.pods[key] = (job, str((obj.get("status") or {}).get("phase") or "Pending"))
+                phase = str((obj.get("status") or {}).get("phase") or "Pending")
+                self.pods[key] = (job, phase, created)
 
-    def snapshot(self) -> Snapshot:
+    def snapshot(self, now: float, patience: float) -> Snapshot:
+        """The state at `now` (epoch seconds); a Pending pod younger than `patience` seconds
+        is young."""
         with self._lock:
             phases = Counter(s.phase or "(none)" for s in self.jobs.values())
-            pod_phases = Counter(phase for _, phase in self.pods.values())
-            with_running = {job for job, phase in self.pods.values() if phase == "Running"}
+            pod_phases = Counter(phase for _, phase, _ in self.pods.values())
+            with_pods = {job for job, _, _ in self.pods.values()}
             running_jobs = [k for k, s in self.jobs.items() if s.phase == "Running"]
             return Snapshot(
                 jobs=len(self.jobs),
                 planned=sum(1 for s in self.jobs.values() if s.planned_at is not None),
                 phases=phases,
                 pending_pods=pod_phases["Pending"],
+                young_pending_pods=sum(
+                    1
+                    for _, phase, created in self.pods.values()
+                    if phase == "Pending" and now - created < patience
+                ),
                 running_pods=pod_phases["Running"],
-                running_without_pods=sum(1 for k in running_jobs if k not in with_running),
+                running_without_pods=sum(1 for k in running_jobs if k not in with_pods),
                 not_planned_reasons=Counter(
                     s.not_planned_reason or "(no Planned condition)"
                     for s in self.jobs.values()
@@ -854,6 +867,18 @@ class Bench:
         )
         return jobs
 
+    def snapshot(self) -> Snapshot:
+        return self.tracker.snapshot(time.time(), self.patience)
+
+    @property
+    def patience(self) -> float:
+        """How long a trainer pod may stay Pending before the operator gives up moving it:
+        its reschedule delay, two polls for noticing, and a margin."""
+        env = self.opts.operator_env
+        reschedule = float(env.get("KUBETUNE_RESCHEDULE_SECONDS") or 120)
+        poll = float(env.get("KUBETUNE_POLL_SECONDS") or 10)
+        return reschedule + 2 * poll + 15
+
     def mark(self, name: str) -> Mark:
         totals = self.api.request_totals()
         pid = self.cluster.state.pids.get("operator")
@@ -960,7 +985,7 @@ class Bench:
         steady = False
         while time.monotonic() - start.when < opts.timeout:
             self.cluster.check_alive()
-            snap = self.tracker.snapshot()
+            snap = self.snapshot()
             now = time.monotonic()
             if snap.signature() != signature:
                 signature, last_change = snap.signature(), now
@@ -969,6 +994,7 @@ class Bench:
                     f"[{now - start.when:5.0f}s] planned {snap.planned}/{n} | "
                     + " ".join(f"{k} {v}" for k, v in sorted(snap.phases.items()))
                     + f" | pods running {snap.running_pods} pending {snap.pending_pods}"
+                    + f" (young {snap.young_pending_pods})"
                     + f" | load {load_average()}"
                 )
                 next_print = now + opts.progress_seconds
@@ -986,7 +1012,7 @@ class Bench:
             say(f"NOT steady within --timeout {opts.timeout:.0f}s; measuring the window anyway")
 
     def steady_window(self) -> None:
-        before = self.tracker.snapshot()
+        before = self.snapshot()
         changes = self.tracker.phase_changes
         start = self.mark("steady")
         assert start.proc is not None
@@ -998,11 +1024,12 @@ class Bench:
             peak = max(peak, proc_sample(self.pid).rss_kib)
         end = self.mark("steady_end")
         assert end.proc is not None
-        after = self.tracker.snapshot()
+        after = self.snapshot()
         self.facts.update(
             phases=dict(before.phases),
             running_jobs=(before.phases["Running"] + after.phases["Running"]) / 2,
             running_pods=before.running_pods,
+            pending_pods=before.pending_pods,
             window_phase_changes=self.tracker.phase_changes - changes,
             rss_peak_mib=max(peak, end.proc.rss_kib) / 1024,
             rss_hwm_mib=end.proc.hwm_kib / 1024,
@@ -1130,7 +1157,8 @@ def row_values(r: Mapping[str, Any]) -> dict[str, str]:
         "pod": f"{fmt(r['pod_p50_s'], 0)} / {fmt(r['pod_p99_s'], 0)}",
         "planned_per_s": fmt(r["planned_per_s"]),
         "to_steady": fmt(r["to_steady_s"], 0) + ("" if r["steady"] else " (not steady)"),
-        "running": f"{r['phases'].get('Running', 0)} / {r['phases'].get('Queued', 0)}",
+        "running": f"{r['phases'].get('Running', 0)} / {r['phases'].get('Queued', 0)}"
+        + (f" ({r['pending_pods']} pods Pending)" if r.get("pending_pods") else ""),
         "rss": fmt(r["rss_peak_mib"], 0),
         "cpu": fmt(r["cpu_pct"]),
         "req_job": fmt(r["requests_per_job"]),
@@ -1198,6 +1226,7 @@ def report(r: Mapping[str, Any]) -> str:
         f"  creation → first pod  p50 {fmt(r['pod_p50_s'])}s  p99 {fmt(r['pod_p99_s'])}s  "
         f"({r['jobs_with_pods']} jobs had pods)",
         f"  steady: {r['steady']} after {r['to_steady_s']}s; phases {r['phases']}; "
+        f"trainer pods Running {r['running_pods']}, Pending {r['pending_pods']}; "
         f"pools {r['pools_chosen']}",
         f"  window {r['window_s']}s ({r['window_phase_changes']} phase changes): operator RSS "
         f"peak {fmt(r['rss_peak_mib'])} MiB (lifetime peak {fmt(r['rss_hwm_mib'])}), CPU "
