@@ -166,10 +166,29 @@ def _write_kubeconfig(path: Path, server: str, pki: Pki, user: str) -> None:
 class LocalCluster:
     """Start, inspect and stop the local control plane rooted at `root`."""
 
-    def __init__(self, root: Path, binaries: Binaries, progress: Progress | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        binaries: Binaries,
+        progress: Progress | None = None,
+        *,
+        kwok_stages: Path | None = None,
+        kwok_args: Sequence[str] = (),
+        apiserver_args: Sequence[str] = (),
+        controller_manager_args: Sequence[str] = (),
+    ) -> None:
+        """`kwok_stages` replaces the Stage objects kwok runs (default: the release's "fast"
+        set next to the kwok binary). `kwok_args`, `apiserver_args` and
+        `controller_manager_args` are appended to those components' command lines: a flag
+        given there wins over the default one, and a list flag such as `--controllers`
+        extends it (`--controllers=-endpoints-controller` turns one more controller off)."""
         self.root = root
         self.binaries = binaries
         self.progress = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.kwok_stages = kwok_stages
+        self.kwok_args = tuple(kwok_args)
+        self.apiserver_args = tuple(apiserver_args)
+        self.controller_manager_args = tuple(controller_manager_args)
         self.pki = Pki(root / "pki")
         self.logs = root / "logs"
         self.kubeconfig = root / "kubeconfig"
@@ -273,36 +292,37 @@ class LocalCluster:
         )
 
     def _start_apiserver(self, deadline: float) -> None:
-        p = self.pki
-        self._spawn(
-            "kube-apiserver",
-            [
-                str(self.binaries.kube_apiserver),
-                f"--etcd-servers=http://127.0.0.1:{self.state.etcd_port}",
-                "--bind-address=127.0.0.1",
-                "--advertise-address=127.0.0.1",
-                f"--secure-port={self.state.apiserver_port}",
-                f"--tls-cert-file={p.serving_cert}",
-                f"--tls-private-key-file={p.serving_key}",
-                f"--client-ca-file={p.ca_cert}",
-                f"--requestheader-client-ca-file={p.ca_cert}",
-                "--requestheader-allowed-names=front-proxy-client",
-                "--requestheader-username-headers=X-Remote-User",
-                "--requestheader-group-headers=X-Remote-Group",
-                "--requestheader-extra-headers-prefix=X-Remote-Extra-",
-                "--authorization-mode=Node,RBAC",
-                "--enable-admission-plugins=NodeRestriction",
-                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-                f"--service-account-key-file={p.sa_pub}",
-                f"--service-account-signing-key-file={p.sa_key}",
-                f"--service-cluster-ip-range={SERVICE_CIDR}",
-                "--allow-privileged=true",
-                "--endpoint-reconciler-type=none",
-                "--profiling=false",
-                "--v=1",
-            ],
-        )
+        self._spawn("kube-apiserver", self.apiserver_argv())
         self._wait_ready(deadline)
+
+    def apiserver_argv(self) -> list[str]:
+        p = self.pki
+        return [
+            str(self.binaries.kube_apiserver),
+            f"--etcd-servers=http://127.0.0.1:{self.state.etcd_port}",
+            "--bind-address=127.0.0.1",
+            "--advertise-address=127.0.0.1",
+            f"--secure-port={self.state.apiserver_port}",
+            f"--tls-cert-file={p.serving_cert}",
+            f"--tls-private-key-file={p.serving_key}",
+            f"--client-ca-file={p.ca_cert}",
+            f"--requestheader-client-ca-file={p.ca_cert}",
+            "--requestheader-allowed-names=front-proxy-client",
+            "--requestheader-username-headers=X-Remote-User",
+            "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+            "--authorization-mode=Node,RBAC",
+            "--enable-admission-plugins=NodeRestriction",
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            f"--service-account-key-file={p.sa_pub}",
+            f"--service-account-signing-key-file={p.sa_key}",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            "--allow-privileged=true",
+            "--endpoint-reconciler-type=none",
+            "--profiling=false",
+            "--v=1",
+            *self.apiserver_args,
+        ]
 
     def _https_get(self, path: str, timeout: float = 2.0) -> tuple[int, str]:
         ctx = ssl.create_default_context(cafile=str(self.pki.ca_cert))
@@ -331,29 +351,7 @@ class LocalCluster:
         raise ClusterError(f"kube-apiserver not ready: {last}\n{self.log_tail('kube-apiserver')}")
 
     def _start_controllers(self) -> None:
-        p = self.pki
-        self._spawn(
-            "kube-controller-manager",
-            [
-                str(self.binaries.kube_controller_manager),
-                f"--kubeconfig={self.component_kubeconfig('controller-manager')}",
-                f"--authentication-kubeconfig={self.component_kubeconfig('controller-manager')}",
-                f"--authorization-kubeconfig={self.component_kubeconfig('controller-manager')}",
-                "--bind-address=127.0.0.1",
-                f"--secure-port={free_port()}",
-                "--leader-elect=false",
-                "--controllers=*,-node-ipam-controller",
-                f"--service-account-private-key-file={p.sa_key}",
-                f"--root-ca-file={p.ca_cert}",
-                f"--cluster-signing-cert-file={p.ca_cert}",
-                f"--cluster-signing-key-file={p.ca_key}",
-                "--use-service-account-credentials=true",
-                f"--service-cluster-ip-range={SERVICE_CIDR}",
-                "--node-monitor-grace-period=40s",
-                "--concurrent-job-syncs=10",
-                "--v=1",
-            ],
-        )
+        self._spawn("kube-controller-manager", self.controller_manager_argv())
         self._spawn(
             "kube-scheduler",
             [
@@ -367,19 +365,7 @@ class LocalCluster:
                 "--v=1",
             ],
         )
-        stages = self.binaries.kwok.parent / "kwok-stages.yaml"
-        kwok = [
-            str(self.binaries.kwok),
-            f"--kubeconfig={self.component_kubeconfig('kwok')}",
-            "--manage-all-nodes=false",
-            f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}=fake",
-            "--node-lease-duration-seconds=40",
-            f"--server-address=127.0.0.1:{free_port()}",
-            "-v=WARN",
-        ]
-        if stages.exists():
-            kwok.append(f"--config={stages}")
-        self._spawn("kwok", kwok)
+        self._spawn("kwok", self.kwok_argv())
         self._spawn(
             "provisioner",
             [
@@ -391,6 +377,50 @@ class LocalCluster:
                 f"--storage-class={STORAGE_CLASS}",
             ],
         )
+
+    def controller_manager_argv(self) -> list[str]:
+        p = self.pki
+        return [
+            str(self.binaries.kube_controller_manager),
+            f"--kubeconfig={self.component_kubeconfig('controller-manager')}",
+            f"--authentication-kubeconfig={self.component_kubeconfig('controller-manager')}",
+            f"--authorization-kubeconfig={self.component_kubeconfig('controller-manager')}",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={free_port()}",
+            "--leader-elect=false",
+            "--controllers=*,-node-ipam-controller",
+            f"--service-account-private-key-file={p.sa_key}",
+            f"--root-ca-file={p.ca_cert}",
+            f"--cluster-signing-cert-file={p.ca_cert}",
+            f"--cluster-signing-key-file={p.ca_key}",
+            "--use-service-account-credentials=true",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            "--node-monitor-grace-period=40s",
+            "--concurrent-job-syncs=10",
+            "--v=1",
+            *self.controller_manager_args,
+        ]
+
+    def kwok_argv(self) -> list[str]:
+        argv = [
+            str(self.binaries.kwok),
+            f"--kubeconfig={self.component_kubeconfig('kwok')}",
+            "--manage-all-nodes=false",
+            f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}=fake",
+            "--node-lease-duration-seconds=40",
+            f"--server-address=127.0.0.1:{free_port()}",
+            "-v=WARN",
+        ]
+        if self.kwok_stages is not None:
+            if not self.kwok_stages.is_file():
+                raise ClusterError(
+                    f"kwok stage file {self.kwok_stages} does not exist; to fix: pass the path "
+                    "of a YAML file of kwok Stage objects, or none for the default stages"
+                )
+            argv.append(f"--config={self.kwok_stages}")
+        elif self.binaries.kwok_stages.exists():
+            argv.append(f"--config={self.binaries.kwok_stages}")
+        return [*argv, *self.kwok_args]
 
     def _bootstrap(self, deadline: float) -> None:
         storage_class = {

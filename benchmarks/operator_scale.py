@@ -1,0 +1,1358 @@
+"""The operator at scale: many FineTuneJobs at once on the local control plane with kwok.
+
+Starts the local control plane (docs/local-cluster.md) with four simulated GPU pools of the
+built-in catalog (rtx4090-spot, l40s, a100-80gb, h100; `--nodes-per-pool` kwok nodes of 8 GPUs
+each), `--namespaces` namespaces and the operator as its own process
+(`LocalCluster.start_operator`: `python -m kopf run -m kubetune.controller.handlers`, whatever
+`kubetune` the interpreter imports). Then `--clients` threads create `--jobs` FineTuneJobs at
+once over HTTPS with the kubeconfig's client certificate, every one a different question for
+the planner (model, method, sequence length, dataset size, GPU count), and the benchmark waits
+until every job that can run is Running with its trainer pods Running, measures a steady-state
+window of `--steady-seconds`, and stops the cluster (also on Ctrl-C).
+
+kwok runs its release's "fast" stages without `pod-complete`, so trainer pods stay Running
+instead of completing at once, and it gives pods loopback addresses (`--cidr`), so the
+operator's scrapes of the trainers' metrics are refused at once instead of leaving the machine.
+
+What it prints, and appends as a row to benchmarks/results/operator-scale-<date>.md (with
+every detail, the API request breakdown included, as a JSON line in the .jsonl beside it);
+docs/local-cluster.md#the-operator-at-scale says what each column means:
+
+- creation → Planned condition p50/p99 (`lastTransitionTime` − `creationTimestamp`, both the
+  API server's clock, 1 s resolution), creation → first trainer pod p50/p99 (the first pod
+  labelled `kubetune.io/job=<job>`), jobs/s reaching Planned, jobs never Planned in --timeout;
+- the operator's peak RSS and CPU (% of one core) over the steady window, from /proc;
+- API requests from the API server's own `apiserver_request_total`, which has no user label:
+  every client's requests are in it. The benchmark subtracts its own, the local provisioner's
+  polling (`local_tooling`) and the cluster's background rate, measured in a window of
+  `--background-seconds` after the operator is stopped (`beyond_background`).
+
+Usage:
+    python benchmarks/operator_scale.py --jobs 500 --label before
+    python benchmarks/operator_scale.py --quick          # 50 jobs, short windows, no results row
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import http.client
+import json
+import math
+import os
+import re
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any, NamedTuple
+from urllib.parse import quote, urlsplit
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+
+GROUP, VERSION = "kubetune.io", "v1alpha1"
+LABEL_JOB = "kubetune.io/job"
+POD_LOOPBACK_CIDR = "127.16.0.0/12"
+"""kwok's pod addresses: on loopback, where nothing listens on the trainers' metrics port."""
+DROPPED_STAGES = frozenset({"pod-complete"})
+"""kwok stages left out, so that trainer pods stay Running."""
+ENDPOINT_CONTROLLERS_OFF = (
+    "--controllers=-endpoints-controller,-endpointslice-controller,"
+    "-endpointslice-mirroring-controller"
+)
+"""Endpoints of the trainers' headless Services: no use without DNS or kube-proxy, and the
+controllers would retry loopback pod addresses (which Endpoints refuse) forever."""
+SETTLED_PHASES = frozenset({"Running", "Queued", "Succeeded", "Failed"})
+
+# The job mix: pairwise coprime lengths (11, 3, 4, 5), so the first 660 jobs are 660
+# different combinations, and a dataset size of its own for every job on top.
+MODELS = (
+    "Qwen/Qwen2.5-0.5B",
+    "meta-llama/Llama-3.2-1B",
+    "Qwen/Qwen2.5-1.5B",
+    "google/gemma-2-2b",
+    "microsoft/phi-2",
+    "meta-llama/Llama-3.2-3B",
+    "Qwen/Qwen3-4B",
+    "mistralai/Mistral-7B-v0.3",
+    "Qwen/Qwen2.5-7B",
+    "meta-llama/Llama-3.1-8B",
+    "Qwen/Qwen2.5-14B",
+)
+METHODS = ("lora", "qlora", "full")
+SEQUENCE_LENGTHS = (512, 1024, 2048, 4096)
+GPU_COUNTS = (1, 2, 4, 8, 16)
+
+QUIET_PER_S = 1.0
+"""The cluster is quiet when fewer requests than this come per second, Leases and
+non-resource URLs aside."""
+WRITE_VERBS = frozenset({"PATCH", "PUT", "UPDATE", "APPLY"})
+
+
+# ============================================================================ pure parts
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100), linear between closest ranks (numpy's default); NaN
+    for no values."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile {q} is outside 0..100")
+    data = sorted(values)
+    if not data:
+        return math.nan
+    pos = (len(data) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(data) - 1)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+class RequestKey(NamedTuple):
+    """The labels of `apiserver_request_total` this benchmark tells apart."""
+
+    verb: str
+    group: str
+    resource: str
+    subresource: str
+    code: str
+
+
+_SAMPLE = re.compile(r"^apiserver_request_total\{(?P<labels>.*)\}\s+(?P<value>\S+)")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def _unescape(value: str) -> str:
+    return re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), value)
+
+
+def parse_request_totals(text: str) -> dict[RequestKey, float]:
+    """`apiserver_request_total` of a Prometheus text exposition, summed over the labels
+    `RequestKey` does not keep (version, scope, component, dry_run)."""
+    totals: dict[RequestKey, float] = {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match is None:
+            continue
+        labels = {k: _unescape(v) for k, v in _LABEL.findall(match["labels"])}
+        key = RequestKey(
+            verb=labels.get("verb", ""),
+            group=labels.get("group", ""),
+            resource=labels.get("resource", ""),
+            subresource=labels.get("subresource", ""),
+            code=labels.get("code", ""),
+        )
+        totals[key] = totals.get(key, 0.0) + float(match["value"])
+    return totals
+
+
+def counter_delta(
+    after: Mapping[RequestKey, float], before: Mapping[RequestKey, float]
+) -> dict[RequestKey, float]:
+    """What each counter grew by; counters that did not grow are left out."""
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v > before.get(k, 0.0)}
+
+
+OwnKey = tuple[str, str, str]
+"""(verb, resource, subresource) of a request the benchmark made itself."""
+
+
+def local_tooling(key: RequestKey) -> bool:
+    """The local provisioner's polling: it lists every PVC and PV twice a second, at a pace
+    that depends on how busy the CPUs are, so a background window cannot take it out. The
+    operator creates claims but lists neither."""
+    return key.verb == "LIST" and key.resource in ("persistentvolumes", "persistentvolumeclaims")
+
+
+def everything(_: RequestKey) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Interval:
+    """What `apiserver_request_total` grew by over some seconds, and the benchmark's own
+    requests in that time."""
+
+    delta: Mapping[RequestKey, float]
+    own: Mapping[OwnKey, int]
+    seconds: float
+
+    def count(self, keep: Callable[[RequestKey], bool] = everything) -> float:
+        """Requests `keep` accepts, less the local tooling's and the benchmark's own (`keep`
+        sees only verb, resource and subresource of those: their group and code are not
+        known here)."""
+        total = sum(v for k, v in self.delta.items() if keep(k) and not local_tooling(k))
+        mine = sum(
+            n
+            for (verb, res, sub), n in self.own.items()
+            if keep(RequestKey(verb, "", res, sub, ""))
+        )
+        return total - mine
+
+    def rate(self, keep: Callable[[RequestKey], bool] = everything) -> float:
+        return self.count(keep) / self.seconds if self.seconds > 0 else math.nan
+
+
+def beyond_background(
+    interval: Interval, background: Interval, keep: Callable[[RequestKey], bool] = everything
+) -> float:
+    """Requests in `interval` beyond what the cluster does without the operator (`background`:
+    kwok's node heartbeats and Leases, controllers' resyncs), at the background's rate."""
+    return interval.count(keep) - background.rate(keep) * interval.seconds
+
+
+def heartbeat_free(k: RequestKey) -> bool:
+    """Neither kwok's Lease renewals nor a non-resource URL (discovery, health checks)."""
+    return k.resource not in ("", "leases")
+
+
+def is_list(k: RequestKey) -> bool:
+    return k.verb == "LIST"
+
+
+def is_status_write(k: RequestKey) -> bool:
+    return k.resource == "finetunejobs" and k.subresource == "status" and k.verb in WRITE_VERBS
+
+
+def batch_job_posts(delta: Mapping[RequestKey, float], code: str) -> int:
+    return int(
+        sum(
+            v
+            for k, v in delta.items()
+            if (k.verb, k.group, k.resource, k.subresource, k.code)
+            == ("POST", "batch", "jobs", "", code)
+        )
+    )
+
+
+def own_delta(after: Mapping[OwnKey, int], before: Mapping[OwnKey, int]) -> Counter[OwnKey]:
+    return Counter({k: v - before.get(k, 0) for k, v in after.items() if v > before.get(k, 0)})
+
+
+def breakdown(delta: Mapping[RequestKey, float]) -> dict[str, int]:
+    """`VERB group/resource/subresource code` → count, largest first."""
+    rows: Counter[str] = Counter()
+    for k, v in delta.items():
+        what = "/".join(
+            p for p in (k.group or "core", k.resource or "(non-resource)", k.subresource) if p
+        )
+        rows[f"{k.verb} {what} {k.code}"] += int(v)
+    return dict(rows.most_common())
+
+
+def running_stages(default_stages: str) -> str:
+    """kwok's default Stage documents without `DROPPED_STAGES`: pods go Running and stay."""
+    kept = []
+    names = set()
+    for doc in yaml.safe_load_all(default_stages):
+        if not doc:
+            continue
+        name = str((doc.get("metadata") or {}).get("name", ""))
+        names.add(name)
+        if name not in DROPPED_STAGES:
+            kept.append(doc)
+    missing = {"pod-ready", "pod-delete", "node-initialize"} - names
+    if missing:
+        raise ValueError(
+            f"kwok's stage file has no {', '.join(sorted(missing))} stage; to fix: rebuild the "
+            "binaries (python -m kubetune_dev.binaries build) so the stage file matches kwok"
+        )
+    return yaml.safe_dump_all(kept, sort_keys=False)
+
+
+def rfc3339_seconds(text: str) -> float:
+    return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """One FineTuneJob to create: where, and the planner question it asks."""
+
+    namespace: str
+    name: str
+    model: str
+    method: str
+    sequence_length: int
+    num_examples: int
+    gpus: int
+
+    def question(self) -> tuple[str, str, int, int, int]:
+        return (self.model, self.method, self.sequence_length, self.num_examples, self.gpus)
+
+    def doc(self) -> dict[str, Any]:
+        return {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "FineTuneJob",
+            "metadata": {"name": self.name, "namespace": self.namespace},
+            "spec": {
+                "model": {"uri": self.model},
+                "dataset": {
+                    "uri": "/data/train.jsonl",
+                    "numExamples": self.num_examples,
+                    "avgTokensPerExample": 300,
+                },
+                "method": self.method,
+                "training": {"sequenceLength": self.sequence_length, "globalBatchSize": 32},
+                "resources": {"gpus": self.gpus},
+            },
+        }
+
+
+def job_mix(
+    n: int, namespaces: int, feasible: Callable[[JobPlan], bool] = lambda _: True
+) -> list[JobPlan]:
+    """`n` jobs spread over `namespaces` namespaces, no two alike; a combination the planner
+    cannot place gets the next method, then the next GPU count, that it can."""
+    jobs = []
+    for i in range(n):
+        base = JobPlan(
+            namespace=f"scale-{i % namespaces:02d}",
+            name=f"ftj-{i:05d}",
+            model=MODELS[i % len(MODELS)],
+            method=METHODS[i % len(METHODS)],
+            sequence_length=SEQUENCE_LENGTHS[i % len(SEQUENCE_LENGTHS)],
+            num_examples=1000 + 13 * i,
+            gpus=GPU_COUNTS[i % len(GPU_COUNTS)],
+        )
+        chosen = None
+        for dg in range(len(GPU_COUNTS)):
+            for dm in range(len(METHODS)):
+                candidate = JobPlan(
+                    **{
+                        **base.__dict__,
+                        "method": METHODS[(i + dm) % len(METHODS)],
+                        "gpus": GPU_COUNTS[(i + dg) % len(GPU_COUNTS)],
+                    }
+                )
+                if feasible(candidate):
+                    chosen = candidate
+                    break
+            if chosen is not None:
+                break
+        if chosen is None:
+            raise ValueError(f"no method or GPU count of {GPU_COUNTS} fits {base.model}")
+        jobs.append(chosen)
+    return jobs
+
+
+def planner_check(pools: Sequence[Mapping[str, Any]]) -> Callable[[JobPlan], bool]:
+    """Whether the planner places a job on `pools` at all (free capacity aside)."""
+    from kubetune.api.errors import KubetuneError
+    from kubetune.api.v1alpha1 import FineTuneJobSpec, GPUPool
+    from kubetune.planning.planner import plan_job
+    from kubetune.sources import load_arch
+
+    models = [GPUPool.model_validate(p) for p in pools]
+    seen: dict[tuple[str, str, int, int], bool] = {}
+
+    def feasible(job: JobPlan) -> bool:
+        key = (job.model, job.method, job.sequence_length, job.gpus)
+        if key not in seen:
+            spec = FineTuneJobSpec.model_validate(job.doc()["spec"])
+            try:
+                plan_job(spec, models, load_arch(job.model, local_files=False))
+                seen[key] = True
+            except KubetuneError:
+                seen[key] = False
+        return seen[key]
+
+    return feasible
+
+
+def latencies(start: Mapping[Any, float], end: Mapping[Any, float]) -> list[float]:
+    return [end[k] - start[k] for k in end if k in start]
+
+
+def fmt(value: float | None, digits: int = 1) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return f"{value:.{digits}f}"
+
+
+# ============================================================================ the API server
+
+
+class OwnRequests:
+    """The requests this benchmark made, by (verb, resource, subresource)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: Counter[OwnKey] = Counter()
+
+    def add(self, key: OwnKey) -> None:
+        with self._lock:
+            self._counts[key] += 1
+
+    def snapshot(self) -> Counter[OwnKey]:
+        with self._lock:
+            return Counter(self._counts)
+
+
+class Api:
+    """HTTPS to the API server with the kubeconfig's client certificate; one connection per
+    thread, kept alive."""
+
+    def __init__(self, kubeconfig: Path, own: OwnRequests) -> None:
+        config = yaml.safe_load(kubeconfig.read_text())
+        context = _named(config["contexts"], config["current-context"])["context"]
+        cluster = _named(config["clusters"], context["cluster"])["cluster"]
+        user = _named(config["users"], context["user"])["user"]
+        server = urlsplit(cluster["server"])
+        self.host, self.port = server.hostname or "127.0.0.1", server.port or 443
+        self.ssl = ssl.create_default_context(cafile=cluster["certificate-authority"])
+        self.ssl.load_cert_chain(user["client-certificate"], user["client-key"])
+        self.own = own
+        self._local = threading.local()
+
+    def connect(self, timeout: float | None = 60.0) -> http.client.HTTPSConnection:
+        return http.client.HTTPSConnection(self.host, self.port, context=self.ssl, timeout=timeout)
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        key: OwnKey | None,
+        body: bytes | None = None,
+        accept: str = "application/json",
+    ) -> tuple[int, bytes]:
+        headers = {"Accept": accept, "User-Agent": "kubetune-operator-scale-benchmark"}
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+        for attempt in (1, 2):
+            conn: http.client.HTTPSConnection | None = getattr(self._local, "conn", None)
+            if conn is None:
+                conn = self._local.conn = self.connect()
+            try:
+                conn.request(method, path, body=body, headers=headers)
+                response = conn.getresponse()
+                data = response.read()
+            except (OSError, http.client.HTTPException):
+                conn.close()
+                self._local.conn = None
+                if attempt == 2:
+                    raise
+                continue
+            if key is not None:
+                self.own.add(key)
+            return response.status, data
+        raise AssertionError("unreachable")
+
+    def get_json(self, path: str, key: OwnKey) -> dict[str, Any]:
+        status, data = self.request("GET", path, key)
+        if status != 200:
+            raise RuntimeError(f"GET {path}: HTTP {status}: {data[:300]!r}")
+        return dict(json.loads(data))
+
+    def request_totals(self) -> dict[RequestKey, float]:
+        # /metrics itself is not counted in apiserver_request_total: no own key.
+        status, data = self.request("GET", "/metrics", None, accept="text/plain")
+        if status != 200:
+            raise RuntimeError(f"GET /metrics: HTTP {status}: {data[:300]!r}")
+        text = data.decode(errors="replace")
+        wanted = "\n".join(x for x in text.splitlines() if x.startswith("apiserver_request_total{"))
+        return parse_request_totals(wanted)
+
+
+def _named(entries: Iterable[Mapping[str, Any]], name: str) -> Mapping[str, Any]:
+    for entry in entries:
+        if entry.get("name") == name:
+            return entry
+    raise KeyError(f"the kubeconfig has no entry named {name!r}")
+
+
+class Watch(threading.Thread):
+    """LIST then WATCH a collection, handing every object to `on_event`; re-lists when the
+    watch's resource version expires."""
+
+    def __init__(
+        self,
+        api: Api,
+        path: str,
+        resource: str,
+        on_event: Callable[[str, Mapping[str, Any]], None],
+    ) -> None:
+        super().__init__(name=f"watch-{resource}", daemon=True)
+        self.api, self.path, self.resource, self.on_event = api, path, resource, on_event
+        self.synced = threading.Event()
+        self.errors = 0
+        self._stopping = threading.Event()
+        self._conn: http.client.HTTPSConnection | None = None
+
+    def run(self) -> None:
+        version: str | None = None
+        while not self._stopping.is_set():
+            try:
+                if version is None:
+                    data = self.api.get_json(self.path, ("LIST", self.resource, ""))
+                    for item in data.get("items") or []:
+                        self.on_event("ADDED", item)
+                    version = str(data["metadata"]["resourceVersion"])
+                    self.synced.set()
+                version = self._stream(version)
+            except (OSError, http.client.HTTPException, ValueError, RuntimeError, KeyError):
+                if self._stopping.is_set():
+                    return
+                self.errors += 1
+                version = None
+                time.sleep(1.0)
+
+    def _stream(self, version: str) -> str | None:
+        sep = "&" if "?" in self.path else "?"
+        path = (
+            f"{self.path}{sep}watch=1&allowWatchBookmarks=true"
+            f"&resourceVersion={version}&timeoutSeconds=300"
+        )
+        conn = self._conn = self.api.connect(timeout=None)
+        try:
+            conn.request("GET", path, headers={"Accept": "application/json"})
+            self.api.own.add(("WATCH", self.resource, ""))
+            response = conn.getresponse()
+            if response.status != 200:
+                response.read()
+                return None
+            while True:
+                line = response.readline()
+                if not line:
+                    return version
+                event = json.loads(line)
+                kind, obj = event.get("type"), event.get("object") or {}
+                if kind == "ERROR":  # 410 Gone: the version is too old; list again
+                    return None
+                version = str((obj.get("metadata") or {}).get("resourceVersion") or version)
+                if kind != "BOOKMARK":
+                    self.on_event(str(kind), obj)
+        finally:
+            conn.close()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        conn = self._conn
+        if conn is not None and conn.sock is not None:
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
+
+
+# ============================================================================ what happens
+
+
+@dataclass
+class JobState:
+    created: float
+    phase: str = ""
+    planned_at: float | None = None
+    not_planned_reason: str = ""
+    pool: str = ""
+
+
+@dataclass
+class Snapshot:
+    jobs: int
+    planned: int
+    phases: Counter[str]
+    pending_pods: int
+    young_pending_pods: int
+    """Pending for less than the operator waits before it moves a pod to another pool."""
+    running_pods: int
+    running_without_pods: int
+    not_planned_reasons: Counter[str]
+
+    def settled(self, expected: int) -> bool:
+        """Every job in a settled phase with pods for its attempt, and no pod still waiting
+        for a place the operator might yet find it (an older Pending pod found none)."""
+        return (
+            self.jobs == expected
+            and all(phase in SETTLED_PHASES for phase in self.phases.elements())
+            and self.young_pending_pods == 0
+            and self.running_without_pods == 0
+        )
+
+    def signature(self) -> tuple[Any, ...]:
+        return (tuple(sorted(self.phases.items())), self.running_pods, self.pending_pods)
+
+
+class Tracker:
+    """FineTuneJobs and trainer pods as the watches see them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.jobs: dict[tuple[str, str], JobState] = {}
+        self.first_pod: dict[tuple[str, str], float] = {}
+        self.pods: dict[tuple[str, str], tuple[tuple[str, str], str, float]] = {}
+        """(namespace, pod) → (namespace, job), phase, creation time."""
+        self.phase_changes = 0
+
+    def on_job(self, kind: str, obj: Mapping[str, Any]) -> None:
+        meta = obj.get("metadata") or {}
+        key = (str(meta.get("namespace")), str(meta.get("name")))
+        if kind == "DELETED":
+            return
+        status = obj.get("status") or {}
+        with self._lock:
+            state = self.jobs.get(key)
+            if state is None:
+                state = self.jobs[key] = JobState(rfc3339_seconds(meta["creationTimestamp"]))
+            phase = str(status.get("phase") or "")
+            if phase != state.phase:
+                self.phase_changes += 1
+                state.phase = phase
+            state.pool = str((status.get("plan") or {}).get("pool") or "")
+            for cond in status.get("conditions") or []:
+                if cond.get("type") != "Planned":
+                    continue
+                if cond.get("status") == "True" and state.planned_at is None:
+                    state.planned_at = rfc3339_seconds(cond["lastTransitionTime"])
+                elif cond.get("status") != "True":
+                    state.not_planned_reason = str(cond.get("reason") or "")
+
+    def on_pod(self, kind: str, obj: Mapping[str, Any]) -> None:
+        meta = obj.get("metadata") or {}
+        job = (str(meta.get("namespace")), str((meta.get("labels") or {}).get(LABEL_JOB)))
+        key = (str(meta.get("namespace")), str(meta.get("name")))
+        with self._lock:
+            created = rfc3339_seconds(meta["creationTimestamp"])
+            if created < self.first_pod.get(job, math.inf):
+                self.first_pod[job] = created
+            if kind == "DELETED" or meta.get("deletionTimestamp"):
+                self.pods.pop(key, None)
+            else:
+                phase = str((obj.get("status") or {}).get("phase") or "Pending")
+                self.pods[key] = (job, phase, created)
+
+    def snapshot(self, now: float, patience: float) -> Snapshot:
+        """The state at `now` (epoch seconds); a Pending pod younger than `patience` seconds
+        is young."""
+        with self._lock:
+            phases = Counter(s.phase or "(none)" for s in self.jobs.values())
+            pod_phases = Counter(phase for _, phase, _ in self.pods.values())
+            with_pods = {job for job, _, _ in self.pods.values()}
+            running_jobs = [k for k, s in self.jobs.items() if s.phase == "Running"]
+            return Snapshot(
+                jobs=len(self.jobs),
+                planned=sum(1 for s in self.jobs.values() if s.planned_at is not None),
+                phases=phases,
+                pending_pods=pod_phases["Pending"],
+                young_pending_pods=sum(
+                    1
+                    for _, phase, created in self.pods.values()
+                    if phase == "Pending" and now - created < patience
+                ),
+                running_pods=pod_phases["Running"],
+                running_without_pods=sum(1 for k in running_jobs if k not in with_pods),
+                not_planned_reasons=Counter(
+                    s.not_planned_reason or "(no Planned condition)"
+                    for s in self.jobs.values()
+                    if s.planned_at is None
+                ),
+            )
+
+    def timings(self) -> tuple[dict[Any, float], dict[Any, float], dict[Any, float]]:
+        with self._lock:
+            created = {k: s.created for k, s in self.jobs.items()}
+            planned = {k: s.planned_at for k, s in self.jobs.items() if s.planned_at is not None}
+            return created, planned, dict(self.first_pod)
+
+    def pools(self) -> dict[str, int]:
+        with self._lock:
+            return dict(Counter(s.pool or "(none)" for s in self.jobs.values()))
+
+
+@dataclass
+class ProcSample:
+    cpu_s: float
+    rss_kib: int
+    hwm_kib: int
+
+
+def proc_sample(pid: int) -> ProcSample:
+    """CPU seconds (user + system) and resident memory of a process, from /proc."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2 :].split()
+    ticks = int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    values: dict[str, int] = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        name, _, rest = line.partition(":")
+        if name in ("VmRSS", "VmHWM"):
+            values[name] = int(rest.split()[0])
+    return ProcSample(ticks / os.sysconf("SC_CLK_TCK"), values["VmRSS"], values["VmHWM"])
+
+
+def load_average() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+# ============================================================================ the run
+
+
+@dataclass
+class Options:
+    jobs: int
+    clients: int
+    namespaces: int
+    nodes_per_pool: int
+    steady_seconds: float
+    background_seconds: float
+    timeout: float
+    settle_seconds: float
+    progress_seconds: float
+    label: str
+    results: Path | None
+    root: Path
+    operator_env: dict[str, str] = field(default_factory=dict)
+    apiserver_args: list[str] = field(default_factory=list)
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def pool_docs(nodes_per_pool: int) -> list[dict[str, Any]]:
+    from kubetune_dev.cli import simulated_pool_docs
+
+    docs = simulated_pool_docs()
+    for doc in docs:
+        doc["spec"]["maxNodes"] = nodes_per_pool
+    return docs
+
+
+def operator_source(env: Mapping[str, str]) -> tuple[str, str]:
+    """Where the operator process imports `kubetune` from, and the last commit that changed
+    that package (`+dirty` when it has uncommitted changes): the operator's version, whatever
+    else the checkout's later commits touched."""
+    out = subprocess.run(
+        [sys.executable, "-c", "import kubetune; print(kubetune.__file__)"],
+        env=dict(env),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    package = Path(out.stdout.strip()).parent
+    git = ["git", "-C", str(package)]
+    last = subprocess.run(
+        [*git, "log", "-1", "--format=%h", "--", "."], capture_output=True, text=True
+    )
+    if last.returncode != 0 or not last.stdout.strip():
+        return str(package), "(not a git checkout)"
+    dirty = subprocess.run(
+        [*git, "status", "--porcelain", "--", "."], capture_output=True, text=True
+    )
+    return str(package), last.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def wait(what: str, check: Callable[[], bool], timeout: float, interval: float = 0.5) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if check():
+            return
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def create_all(api: Api, jobs: Sequence[JobPlan], clients: int) -> tuple[float, Counter[str]]:
+    """POST every job from `clients` threads at once; the wall time and the outcomes."""
+    outcomes: Counter[str] = Counter()
+    lock = threading.Lock()
+
+    def create(job: JobPlan) -> None:
+        path = f"/apis/{GROUP}/{VERSION}/namespaces/{job.namespace}/finetunejobs"
+        body = json.dumps(job.doc()).encode()
+        outcome = "error"
+        for attempt in range(6):
+            status, data = api.request("POST", path, ("POST", "finetunejobs", ""), body=body)
+            if status in (201, 409):
+                outcome = str(status)
+                break
+            if status not in (429, 500, 503, 504):
+                outcome = f"HTTP {status}: {data[:200].decode(errors='replace')}"
+                break
+            time.sleep(0.2 * 2**attempt)
+        with lock:
+            outcomes[outcome] += 1
+
+    t0 = time.monotonic()
+    pool = ThreadPoolExecutor(max_workers=clients, thread_name_prefix="client")
+    try:
+        list(pool.map(create, jobs))
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    return time.monotonic() - t0, outcomes
+
+
+class Mark(NamedTuple):
+    """A point in the run: the API server's request counters, the benchmark's own requests,
+    the time and the operator's CPU and memory."""
+
+    totals: dict[RequestKey, float]
+    own: Counter[OwnKey]
+    when: float
+    proc: ProcSample | None
+
+
+def interval(start: Mark, end: Mark) -> Interval:
+    return Interval(
+        delta=counter_delta(end.totals, start.totals),
+        own=own_delta(end.own, start.own),
+        seconds=end.when - start.when,
+    )
+
+
+class Bench:
+    """One run: the cluster, the operator, the jobs and what is measured."""
+
+    def __init__(self, opts: Options) -> None:
+        self.opts = opts
+        self.own = OwnRequests()
+        self.tracker = Tracker()
+        self.watches: list[Watch] = []
+        self.pools = pool_docs(opts.nodes_per_pool)
+        self.jobs: list[JobPlan] = []
+        self.marks: dict[str, Mark] = {}
+        self.facts: dict[str, Any] = {"load_start": load_average()}
+
+    # ------------------------------------------------------------------ the whole run
+
+    def run(self) -> dict[str, Any]:
+        from kubetune_dev.binaries import ensure_binaries
+        from kubetune_dev.cluster import LocalCluster
+
+        self.jobs = self.plan_jobs()
+        binaries = ensure_binaries(say)
+        with tempfile.TemporaryDirectory(prefix="kubetune-operator-scale-") as work:
+            stages = Path(work) / "kwok-stages-running.yaml"
+            stages.write_text(running_stages(binaries.kwok_stages.read_text()))
+            self.cluster = LocalCluster(
+                self.opts.root,
+                binaries,
+                say,
+                kwok_stages=stages,
+                kwok_args=[f"--cidr={POD_LOOPBACK_CIDR}"],
+                apiserver_args=self.opts.apiserver_args,
+                controller_manager_args=[ENDPOINT_CONTROLLERS_OFF],
+            )
+            try:
+                self.prepare()
+                self.start_operator()
+                self.start_watches()
+                self.create_and_settle()
+                self.steady_window()
+                self.background_window()
+            finally:
+                for w in self.watches:
+                    w.stop()
+                left = self.cluster.stop()
+                say(f"WARNING: processes survived: {left}" if left else "cluster stopped")
+        return self.summary()
+
+    def plan_jobs(self) -> list[JobPlan]:
+        t0 = time.monotonic()
+        jobs = job_mix(self.opts.jobs, self.opts.namespaces, planner_check(self.pools))
+        if len({job.question() for job in jobs}) != len(jobs):
+            raise AssertionError("two jobs ask the planner the same question")
+        say(
+            f"job mix: {len(jobs)} jobs, {len(MODELS)} models, methods "
+            f"{dict(Counter(j.method for j in jobs))}, GPUs "
+            f"{dict(Counter(j.gpus for j in jobs))} (each checked with the planner: "
+            f"{time.monotonic() - t0:.1f}s)"
+        )
+        return jobs
+
+    def snapshot(self) -> Snapshot:
+        return self.tracker.snapshot(time.time(), self.patience)
+
+    @property
+    def patience(self) -> float:
+        """How long a trainer pod may stay Pending before the operator gives up moving it:
+        its reschedule delay, two polls for noticing, and a margin."""
+        env = self.opts.operator_env
+        reschedule = float(env.get("KUBETUNE_RESCHEDULE_SECONDS") or 120)
+        poll = float(env.get("KUBETUNE_POLL_SECONDS") or 10)
+        return reschedule + 2 * poll + 15
+
+    def mark(self, name: str) -> Mark:
+        totals = self.api.request_totals()
+        pid = self.cluster.state.pids.get("operator")
+        proc = proc_sample(pid) if pid is not None else None
+        self.marks[name] = Mark(totals, self.own.snapshot(), time.monotonic(), proc)
+        return self.marks[name]
+
+    # ------------------------------------------------------------------ steps
+
+    def prepare(self) -> None:
+        from kubetune.api.crdgen import render_all
+
+        cluster = self.cluster
+        cluster.start()
+        cluster.apply([yaml.safe_load(text) for text in render_all().values()])
+        cluster.kubectl("wait", "--for=condition=Established", "crd", "--all", "--timeout=30s")
+        cluster.add_simulated_pools(self.pools)
+        namespaces = sorted({job.namespace for job in self.jobs})
+        cluster.apply(
+            [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": n}} for n in namespaces]
+        )
+        self.api = api = Api(cluster.kubeconfig, self.own)
+        total_nodes = self.opts.nodes_per_pool * len(self.pools)
+
+        def nodes_ready() -> bool:
+            items = api.get_json("/api/v1/nodes", ("LIST", "nodes", ""))["items"]
+            return sum(1 for n in items if _ready(n)) >= total_nodes
+
+        def service_accounts() -> bool:
+            path = "/api/v1/serviceaccounts?fieldSelector=metadata.name%3Ddefault"
+            items = api.get_json(path, ("LIST", "serviceaccounts", ""))["items"]
+            return set(namespaces) <= {i["metadata"]["namespace"] for i in items}
+
+        wait(f"{total_nodes} kwok nodes to be Ready", nodes_ready, 180, 1.0)
+        wait("default ServiceAccounts in every namespace", service_accounts, 60, 0.5)
+        self.wait_quiet()
+
+    def wait_quiet(self, every: float = 5.0, timeout: float = 180.0) -> None:
+        """Wait until the new nodes are digested: for about a minute the controllers GET,
+        PATCH and post Events for every node (TTL annotations, node lifecycle), which would
+        land in the measurement."""
+        t0 = time.monotonic()
+        last = Mark(self.api.request_totals(), self.own.snapshot(), t0, None)
+        calm = 0
+        while time.monotonic() - t0 < timeout:
+            time.sleep(every)
+            now = Mark(self.api.request_totals(), self.own.snapshot(), time.monotonic(), None)
+            rate = interval(last, now).rate(heartbeat_free)
+            last = now
+            calm = calm + 1 if rate < QUIET_PER_S else 0
+            if calm >= 2:
+                say(f"cluster quiet after {time.monotonic() - t0:.0f}s ({rate:.1f} req/s)")
+                return
+        say(f"WARNING: the cluster was still busy after {timeout:.0f}s; measuring anyway")
+
+    def start_operator(self) -> None:
+        env = self.cluster.env()
+        env.update(self.opts.operator_env)
+        source, commit = operator_source(env)
+        self.facts.update(operator_source=source, commit=commit)
+        say(f"operator: kubetune from {source} at {commit}")
+        self.pid = self.cluster.start_operator(self.opts.operator_env)
+
+        def pools_seen() -> bool:
+            self.cluster.check_alive()
+            path = f"/apis/{GROUP}/{VERSION}/gpupools"
+            items = self.api.get_json(path, ("LIST", "gpupools", ""))["items"]
+            return all(
+                (p.get("status") or {}).get("nodes") == self.opts.nodes_per_pool for p in items
+            )
+
+        wait("the operator to report every GPUPool's nodes", pools_seen, 120, 1.0)
+
+    def start_watches(self) -> None:
+        self.watches = [
+            Watch(
+                self.api,
+                f"/apis/{GROUP}/{VERSION}/finetunejobs",
+                "finetunejobs",
+                self.tracker.on_job,
+            ),
+            Watch(
+                self.api,
+                f"/api/v1/pods?labelSelector={quote(LABEL_JOB)}",
+                "pods",
+                self.tracker.on_pod,
+            ),
+        ]
+        for w in self.watches:
+            w.start()
+        for w in self.watches:
+            if not w.synced.wait(30):
+                raise TimeoutError(f"the {w.resource} watch did not start")
+
+    def create_and_settle(self) -> None:
+        opts, n = self.opts, len(self.jobs)
+        start = self.mark("start")
+        say(f"creating {n} FineTuneJobs from {opts.clients} clients ...")
+        create_s, outcomes = create_all(self.api, self.jobs, opts.clients)
+        self.facts.update(create_s=round(create_s, 2), create_outcomes=dict(outcomes))
+        say(f"created in {create_s:.1f}s: {dict(outcomes)}")
+        signature: tuple[Any, ...] = ()
+        last_change = next_print = 0.0
+        steady = False
+        while time.monotonic() - start.when < opts.timeout:
+            self.cluster.check_alive()
+            snap = self.snapshot()
+            now = time.monotonic()
+            if snap.signature() != signature:
+                signature, last_change = snap.signature(), now
+            if now >= next_print:
+                say(
+                    f"[{now - start.when:5.0f}s] planned {snap.planned}/{n} | "
+                    + " ".join(f"{k} {v}" for k, v in sorted(snap.phases.items()))
+                    + f" | pods running {snap.running_pods} pending {snap.pending_pods}"
+                    + f" (young {snap.young_pending_pods})"
+                    + f" | load {load_average()}"
+                )
+                next_print = now + opts.progress_seconds
+            if snap.settled(n) and now - last_change >= opts.settle_seconds:
+                steady = True
+                break
+            time.sleep(0.5)
+        # Planned-ness is judged here, at steady state or at the timeout.
+        self.facts.update(steady=steady, not_planned_reasons=dict(snap.not_planned_reasons))
+        self.timings = self.tracker.timings()
+        took = time.monotonic() - start.when
+        if steady:
+            say(f"steady after {took:.0f}s (nothing changed for {opts.settle_seconds:.0f}s)")
+        else:
+            say(f"NOT steady within --timeout {opts.timeout:.0f}s; measuring the window anyway")
+
+    def steady_window(self) -> None:
+        before = self.snapshot()
+        changes = self.tracker.phase_changes
+        start = self.mark("steady")
+        assert start.proc is not None
+        peak = start.proc.rss_kib
+        say(f"steady window: {self.opts.steady_seconds:.0f}s ...")
+        while time.monotonic() - start.when < self.opts.steady_seconds:
+            time.sleep(1.0)
+            self.cluster.check_alive()
+            peak = max(peak, proc_sample(self.pid).rss_kib)
+        end = self.mark("steady_end")
+        assert end.proc is not None
+        after = self.snapshot()
+        self.facts.update(
+            phases=dict(before.phases),
+            running_jobs=(before.phases["Running"] + after.phases["Running"]) / 2,
+            running_pods=before.running_pods,
+            pending_pods=before.pending_pods,
+            window_phase_changes=self.tracker.phase_changes - changes,
+            rss_peak_mib=max(peak, end.proc.rss_kib) / 1024,
+            rss_hwm_mib=end.proc.hwm_kib / 1024,
+            pools_chosen=self.tracker.pools(),
+        )
+
+    def background_window(self) -> None:
+        """The same cluster without the operator: what the other components do anyway."""
+        say(f"background window without the operator: {self.opts.background_seconds:.0f}s ...")
+        self.cluster.stop_component("operator")
+        time.sleep(3.0)  # the operator's watches end; the API server counts them then
+        start = self.mark("background")
+        while time.monotonic() - start.when < self.opts.background_seconds:
+            time.sleep(1.0)
+        self.mark("background_end")
+        self.facts["watch_errors"] = sum(w.errors for w in self.watches)
+
+    # ------------------------------------------------------------------ results
+
+    def summary(self) -> dict[str, Any]:
+        opts, m, n = self.opts, self.marks, len(self.jobs)
+        created, planned, first_pod = self.timings
+        plan_lat, pod_lat = latencies(created, planned), latencies(created, first_pod)
+        span = (max(planned.values()) - min(created.values())) if planned else math.nan
+        create = interval(m["start"], m["steady"])
+        window = interval(m["steady"], m["steady_end"])
+        background = interval(m["background"], m["background_end"])
+        running = float(self.facts["running_jobs"])
+        cpu0, cpu1, cpu2 = (m[k].proc for k in ("start", "steady", "steady_end"))
+        assert cpu0 is not None and cpu1 is not None and cpu2 is not None
+
+        def per_running_job(keep: Callable[[RequestKey], bool]) -> float:
+            extra = beyond_background(window, background, keep)
+            return extra / running / window.seconds if running else math.nan
+
+        whole = counter_delta(m["steady_end"].totals, m["start"].totals)
+        return {
+            "date": dt.date.today().isoformat(),
+            "time": dt.datetime.now().strftime("%H:%M"),
+            "label": opts.label,
+            "jobs": n,
+            "clients": opts.clients,
+            "namespaces": opts.namespaces,
+            "pools": f"{len(self.pools)}×{opts.nodes_per_pool}×8",
+            "operator_env": opts.operator_env,
+            "apiserver_args": opts.apiserver_args,
+            **self.facts,
+            "planned": len(planned),
+            "not_planned": n - len(planned),
+            "plan_p50_s": percentile(plan_lat, 50),
+            "plan_p99_s": percentile(plan_lat, 99),
+            "plan_max_s": max(plan_lat, default=math.nan),
+            "pod_p50_s": percentile(pod_lat, 50),
+            "pod_p99_s": percentile(pod_lat, 99),
+            "jobs_with_pods": len(pod_lat),
+            "planned_per_s": len(planned) / max(span, 1.0) if planned else 0.0,
+            "to_steady_s": round(create.seconds, 1),
+            "window_s": round(window.seconds, 1),
+            "background_s": round(background.seconds, 1),
+            "cpu_pct": 100 * (cpu2.cpu_s - cpu1.cpu_s) / window.seconds,
+            "cpu_s_to_steady": cpu1.cpu_s - cpu0.cpu_s,
+            "requests_per_job": beyond_background(create, background) / n,
+            "list_per_s": beyond_background(window, background, is_list) / window.seconds,
+            "req_per_running_job_per_s": per_running_job(everything),
+            "status_writes_per_running_job_per_min": 60 * per_running_job(is_status_write),
+            "job_post_201": batch_job_posts(whole, "201"),
+            "job_post_409": batch_job_posts(whole, "409"),
+            "background_per_s": background.rate(),
+            "load_end": load_average(),
+            "requests_create_to_steady": breakdown(create.delta),
+            "requests_steady_window": breakdown(window.delta),
+            "requests_background_window": breakdown(background.delta),
+            "own_requests": {
+                " ".join(k).strip(): v
+                for k, v in own_delta(m["background_end"].own, m["start"].own).items()
+            },
+        }
+
+
+def _ready(node: Mapping[str, Any]) -> bool:
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in (node.get("status") or {}).get("conditions") or []
+    )
+
+
+def run(opts: Options) -> dict[str, Any]:
+    return Bench(opts).run()
+
+
+# ============================================================================ reporting
+
+COLUMNS = (
+    ("time", "time"),
+    ("label", "label"),
+    ("commit", "commit"),
+    ("setup", "pools×nodes×GPUs, ns, clients"),
+    ("jobs", "jobs"),
+    ("not_planned", "not Planned"),
+    ("plan", "→Planned p50 / p99 s"),
+    ("pod", "→first pod p50 / p99 s"),
+    ("planned_per_s", "Planned jobs/s"),
+    ("to_steady", "→steady s"),
+    ("running", "Running / Queued jobs"),
+    ("rss", "RSS peak MiB"),
+    ("cpu", "CPU %"),
+    ("req_job", "requests/job"),
+    ("lists", "LIST/s"),
+    ("req_run", "req/running job/s"),
+    ("status", "status writes/running job/min"),
+    ("post409", "Job POST 409"),
+    ("load", "load avg start → end"),
+)
+
+
+def row_values(r: Mapping[str, Any]) -> dict[str, str]:
+    return {
+        "time": f"{r['date']} {r['time']}",
+        "label": str(r["label"]),
+        "commit": str(r["commit"]),
+        "setup": f"{r['pools']}, {r['namespaces']}, {r['clients']}",
+        "jobs": str(r["jobs"]),
+        "not_planned": str(r["not_planned"]),
+        "plan": f"{fmt(r['plan_p50_s'], 0)} / {fmt(r['plan_p99_s'], 0)}",
+        "pod": f"{fmt(r['pod_p50_s'], 0)} / {fmt(r['pod_p99_s'], 0)}",
+        "planned_per_s": fmt(r["planned_per_s"]),
+        "to_steady": fmt(r["to_steady_s"], 0) + ("" if r["steady"] else " (not steady)"),
+        "running": f"{r['phases'].get('Running', 0)} / {r['phases'].get('Queued', 0)}"
+        + (f" ({r['pending_pods']} pods Pending)" if r.get("pending_pods") else ""),
+        "rss": fmt(r["rss_peak_mib"], 0),
+        "cpu": fmt(r["cpu_pct"]),
+        "req_job": fmt(r["requests_per_job"]),
+        "lists": fmt(r["list_per_s"], 2),
+        "req_run": fmt(r["req_per_running_job_per_s"], 3),
+        "status": fmt(r["status_writes_per_running_job_per_min"], 2),
+        "post409": str(r["job_post_409"]),
+        "load": f"{r['load_start']} → {r['load_end']}",
+    }
+
+
+def table_header() -> str:
+    names = [title for _, title in COLUMNS]
+    return "| " + " | ".join(names) + " |\n|" + "|".join(" --- " for _ in names) + "|\n"
+
+
+def table_row(r: Mapping[str, Any]) -> str:
+    values = row_values(r)
+    return "| " + " | ".join(values[key] for key, _ in COLUMNS) + " |\n"
+
+
+def results_preamble(date: str) -> str:
+    return (
+        f"# The operator at scale — {date}\n\n"
+        "Made by `python benchmarks/operator_scale.py --jobs N --label LABEL`, one row per run "
+        "(docs/local-cluster.md#the-operator-at-scale says what each column means; the JSON "
+        "lines in the `.jsonl` beside this file have every detail, the API requests by verb and "
+        "resource among them).\n\n"
+        "- Local control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, "
+        "kwok) on one 2-core machine shared with other work: the load average column says how "
+        "busy it was. The operator runs as its own process with its default settings unless "
+        "the label says otherwise.\n"
+        "- Pools: rtx4090-spot, l40s, a100-80gb and h100 of the built-in catalog, kwok nodes of "
+        "8 GPUs each. Trainer pods stay Running (kwok's stages without `pod-complete`) and have "
+        "loopback addresses, so the operator's metric scrapes are refused at once.\n"
+        "- Jobs: 11 models of the built-in table × full/lora/qlora × sequence 512–4096 × "
+        "1–16 GPUs, a dataset size of their own each; all created at once.\n\n" + table_header()
+    )
+
+
+def write_results(path: Path, result: Mapping[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        path.write_text(results_preamble(str(result["date"])))
+    with path.open("a") as fh:
+        fh.write(table_row(result))
+    with path.with_suffix(".jsonl").open("a") as fh:
+        fh.write(json.dumps(result, default=_json_default) + "\n")
+
+
+def _json_default(value: object) -> object:
+    if isinstance(value, Counter):
+        return dict(value)
+    raise TypeError(f"{type(value).__name__} is not JSON")
+
+
+def report(r: Mapping[str, Any]) -> str:
+    lines = [
+        f"operator {r['commit']} ({r['operator_source']}), {r['jobs']} jobs, label {r['label']!r}",
+        f"  created in {r['create_s']}s by {r['clients']} clients: {r['create_outcomes']}",
+        f"  Planned: {r['planned']}/{r['jobs']} (not Planned: {r['not_planned_reasons'] or 0}); "
+        f"{fmt(r['planned_per_s'])} jobs/s",
+        f"  creation → Planned    p50 {fmt(r['plan_p50_s'])}s  p99 {fmt(r['plan_p99_s'])}s  "
+        f"max {fmt(r['plan_max_s'])}s",
+        f"  creation → first pod  p50 {fmt(r['pod_p50_s'])}s  p99 {fmt(r['pod_p99_s'])}s  "
+        f"({r['jobs_with_pods']} jobs had pods)",
+        f"  steady: {r['steady']} after {r['to_steady_s']}s; phases {r['phases']}; "
+        f"trainer pods Running {r['running_pods']}, Pending {r['pending_pods']}; "
+        f"pools {r['pools_chosen']}",
+        f"  window {r['window_s']}s ({r['window_phase_changes']} phase changes): operator RSS "
+        f"peak {fmt(r['rss_peak_mib'])} MiB (lifetime peak {fmt(r['rss_hwm_mib'])}), CPU "
+        f"{fmt(r['cpu_pct'])}% of a core; {fmt(r['cpu_s_to_steady'])} CPU s creation → steady",
+        f"  API: {fmt(r['requests_per_job'])} requests/job creation → steady; steady: "
+        f"{fmt(r['list_per_s'], 2)} LIST/s, {fmt(r['req_per_running_job_per_s'], 3)} "
+        f"req/running job/s, {fmt(r['status_writes_per_running_job_per_min'], 2)} status "
+        f"writes/running job/min; batch Job POSTs 201: {r['job_post_201']}, 409: "
+        f"{r['job_post_409']}",
+        f"  load average {r['load_start']} → {r['load_end']}",
+        "  steady-window requests (all clients): "
+        + ", ".join(f"{k} {v}" for k, v in list(r["requests_steady_window"].items())[:12]),
+    ]
+    return "\n".join(lines)
+
+
+# ============================================================================ command line
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Options:
+    from kubetune_dev.cluster import default_root
+
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--jobs", type=int, help="FineTuneJobs to create (1000; --quick: 50)")
+    p.add_argument("--clients", type=int, default=32, help="concurrent creating clients (32)")
+    p.add_argument("--namespaces", type=int, default=20, help="namespaces the jobs go to (20)")
+    p.add_argument("--nodes-per-pool", type=int, default=50, help="kwok nodes per pool (50)")
+    p.add_argument("--steady-seconds", type=float, help="steady window (60; --quick: 20)")
+    p.add_argument(
+        "--background-seconds",
+        type=float,
+        help="window without the operator, for the cluster's background requests (30; --quick: 10)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        help="seconds after the first create to reach Planned and steady state (900; --quick: 300)",
+    )
+    p.add_argument(
+        "--settle-seconds",
+        type=float,
+        help="steady means nothing changed this long (30; --quick: 10)",
+    )
+    p.add_argument("--progress-seconds", type=float, default=5.0, help="progress every (5)")
+    p.add_argument("--label", default="", help="label of the results row")
+    p.add_argument(
+        "--results",
+        type=Path,
+        help="results table to append to (benchmarks/results/operator-scale-<date>.md; "
+        "--quick writes none unless given)",
+    )
+    p.add_argument(
+        "--operator-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="environment of the operator process, e.g. KUBETUNE_POLL_SECONDS=5 (repeatable)",
+    )
+    p.add_argument(
+        "--apiserver-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="extra kube-apiserver flag, e.g. --max-requests-inflight=800 (repeatable)",
+    )
+    p.add_argument(
+        "--root", type=Path, default=default_root("operator-scale"), help="cluster state folder"
+    )
+    p.add_argument("--quick", action="store_true", help="smoke test: 50 jobs, short windows")
+    a = p.parse_args(argv)
+    quick = bool(a.quick)
+    env = {}
+    for item in a.operator_env:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            p.error(f"--operator-env {item!r}: expected NAME=VALUE")
+        env[name] = value
+    jobs = a.jobs if a.jobs is not None else (50 if quick else 1000)
+    if jobs < 1 or a.clients < 1 or a.namespaces < 1 or a.nodes_per_pool < 1:
+        p.error("--jobs, --clients, --namespaces and --nodes-per-pool must be at least 1")
+    results = a.results
+    if results is None and not quick:
+        results = RESULTS / f"operator-scale-{dt.date.today().isoformat()}.md"
+    return Options(
+        jobs=jobs,
+        clients=a.clients,
+        namespaces=a.namespaces,
+        nodes_per_pool=a.nodes_per_pool,
+        steady_seconds=a.steady_seconds or (20.0 if quick else 60.0),
+        background_seconds=a.background_seconds or (10.0 if quick else 30.0),
+        timeout=a.timeout or (300.0 if quick else 900.0),
+        settle_seconds=a.settle_seconds or (10.0 if quick else 30.0),
+        progress_seconds=a.progress_seconds,
+        label=a.label or ("quick" if quick else ""),
+        results=results,
+        root=a.root,
+        operator_env=env,
+        apiserver_args=list(a.apiserver_arg),
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    opts = parse_args(argv)
+
+    def terminate(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, terminate)
+    from kubetune_dev.cluster import ClusterError
+
+    try:
+        result = run(opts)
+    except KeyboardInterrupt:
+        say("interrupted; the cluster was stopped")
+        return 130
+    except (ClusterError, TimeoutError) as exc:
+        say(f"failed: {exc}\nComponent logs: {opts.root / 'logs'}")
+        return 1
+    say(report(result))
+    if opts.results is not None:
+        write_results(opts.results, result)
+        say(f"appended to {opts.results} (details: {opts.results.with_suffix('.jsonl')})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,273 @@
+"""The pure parts of benchmarks/operator_scale.py: percentiles, the API server's request
+counters and how requests are attributed, kwok's stages, the job mix, the tracker."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "operator_scale", ROOT / "benchmarks" / "operator_scale.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["operator_scale"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load()
+Key = bench.RequestKey
+
+
+def _line(name: str, value: str, **labels: str) -> str:
+    """One sample as kube-apiserver writes it: every label, sorted, in quotes."""
+    base = {"component": "apiserver", "dry_run": "", "scope": "resource", "version": "v1"}
+    text = ",".join(f'{k}="{v}"' for k, v in sorted({**base, **labels}.items()))
+    return f"{name}{{{text}}} {value}"
+
+
+def _req(value: str, **labels: str) -> str:
+    return _line("apiserver_request_total", value, **labels)
+
+
+EMPTY = {"group": "", "subresource": ""}
+METRICS = "\n".join(
+    [
+        "# HELP apiserver_request_total [STABLE] Counter of apiserver requests broken out ...",
+        "# TYPE apiserver_request_total counter",
+        _req("12", **EMPTY, code="200", resource="pods", scope="cluster", verb="LIST"),
+        _req("30", **EMPTY, code="200", resource="pods", scope="namespace", verb="LIST"),
+        _req("7", code="409", group="batch", resource="jobs", subresource="", verb="POST"),
+        _req(
+            "4.5e+01",
+            code="200",
+            group="kubetune.io",
+            resource="finetunejobs",
+            subresource="status",
+            verb="PATCH",
+            version="v1alpha1",
+        ),
+        # A non-resource URL has its path as the subresource; a timestamp may follow.
+        _req(
+            "2 1700000000000",
+            code="200",
+            group="",
+            resource="",
+            subresource="/openapi/v3",
+            verb="GET",
+            version="",
+        ),
+        _req("3", **EMPTY, code="422", component='a\\"b', resource="endpoints", verb="PUT"),
+        _line("apiserver_request_duration_seconds_bucket", "99", le="0.005", verb="LIST"),
+        _line("apiserver_request_total_other", "5", verb="LIST"),
+    ]
+)
+
+
+def test_percentile_interpolates_between_ranks() -> None:
+    values = list(range(100, 0, -1))  # 1..100, unsorted
+    assert bench.percentile(values, 50) == pytest.approx(50.5)
+    assert bench.percentile(values, 99) == pytest.approx(99.01)
+    assert bench.percentile(values, 0) == 1
+    assert bench.percentile(values, 100) == 100
+    assert bench.percentile([7.0], 99) == 7.0
+    assert math.isnan(bench.percentile([], 50))
+    with pytest.raises(ValueError, match="outside"):
+        bench.percentile(values, 101)
+
+
+def test_request_totals_are_parsed_and_summed_over_the_labels_not_kept() -> None:
+    totals = bench.parse_request_totals(METRICS)
+    assert totals == {
+        Key("LIST", "", "pods", "", "200"): 42.0,  # cluster- and namespace-scoped lists
+        Key("POST", "batch", "jobs", "", "409"): 7.0,
+        Key("PATCH", "kubetune.io", "finetunejobs", "status", "200"): 45.0,
+        Key("GET", "", "", "/openapi/v3", "200"): 2.0,  # a timestamp after the value
+        Key("PUT", "", "endpoints", "", "422"): 3.0,  # an escaped quote in another label
+    }
+
+
+def test_delta_keeps_what_grew() -> None:
+    before = {Key("LIST", "", "pods", "", "200"): 10.0, Key("GET", "", "pods", "", "200"): 5.0}
+    after = {
+        Key("LIST", "", "pods", "", "200"): 25.0,
+        Key("GET", "", "pods", "", "200"): 5.0,
+        Key("POST", "batch", "jobs", "", "201"): 3.0,
+    }
+    assert bench.counter_delta(after, before) == {
+        Key("LIST", "", "pods", "", "200"): 15.0,
+        Key("POST", "batch", "jobs", "", "201"): 3.0,
+    }
+
+
+def test_attribution_leaves_out_own_requests_tooling_and_background() -> None:
+    window = bench.Interval(
+        delta={
+            Key("LIST", "", "pods", "", "200"): 100.0,
+            Key("LIST", "", "persistentvolumeclaims", "", "200"): 40.0,  # the provisioner
+            Key("POST", "kubetune.io", "finetunejobs", "", "201"): 50.0,
+            Key("PATCH", "kubetune.io", "finetunejobs", "status", "200"): 30.0,
+            Key("PUT", "coordination.k8s.io", "leases", "", "200"): 200.0,
+        },
+        own={("POST", "finetunejobs", ""): 50, ("LIST", "pods", ""): 4},
+        seconds=10.0,
+    )
+    background = bench.Interval(
+        delta={
+            Key("PUT", "coordination.k8s.io", "leases", "", "200"): 100.0,
+            Key("LIST", "", "persistentvolumes", "", "200"): 20.0,
+        },
+        own={},
+        seconds=5.0,
+    )
+    assert window.count() == 100 + 50 + 30 + 200 - 54
+    assert window.count(bench.is_list) == 96
+    assert window.count(bench.is_status_write) == 30
+    assert background.rate() == 20.0
+    # Leases at 20/s in the background: 200 in 10 s are all background.
+    assert bench.beyond_background(window, background) == pytest.approx(326 - 200)
+    assert bench.beyond_background(window, background, bench.is_list) == 96
+    assert bench.heartbeat_free(Key("PUT", "coordination.k8s.io", "leases", "", "200")) is False
+    assert bench.heartbeat_free(Key("GET", "", "", "/apis", "200")) is False
+    assert bench.heartbeat_free(Key("LIST", "", "pods", "", "200")) is True
+
+
+def test_batch_job_posts_count_one_answer_code() -> None:
+    delta = bench.parse_request_totals(METRICS)
+    assert bench.batch_job_posts(delta, "409") == 7
+    assert bench.batch_job_posts(delta, "201") == 0
+
+
+def _stage(name: str) -> dict[str, Any]:
+    return {"apiVersion": "kwok.x-k8s.io/v1alpha1", "kind": "Stage", "metadata": {"name": name}}
+
+
+def test_running_stages_drop_pod_complete_only() -> None:
+    names = ["node-initialize", "node-heartbeat-with-lease", "pod-complete", "pod-delete"]
+    text = yaml.safe_dump_all([_stage(n) for n in [*names, "pod-ready"]])
+    kept = [d["metadata"]["name"] for d in yaml.safe_load_all(bench.running_stages(text))]
+    assert kept == ["node-initialize", "node-heartbeat-with-lease", "pod-delete", "pod-ready"]
+    without_ready = yaml.safe_dump_all([_stage(n) for n in names])
+    with pytest.raises(ValueError, match="no pod-ready stage; to fix"):
+        bench.running_stages(without_ready)
+
+
+def test_job_mix_asks_no_question_twice_and_spreads_namespaces() -> None:
+    jobs = bench.job_mix(1000, 20)
+    assert len({j.question() for j in jobs}) == 1000
+    assert len({(j.model, j.method, j.sequence_length, j.gpus) for j in jobs}) == 660
+    assert {j.namespace for j in jobs} == {f"scale-{i:02d}" for i in range(20)}
+    assert len({(j.namespace, j.name) for j in jobs}) == 1000
+    doc = jobs[7].doc()
+    assert doc["spec"]["resources"]["gpus"] == jobs[7].gpus
+    assert doc["spec"]["dataset"]["numExamples"] == jobs[7].num_examples
+
+
+def test_job_mix_falls_back_to_what_the_planner_can_place() -> None:
+    jobs = bench.job_mix(30, 3, lambda j: j.method != "full" and j.gpus <= 8)
+    assert all(j.method != "full" and j.gpus <= 8 for j in jobs)
+    with pytest.raises(ValueError, match="no method or GPU count"):
+        bench.job_mix(1, 1, lambda j: False)
+
+
+def _ftj(name: str, created: str, phase: str = "", planned: str | None = None) -> dict[str, Any]:
+    conditions = []
+    if planned is not None:
+        conditions.append({"type": "Planned", "status": "True", "lastTransitionTime": planned})
+    return {
+        "metadata": {"namespace": "ns", "name": name, "creationTimestamp": created},
+        "status": {"phase": phase, "conditions": conditions} if phase else {},
+    }
+
+
+def _pod(name: str, job: str, created: str, phase: str) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "namespace": "ns",
+            "name": name,
+            "creationTimestamp": created,
+            "labels": {bench.LABEL_JOB: job},
+        },
+        "status": {"phase": phase},
+    }
+
+
+def test_tracker_times_planned_and_first_pod_and_knows_when_settled() -> None:
+    t = bench.Tracker()
+    t0 = bench.rfc3339_seconds("2026-01-01T00:00:00Z")
+    t.on_job("ADDED", _ftj("a", "2026-01-01T00:00:00Z"))
+    t.on_job("ADDED", _ftj("b", "2026-01-01T00:00:01Z", "Queued", "2026-01-01T00:00:03Z"))
+    t.on_job("MODIFIED", _ftj("a", "2026-01-01T00:00:00Z", "Running", "2026-01-01T00:00:02Z"))
+    # A later write keeps the first transition time.
+    t.on_job("MODIFIED", _ftj("a", "2026-01-01T00:00:00Z", "Running", "2026-01-01T00:09:00Z"))
+    snap = t.snapshot(t0 + 10, patience=100)
+    assert (snap.planned, snap.running_without_pods) == (2, 1)
+    assert not snap.settled(2), "a Running job without pods is not settled"
+    t.on_pod("ADDED", _pod("a-0", "a", "2026-01-01T00:00:05Z", "Pending"))
+    snap = t.snapshot(t0 + 10, patience=100)
+    assert (snap.pending_pods, snap.young_pending_pods, snap.running_without_pods) == (1, 1, 0)
+    assert not snap.settled(2), "the operator may still move a young Pending pod"
+    old = t.snapshot(t0 + 200, patience=100)
+    assert (old.pending_pods, old.young_pending_pods) == (1, 0)
+    assert old.settled(2), "a pod Pending longer than the operator waits found no place"
+    t.on_pod("ADDED", _pod("a-1", "a", "2026-01-01T00:00:04Z", "Running"))
+    t.on_pod("DELETED", _pod("a-0", "a", "2026-01-01T00:00:05Z", "Pending"))
+    snap = t.snapshot(t0 + 10, patience=100)
+    assert snap.settled(2) and not snap.settled(3)
+    assert snap.phases == {"Running": 1, "Queued": 1}
+    assert (snap.pending_pods, snap.running_pods) == (0, 1)
+    created, planned, first_pod = t.timings()
+    assert bench.latencies(created, planned) == [2.0, 2.0]
+    assert bench.latencies(created, first_pod) == [4.0]
+
+
+def test_every_results_row_fills_every_column() -> None:
+    result = {
+        "date": "2026-01-01",
+        "time": "10:00",
+        "label": "before",
+        "commit": "abc1234",
+        "pools": "4×50×8",
+        "namespaces": 20,
+        "clients": 32,
+        "jobs": 200,
+        "not_planned": 0,
+        "plan_p50_s": 2.0,
+        "plan_p99_s": math.nan,
+        "pod_p50_s": 4.0,
+        "pod_p99_s": 9.0,
+        "planned_per_s": 12.5,
+        "to_steady_s": 300.0,
+        "steady": False,
+        "phases": {"Running": 150, "Queued": 50},
+        "pending_pods": 6,
+        "rss_peak_mib": 120.0,
+        "cpu_pct": 35.0,
+        "requests_per_job": 80.0,
+        "list_per_s": 60.0,
+        "req_per_running_job_per_s": 0.4,
+        "status_writes_per_running_job_per_min": 6.0,
+        "job_post_409": 200,
+        "load_start": "1.0 1.0 1.0",
+        "load_end": "3.0 2.0 1.0",
+    }
+    header = bench.table_header().splitlines()[0]
+    row = bench.table_row(result)
+    assert row.count("|") == header.count("|")
+    assert "| 2 / – |" in row  # a NaN percentile shows as a dash
+    assert "300 (not steady)" in row
+    assert "| 150 / 50 (6 pods Pending) |" in row
