@@ -339,7 +339,9 @@ def report(run: dict[str, Any], before: dict[str, Any] | None, command: str) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="40 generated jobs, one round")
+    parser.add_argument(
+        "--quick", action="store_true", help="40 generated jobs, one round; prints only"
+    )
     parser.add_argument("--rounds", type=int, help="times each job is planned (default 3)")
     parser.add_argument("--jobs", type=int, help="generated jobs (default 196)")
     parser.add_argument("--save-json", type=Path, help="write this run's numbers as JSON")
@@ -355,7 +357,7 @@ def main() -> None:
     print(text)
     if args.save_json:
         args.save_json.write_text(json.dumps(run, indent=2) + "\n")
-    if not args.no_write:
+    if not (args.no_write or args.quick):
         out = args.out or HERE / "results" / f"planner-speed-{run['date']}.md"
         out.write_text(text)
         print(f"wrote {out}")

@@ -356,11 +356,27 @@ class _Context:
         micro: int,
         ckpt: bool,
     ) -> Candidate:
+        """One configuration from scratch (the reference the fast walk is tested against)."""
         total = nodes * gpn
         setup = _setup(self.spec, method, total, sharding, micro, ckpt)
         estimate = estimate_vram(self.arch, setup)
         if self.settings.memory_scale != 1.0:
             estimate = _scaled(estimate, self.settings.memory_scale)
+        st = self.step_time_of(pool, method, nodes, gpn, sharding, micro, ckpt, estimate)
+        startup_s = startup_seconds(2.0 * self.arch.total_params)
+        return self.build(pool, method, nodes, gpn, sharding, micro, ckpt, estimate, st, startup_s)
+
+    def step_time_of(
+        self,
+        pool: GPUPool,
+        method: Method,
+        nodes: int,
+        gpn: int,
+        sharding: Sharding,
+        micro: int,
+        ckpt: bool,
+        estimate: VramEstimate,
+    ) -> StepTime:
         weight_bytes = (
             2.0 * self.arch.total_params if method != "qlora" else 0.56 * self.arch.total_params
         )
@@ -368,7 +384,7 @@ class _Context:
             self.arch.total_params if method == "full" else estimate.trainable_params
         )
         seq = self.spec.training.sequence_length
-        st = step_time(
+        return step_time(
             gpu=pool.spec.gpu,
             network_gbps=pool.spec.network_gbps,
             nodes=nodes,
@@ -388,8 +404,23 @@ class _Context:
             weight_bytes=weight_bytes,
             grad_bytes=grad_bytes,
         )
-        duration = self.steps * st.step_s + startup_seconds(2.0 * self.arch.total_params)
-        price = total * pool.spec.price_per_gpu_hour
+
+    def build(
+        self,
+        pool: GPUPool,
+        method: Method,
+        nodes: int,
+        gpn: int,
+        sharding: Sharding,
+        micro: int,
+        ckpt: bool,
+        estimate: VramEstimate,
+        st: StepTime,
+        startup_s: float,
+        queued: bool = False,
+    ) -> Candidate:
+        total = nodes * gpn
+        duration = self.steps * st.step_s + startup_s
         return Candidate(
             pool=pool.name,
             method=method,
@@ -402,10 +433,11 @@ class _Context:
             estimate=estimate,
             gpu_memory_gib=pool.spec.gpu.memory_gib,
             spot=pool.spec.spot,
-            price_per_hour=price,
+            price_per_hour=total * pool.spec.price_per_gpu_hour,
             tokens_per_second=st.tokens_per_s,
             duration_s=duration,
             cost=cost_usd(duration, total, pool.spec.price_per_gpu_hour),
+            queued=queued,
         )
 
     def fits(self, c: Candidate) -> bool:
@@ -450,8 +482,6 @@ class _Context:
         queued: bool,
     ) -> Candidate:
         """What `evaluate` returns for this configuration, given its (shared) estimate."""
-        total = nodes * gpn
-        seq = self.spec.training.sequence_length
         gpu = pool.spec.gpu
         step_key = (
             gpu.bf16_tflops,
@@ -466,50 +496,11 @@ class _Context:
         )
         st = self._step_times.get(step_key)
         if st is None:
-            weight_bytes = (
-                2.0 * self.arch.total_params if method != "qlora" else 0.56 * self.arch.total_params
+            st = self._step_times[step_key] = self.step_time_of(
+                pool, method, nodes, gpn, sharding, micro, ckpt, estimate
             )
-            grad_bytes = 2.0 * (
-                self.arch.total_params if method == "full" else estimate.trainable_params
-            )
-            st = self._step_times[step_key] = step_time(
-                gpu=gpu,
-                network_gbps=pool.spec.network_gbps,
-                nodes=nodes,
-                gpus_per_node=gpn,
-                method=method,
-                sharding=sharding,
-                flops_token=flops_per_token(
-                    self.arch.active_params,
-                    self.arch.num_layers,
-                    self.arch.hidden_size,
-                    seq,
-                    method,
-                    ckpt,
-                ),
-                tokens_per_step=self.tokens_per_step,
-                micro_batch_tokens=micro * seq,
-                weight_bytes=weight_bytes,
-                grad_bytes=grad_bytes,
-            )
-        duration = self.steps * st.step_s + self._startup_s
-        return Candidate(
-            pool=pool.name,
-            method=method,
-            nodes=nodes,
-            gpus_per_node=gpn,
-            sharding=sharding,
-            micro_batch=micro,
-            grad_accum=self.spec.training.global_batch_size // (micro * total),
-            grad_ckpt=ckpt,
-            estimate=estimate,
-            gpu_memory_gib=gpu.memory_gib,
-            spot=pool.spec.spot,
-            price_per_hour=total * pool.spec.price_per_gpu_hour,
-            tokens_per_second=st.tokens_per_s,
-            duration_s=duration,
-            cost=cost_usd(duration, total, pool.spec.price_per_gpu_hour),
-            queued=queued,
+        return self.build(
+            pool, method, nodes, gpn, sharding, micro, ckpt, estimate, st, self._startup_s, queued
         )
 
 
