@@ -629,6 +629,20 @@ async def test_stock_emulator_errors_do_not_reach_kubetune_as_api_errors(
     assert err.value.response.status_code == 409
 
 
+async def test_an_error_without_a_status_body_is_retried_too(
+    stock_apiserver: kmock.KubernetesEmulator, stock_kube: Kube, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The stock emulator's errors reach lightkube as bare HTTP errors, as a load balancer's
+    # HTML 503 would: a transient code is retried all the same.
+    seed(stock_apiserver, tiny_job())
+    monkeypatch.setattr(kube_module, "RETRY_DELAYS", (0.0,))
+    stock_apiserver[kmock.method.PATCH][:1] << kmock.KubernetesError(503, "Unavailable", "busy")
+
+    assert await stock_kube.patch_status(NAMESPACE, "tiny-cpu-lora", {"phase": "Planning"})
+
+    assert len([r for r in stock_apiserver if r.method == "PATCH"]) == 2
+
+
 async def test_stock_emulator_ignores_label_selectors(
     stock_apiserver: kmock.KubernetesEmulator, stock_kube: Kube
 ) -> None:

@@ -176,6 +176,12 @@ class Kube:
                 if exc.status.code not in codes or delay is None:
                     raise
                 log.info("%s answered %s; retrying", what, exc.status.code)
+            except httpx2.HTTPStatusError as exc:
+                # An error without a Kubernetes Status body (e.g. a load balancer's HTML 503):
+                # lightkube cannot make an ApiError of it.
+                if exc.response.status_code not in codes or delay is None:
+                    raise
+                log.info("%s answered %s; retrying", what, exc.response.status_code)
             except httpx2.TransportError as exc:
                 if delay is None:
                     raise
