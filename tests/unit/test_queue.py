@@ -103,3 +103,14 @@ def test_a_change_of_capacity_wakes_the_front_of_each_queue() -> None:
         ("team-a", "a02"),
         ("team-a", "h"),
     }
+
+
+def test_positions_are_kept_for_the_waiting_only() -> None:
+    queue = GpuQueue()
+    for i in range(3):
+        t = ticket(f"w{i}", created=f"2026-11-24T00:00:0{i}Z")
+        queue.admit(("team-a", t.name), t, [0], queued=True)
+
+    assert [queue.position(("team-a", f"w{i}")) for i in range(3)] == [1, 2, 3]
+    queue.stop_waiting(("team-a", "w2"))
+    assert queue.position(("team-a", "w2")) is None

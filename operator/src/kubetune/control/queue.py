@@ -69,13 +69,21 @@ def ahead_of(ticket: Ticket, waiting: Iterable[Ticket]) -> list[Ticket]:
     )
 
 
+def count_ahead(ticket: Ticket, waiting: Iterable[Ticket]) -> int:
+    """How many jobs waiting for the same pool go before `ticket` (linear, no sorting)."""
+    mine = ticket.order()
+    return sum(
+        1 for t in waiting if t.pool == ticket.pool and t.key != ticket.key and t.order() < mine
+    )
+
+
 def why_wait(ticket: Ticket, waiting: Iterable[Ticket], free: Sequence[int]) -> str | None:
     """None when the job may launch now; otherwise what it waits for, with its position."""
-    ahead = ahead_of(ticket, waiting)
+    ahead = count_ahead(ticket, waiting)
     if ahead:
         return (
-            f"position {len(ahead) + 1} in the queue of pool {ticket.pool}: "
-            f"{len(ahead)} job(s) ahead (higher priority, or created earlier) go first"
+            f"position {ahead + 1} in the queue of pool {ticket.pool}: "
+            f"{ahead} job(s) ahead (higher priority, or created earlier) go first"
         )
     if not fits(free, ticket.nodes, ticket.gpus_per_node):
         return (

@@ -46,7 +46,7 @@ from kubetune.api.v1alpha1 import (
 from kubetune.api.vocabulary import TERMINAL_PHASES, EventType, Phase, PoolConditionType, Reason
 from kubetune.control.conditions import now_rfc3339
 from kubetune.control.lifecycle import failed
-from kubetune.control.queue import Ticket, ahead_of, free_after, why_wait
+from kubetune.control.queue import Ticket, count_ahead, free_after, why_wait
 from kubetune.control.reconcile import ControllerSettings, Decision, reconcile
 from kubetune.controller import metrics
 from kubetune.controller.cache import Caches, JobKey, job_key, job_key_of, parse_pool, with_capacity
@@ -62,6 +62,9 @@ VOLATILE = frozenset({"progress", "cost"})
 
 WAKE_PER_POOL = 8
 """How many jobs at the front of a pool's queue a change of capacity wakes at once."""
+
+DEEP_QUEUE_SLOWDOWN = 4.0
+"""Jobs further back in a queue than WAKE_PER_POOL look again this many queue retries apart."""
 
 REJECTED_RETRY_SECONDS = 5.0
 """A job whose status write was rejected is looked at again after this long, doubling with
@@ -186,6 +189,8 @@ class GpuQueue:
         self._lock = threading.Lock()
         self.waiting: dict[JobKey, Ticket] = {}
         self.reserved: dict[JobKey, tuple[Ticket, float]] = {}
+        self.positions: dict[JobKey, int] = {}
+        """Each waiting job's place in its pool's queue, as of its last look."""
         self.version = 0
         """Changes whenever reservations change (part of what a plan depends on)."""
 
@@ -196,7 +201,7 @@ class GpuQueue:
         with self._lock:
             if queued:
                 self.waiting[key] = ticket
-                position = len(ahead_of(ticket, self.waiting.values())) + 1
+                position = self.positions[key] = count_ahead(ticket, self.waiting.values()) + 1
                 return (
                     f"position {position} in the queue of pool {ticket.pool}: waiting for "
                     f"{ticket.gpus} free GPU(s); re-planning as capacity changes"
@@ -207,11 +212,17 @@ class GpuQueue:
             why = why_wait(ticket, self.waiting.values(), free_after(free_per_node, others))
             if why is None:
                 self.waiting.pop(key, None)
+                self.positions.pop(key, None)
                 self.reserved[key] = (ticket, time.monotonic())
                 self.version += 1
             else:
                 self.waiting[key] = ticket
+                self.positions[key] = count_ahead(ticket, self.waiting.values()) + 1
             return why
+
+    def position(self, key: JobKey) -> int | None:
+        with self._lock:
+            return self.positions.get(key) if key in self.waiting else None
 
     def heads(self, per_pool: int) -> set[JobKey]:
         """The first `per_pool` waiting jobs of each pool's queue: the only ones a change of
@@ -244,6 +255,7 @@ class GpuQueue:
     def stop_waiting(self, key: JobKey) -> None:
         with self._lock:
             self.waiting.pop(key, None)
+            self.positions.pop(key, None)
 
 
 # ---------------------------------------------------------------------- per-job state
@@ -484,6 +496,12 @@ class Runtime:
         delay = decision.requeue_after
         if delay is None and not finished:
             delay = self.settings.resync_seconds
+        position = self.queue.position(key)
+        if delay is not None and position is not None and position > WAKE_PER_POOL:
+            # Deep in a queue nothing can let it in but the jobs ahead leaving, and a change
+            # of capacity wakes the front of the queue: look less often (its position shown
+            # may lag by this much).
+            delay = max(delay, self.settings.queue_retry_seconds * DEEP_QUEUE_SLOWDOWN)
         if not written:
             delay = min(math.inf if delay is None else delay, self._after_rejection(state))
         return delay
