@@ -362,14 +362,18 @@ class _Reconciler:
             )
             return None
         status.memory_scale = round(planner.memory_scale, 4)
-        if not plan.queued:
-            summary = (
-                f"{status.method} on {status.nodes}×{status.gpus_per_node} {status.gpu_product} "
-                f"(pool {status.pool}), ~{status.per_gpu_memory_gib:.1f} GiB/GPU, "
-                f"~{status.estimated_duration_seconds / 3600:.1f} h, "
-                f"~${status.estimated_cost_usd:,.2f}"
-            )
-            self.go.condition(ConditionType.PLANNED, True, Reason.PLAN_READY, summary)
+        # A plan that waits for capacity is a plan all the same. A queued job is planned
+        # again on every look; it tells of a plan only when the plan changed.
+        summary = (
+            f"{status.method} on {status.nodes}×{status.gpus_per_node} {status.gpu_product} "
+            f"(pool {status.pool}), ~{status.per_gpu_memory_gib:.1f} GiB/GPU, "
+            f"~{status.estimated_duration_seconds / 3600:.1f} h, "
+            f"~${status.estimated_cost_usd:,.2f}"
+        )
+        before = get_condition(self.s.conditions, ConditionType.PLANNED)
+        new = before is None or before.status != "True" or before.message != summary
+        self.go.condition(ConditionType.PLANNED, True, Reason.PLAN_READY, summary)
+        if new:
             self.d.event(Reason.PLAN_READY, f"Plan r{revision}: {summary}")
         return NewPlan(status, plan.queued)
 
