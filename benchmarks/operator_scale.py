@@ -170,10 +170,13 @@ OwnKey = tuple[str, str, str]
 
 
 def local_tooling(key: RequestKey) -> bool:
-    """The local provisioner's polling: it lists every PVC and PV twice a second, at a pace
-    that depends on how busy the CPUs are, so a background window cannot take it out. The
-    operator creates claims but lists neither."""
-    return key.verb == "LIST" and key.resource in ("persistentvolumes", "persistentvolumeclaims")
+    """The local provisioner's requests: it lists every PVC and PV twice a second, at a pace
+    that depends on how busy the CPUs are (so a background window cannot take it out), and
+    creates (409 until the claim is bound) and deletes PersistentVolumes. The operator creates
+    claims but never lists them, and never touches a PersistentVolume."""
+    if key.resource == "persistentvolumeclaims":
+        return key.verb == "LIST"
+    return key.resource == "persistentvolumes" and key.verb in ("LIST", "POST", "DELETE")
 
 
 def everything(_: RequestKey) -> bool:

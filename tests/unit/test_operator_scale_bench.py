@@ -141,6 +141,9 @@ def test_attribution_leaves_out_own_requests_tooling_and_background() -> None:
     # Leases at 20/s in the background: 200 in 10 s are all background.
     assert bench.beyond_background(window, background) == pytest.approx(326 - 200)
     assert bench.beyond_background(window, background, bench.is_list) == 96
+    assert bench.local_tooling(Key("POST", "", "persistentvolumes", "", "409"))
+    assert not bench.local_tooling(Key("POST", "", "persistentvolumeclaims", "", "201"))
+    assert not bench.local_tooling(Key("PUT", "", "persistentvolumes", "status", "200"))
     assert bench.heartbeat_free(Key("PUT", "coordination.k8s.io", "leases", "", "200")) is False
     assert bench.heartbeat_free(Key("GET", "", "", "/apis", "200")) is False
     assert bench.heartbeat_free(Key("LIST", "", "pods", "", "200")) is True
