@@ -23,9 +23,10 @@ docs/local-cluster.md#the-operator-at-scale says what each column means:
   labelled `kubetune.io/job=<job>`), jobs/s reaching Planned, jobs never Planned in --timeout;
 - the operator's peak RSS and CPU (% of one core) over the steady window, from /proc;
 - API requests from the API server's own `apiserver_request_total`, which has no user label:
-  every client's requests are in it. The benchmark subtracts its own, the local provisioner's
-  polling (`local_tooling`) and the cluster's background rate, measured in a window of
-  `--background-seconds` after the operator is stopped (`beyond_background`).
+  every client's requests are in it. The benchmark subtracts its own, those that are never the
+  operator's (`never_the_operators`: the local provisioner's, the scheduler's Events) and the
+  cluster's background rate, measured in a window of `--background-seconds` after the
+  operator is stopped (`beyond_background`).
 
 Usage:
     python benchmarks/operator_scale.py --jobs 500 --label before
@@ -179,6 +180,15 @@ def local_tooling(key: RequestKey) -> bool:
     return key.resource == "persistentvolumes" and key.verb in ("LIST", "POST", "DELETE")
 
 
+def never_the_operators(key: RequestKey) -> bool:
+    """Requests the benchmark leaves out of the operator's count, whatever the window: the
+    local provisioner's (`local_tooling`) and Event writes through `events.k8s.io/v1`, which
+    the scheduler and controllers use (kopf, and so the operator, writes core/v1 Events).
+    The scheduler re-reports every unschedulable pod in bursts minutes apart, which no
+    background window of half a minute averages out."""
+    return local_tooling(key) or key.group == "events.k8s.io"
+
+
 def everything(_: RequestKey) -> bool:
     return True
 
@@ -193,10 +203,10 @@ class Interval:
     seconds: float
 
     def count(self, keep: Callable[[RequestKey], bool] = everything) -> float:
-        """Requests `keep` accepts, less the local tooling's and the benchmark's own (`keep`
+        """Requests `keep` accepts, less those `never_the_operators` and the benchmark's own (`keep`
         sees only verb, resource and subresource of those: their group and code are not
         known here)."""
-        total = sum(v for k, v in self.delta.items() if keep(k) and not local_tooling(k))
+        total = sum(v for k, v in self.delta.items() if keep(k) and not never_the_operators(k))
         mine = sum(
             n
             for (verb, res, sub), n in self.own.items()
@@ -1106,8 +1116,12 @@ class Bench:
             "requests_steady_window": breakdown(window.delta),
             "requests_background_window": breakdown(background.delta),
             "own_requests": {
-                " ".join(k).strip(): v
-                for k, v in own_delta(m["background_end"].own, m["start"].own).items()
+                name: {" ".join(k).strip(): n for k, n in part.own.items()}
+                for name, part in (
+                    ("create_to_steady", create),
+                    ("steady_window", window),
+                    ("background_window", background),
+                )
             },
         }
 

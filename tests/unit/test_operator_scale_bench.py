@@ -122,6 +122,7 @@ def test_attribution_leaves_out_own_requests_tooling_and_background() -> None:
             Key("POST", "kubetune.io", "finetunejobs", "", "201"): 50.0,
             Key("PATCH", "kubetune.io", "finetunejobs", "status", "200"): 30.0,
             Key("PUT", "coordination.k8s.io", "leases", "", "200"): 200.0,
+            Key("PATCH", "events.k8s.io", "events", "", "200"): 70.0,  # the scheduler
         },
         own={("POST", "finetunejobs", ""): 50, ("LIST", "pods", ""): 4},
         seconds=10.0,
@@ -141,6 +142,8 @@ def test_attribution_leaves_out_own_requests_tooling_and_background() -> None:
     # Leases at 20/s in the background: 200 in 10 s are all background.
     assert bench.beyond_background(window, background) == pytest.approx(326 - 200)
     assert bench.beyond_background(window, background, bench.is_list) == 96
+    assert bench.never_the_operators(Key("POST", "events.k8s.io", "events", "", "201"))
+    assert not bench.never_the_operators(Key("POST", "", "events", "", "201"))
     assert bench.local_tooling(Key("POST", "", "persistentvolumes", "", "409"))
     assert not bench.local_tooling(Key("POST", "", "persistentvolumeclaims", "", "201"))
     assert not bench.local_tooling(Key("PUT", "", "persistentvolumes", "status", "200"))
