@@ -43,6 +43,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import ssl
@@ -54,7 +55,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
 from typing import Any, NamedTuple
@@ -339,21 +340,16 @@ def job_mix(
             num_examples=1000 + 13 * i,
             gpus=GPU_COUNTS[i % len(GPU_COUNTS)],
         )
-        chosen = None
-        for dg in range(len(GPU_COUNTS)):
-            for dm in range(len(METHODS)):
-                candidate = JobPlan(
-                    **{
-                        **base.__dict__,
-                        "method": METHODS[(i + dm) % len(METHODS)],
-                        "gpus": GPU_COUNTS[(i + dg) % len(GPU_COUNTS)],
-                    }
-                )
-                if feasible(candidate):
-                    chosen = candidate
-                    break
-            if chosen is not None:
-                break
+        candidates = (
+            replace(
+                base,
+                method=METHODS[(i + dm) % len(METHODS)],
+                gpus=GPU_COUNTS[(i + dg) % len(GPU_COUNTS)],
+            )
+            for dg in range(len(GPU_COUNTS))
+            for dm in range(len(METHODS))
+        )
+        chosen = next((c for c in candidates if feasible(c)), None)
         if chosen is None:
             raise ValueError(f"no method or GPU count of {GPU_COUNTS} fits {base.model}")
         jobs.append(chosen)
@@ -721,7 +717,8 @@ class Options:
     progress_seconds: float
     label: str
     results: Path | None
-    root: Path
+    root: Path | None
+    """The cluster's state folder; None: a new one, removed after a run that went well."""
     operator_env: dict[str, str] = field(default_factory=dict)
     apiserver_args: list[str] = field(default_factory=list)
 
@@ -837,15 +834,21 @@ class Bench:
 
     def run(self) -> dict[str, Any]:
         from kubetune_dev.binaries import ensure_binaries
-        from kubetune_dev.cluster import LocalCluster
+        from kubetune_dev.cluster import LocalCluster, default_root
 
         self.jobs = self.plan_jobs()
         binaries = ensure_binaries(say)
+        root = self.opts.root
+        if root is None:  # a folder of its own: runs by others on this machine keep theirs
+            parent = default_root("operator-scale").parent
+            parent.mkdir(parents=True, exist_ok=True)
+            root = Path(tempfile.mkdtemp(prefix="operator-scale-", dir=parent))
+        done = False
         with tempfile.TemporaryDirectory(prefix="kubetune-operator-scale-") as work:
             stages = Path(work) / "kwok-stages-running.yaml"
             stages.write_text(running_stages(binaries.kwok_stages.read_text()))
             self.cluster = LocalCluster(
-                self.opts.root,
+                root,
                 binaries,
                 say,
                 kwok_stages=stages,
@@ -860,11 +863,16 @@ class Bench:
                 self.create_and_settle()
                 self.steady_window()
                 self.background_window()
+                done = True
             finally:
                 for w in self.watches:
                     w.stop()
                 left = self.cluster.stop()
                 say(f"WARNING: processes survived: {left}" if left else "cluster stopped")
+                if done and not left and self.opts.root is None:
+                    shutil.rmtree(root, ignore_errors=True)
+                else:
+                    say(f"component logs: {root / 'logs'}")
         return self.summary()
 
     def plan_jobs(self) -> list[JobPlan]:
@@ -1312,7 +1320,10 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         help="extra kube-apiserver flag, e.g. --max-requests-inflight=800 (repeatable)",
     )
     p.add_argument(
-        "--root", type=Path, default=default_root("operator-scale"), help="cluster state folder"
+        "--root",
+        type=Path,
+        help="cluster state folder, kept (default: a new folder under "
+        f"{default_root('operator-scale').parent}, removed after a run that went well)",
     )
     p.add_argument("--quick", action="store_true", help="smoke test: 50 jobs, short windows")
     a = p.parse_args(argv)
@@ -1362,7 +1373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         say("interrupted; the cluster was stopped")
         return 130
     except (ClusterError, TimeoutError) as exc:
-        say(f"failed: {exc}\nComponent logs: {opts.root / 'logs'}")
+        say(f"failed: {exc}")
         return 1
     say(report(result))
     if opts.results is not None:
