@@ -266,6 +266,57 @@ def breakdown(delta: Mapping[RequestKey, float]) -> dict[str, int]:
     return dict(rows.most_common())
 
 
+def parse_breakdown_key(text: str) -> RequestKey:
+    """The inverse of a `breakdown` key."""
+    verb, rest = text.split(" ", 1)
+    what, code = rest.rsplit(" ", 1)
+    group, resource, *sub = what.split("/", 2)
+    resource = "" if resource == "(non-resource)" else resource
+    subresource = sub[0] if sub else ""
+    return RequestKey(verb, "" if group == "core" else group, resource, subresource, code)
+
+
+def own_key_text(key: OwnKey) -> str:
+    return " ".join(part for part in key if part)
+
+
+def _own_keys(stored: Mapping[str, int]) -> dict[OwnKey, int]:
+    out: dict[OwnKey, int] = {}
+    for text, count in stored.items():
+        verb, resource, subresource = ([*text.split(" "), "", ""])[:3]
+        out[(verb, resource, subresource)] = int(count)
+    return out
+
+
+def request_columns(record: Mapping[str, Any]) -> dict[str, float]:
+    """The request columns of a run, from the counts its JSON line keeps (the breakdowns of
+    the three windows and the benchmark's own requests), by the rules above."""
+    own = record["own_requests"]
+    if "create_to_steady" not in own:  # older lines: one total, nearly all of it creates
+        own = {"create_to_steady": own, "steady_window": {}, "background_window": {}}
+
+    def part(name: str, seconds: str) -> Interval:
+        delta = {parse_breakdown_key(k): float(v) for k, v in record[f"requests_{name}"].items()}
+        return Interval(delta, _own_keys(own[name]), float(record[seconds]))
+
+    create = part("create_to_steady", "to_steady_s")
+    window = part("steady_window", "window_s")
+    background = part("background_window", "background_s")
+    running = float(record["running_jobs"])
+
+    def per_running_job(keep: Callable[[RequestKey], bool]) -> float:
+        extra = beyond_background(window, background, keep)
+        return extra / running / window.seconds if running else math.nan
+
+    return {
+        "requests_per_job": beyond_background(create, background) / int(record["jobs"]),
+        "list_per_s": beyond_background(window, background, is_list) / window.seconds,
+        "req_per_running_job_per_s": per_running_job(everything),
+        "status_writes_per_running_job_per_min": 60 * per_running_job(is_status_write),
+        "background_per_s": background.rate(),
+    }
+
+
 def running_stages(default_stages: str) -> str:
     """kwok's default Stage documents without `DROPPED_STAGES`: pods go Running and stay."""
     kept = []
@@ -719,6 +770,7 @@ class Options:
     results: Path | None
     root: Path | None
     """The cluster's state folder; None: a new one, removed after a run that went well."""
+    rescore: Path | None = None
     operator_env: dict[str, str] = field(default_factory=dict)
     apiserver_args: list[str] = field(default_factory=list)
 
@@ -1078,16 +1130,11 @@ class Bench:
         create = interval(m["start"], m["steady"])
         window = interval(m["steady"], m["steady_end"])
         background = interval(m["background"], m["background_end"])
-        running = float(self.facts["running_jobs"])
         cpu0, cpu1, cpu2 = (m[k].proc for k in ("start", "steady", "steady_end"))
         assert cpu0 is not None and cpu1 is not None and cpu2 is not None
 
-        def per_running_job(keep: Callable[[RequestKey], bool]) -> float:
-            extra = beyond_background(window, background, keep)
-            return extra / running / window.seconds if running else math.nan
-
         whole = counter_delta(m["steady_end"].totals, m["start"].totals)
-        return {
+        record: dict[str, Any] = {
             "date": dt.date.today().isoformat(),
             "time": dt.datetime.now().strftime("%H:%M"),
             "label": opts.label,
@@ -1112,19 +1159,14 @@ class Bench:
             "background_s": round(background.seconds, 1),
             "cpu_pct": 100 * (cpu2.cpu_s - cpu1.cpu_s) / window.seconds,
             "cpu_s_to_steady": cpu1.cpu_s - cpu0.cpu_s,
-            "requests_per_job": beyond_background(create, background) / n,
-            "list_per_s": beyond_background(window, background, is_list) / window.seconds,
-            "req_per_running_job_per_s": per_running_job(everything),
-            "status_writes_per_running_job_per_min": 60 * per_running_job(is_status_write),
             "job_post_201": batch_job_posts(whole, "201"),
             "job_post_409": batch_job_posts(whole, "409"),
-            "background_per_s": background.rate(),
             "load_end": load_average(),
             "requests_create_to_steady": breakdown(create.delta),
             "requests_steady_window": breakdown(window.delta),
             "requests_background_window": breakdown(background.delta),
             "own_requests": {
-                name: {" ".join(k).strip(): n for k, n in part.own.items()}
+                name: {own_key_text(k): n for k, n in part.own.items()}
                 for name, part in (
                     ("create_to_steady", create),
                     ("steady_window", window),
@@ -1132,6 +1174,8 @@ class Bench:
                 )
             },
         }
+        record.update(request_columns(record))
+        return record
 
 
 def _ready(node: Mapping[str, Any]) -> bool:
@@ -1234,6 +1278,22 @@ def write_results(path: Path, result: Mapping[str, Any]) -> None:
         fh.write(json.dumps(result, default=_json_default) + "\n")
 
 
+def rescore(jsonl: Path) -> list[dict[str, Any]]:
+    """Derive the request columns of every run in `jsonl` again from its stored counts, by
+    the current rules, and rewrite it and the table rows of the .md beside it (what is
+    above the table stays)."""
+    records = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+    for record in records:
+        record.update(request_columns(record))
+    jsonl.write_text("".join(json.dumps(r, default=_json_default) + "\n" for r in records))
+    md = jsonl.with_suffix(".md")
+    if md.exists():
+        text = md.read_text()
+        head = text.index(table_header())
+        md.write_text(text[: head + len(table_header())] + "".join(table_row(r) for r in records))
+    return records
+
+
 def _json_default(value: object) -> object:
     if isinstance(value, Counter):
         return dict(value)
@@ -1326,6 +1386,13 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         f"{default_root('operator-scale').parent}, removed after a run that went well)",
     )
     p.add_argument("--quick", action="store_true", help="smoke test: 50 jobs, short windows")
+    p.add_argument(
+        "--rescore",
+        type=Path,
+        metavar="JSONL",
+        help="run nothing: derive the request columns of the runs in a results .jsonl again "
+        "from their stored counts, and rewrite it and the table of the .md beside it",
+    )
     a = p.parse_args(argv)
     quick = bool(a.quick)
     env = {}
@@ -1355,11 +1422,17 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         root=a.root,
         operator_env=env,
         apiserver_args=list(a.apiserver_arg),
+        rescore=a.rescore,
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     opts = parse_args(argv)
+    if opts.rescore is not None:
+        for record in rescore(opts.rescore):
+            say(table_row(record).rstrip())
+        say(f"rewrote {opts.rescore} and the table of {opts.rescore.with_suffix('.md')}")
+        return 0
 
     def terminate(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
