@@ -23,9 +23,10 @@ docs/local-cluster.md#the-operator-at-scale says what each column means:
   labelled `kubetune.io/job=<job>`), jobs/s reaching Planned, jobs never Planned in --timeout;
 - the operator's peak RSS and CPU (% of one core) over the steady window, from /proc;
 - API requests from the API server's own `apiserver_request_total`, which has no user label:
-  every client's requests are in it. The benchmark subtracts its own, the local provisioner's
-  polling (`local_tooling`) and the cluster's background rate, measured in a window of
-  `--background-seconds` after the operator is stopped (`beyond_background`).
+  every client's requests are in it. The benchmark subtracts its own, those that are never the
+  operator's (`never_the_operators`: the local provisioner's, the scheduler's Events) and the
+  cluster's background rate, measured in a window of `--background-seconds` after the
+  operator is stopped (`beyond_background`).
 
 Usage:
     python benchmarks/operator_scale.py --jobs 500 --label before
@@ -42,6 +43,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import ssl
@@ -53,7 +55,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
 from typing import Any, NamedTuple
@@ -170,10 +172,22 @@ OwnKey = tuple[str, str, str]
 
 
 def local_tooling(key: RequestKey) -> bool:
-    """The local provisioner's polling: it lists every PVC and PV twice a second, at a pace
-    that depends on how busy the CPUs are, so a background window cannot take it out. The
-    operator creates claims but lists neither."""
-    return key.verb == "LIST" and key.resource in ("persistentvolumes", "persistentvolumeclaims")
+    """The local provisioner's requests: it lists every PVC and PV twice a second, at a pace
+    that depends on how busy the CPUs are (so a background window cannot take it out), and
+    creates (409 until the claim is bound) and deletes PersistentVolumes. The operator creates
+    claims but never lists them, and never touches a PersistentVolume."""
+    if key.resource == "persistentvolumeclaims":
+        return key.verb == "LIST"
+    return key.resource == "persistentvolumes" and key.verb in ("LIST", "POST", "DELETE")
+
+
+def never_the_operators(key: RequestKey) -> bool:
+    """Requests the benchmark leaves out of the operator's count, whatever the window: the
+    local provisioner's (`local_tooling`) and Event writes through `events.k8s.io/v1`, which
+    the scheduler and controllers use (kopf, and so the operator, writes core/v1 Events).
+    The scheduler re-reports every unschedulable pod in bursts minutes apart, which no
+    background window of half a minute averages out."""
+    return local_tooling(key) or key.group == "events.k8s.io"
 
 
 def everything(_: RequestKey) -> bool:
@@ -190,10 +204,10 @@ class Interval:
     seconds: float
 
     def count(self, keep: Callable[[RequestKey], bool] = everything) -> float:
-        """Requests `keep` accepts, less the local tooling's and the benchmark's own (`keep`
+        """Requests `keep` accepts, less those `never_the_operators` and the benchmark's own (`keep`
         sees only verb, resource and subresource of those: their group and code are not
         known here)."""
-        total = sum(v for k, v in self.delta.items() if keep(k) and not local_tooling(k))
+        total = sum(v for k, v in self.delta.items() if keep(k) and not never_the_operators(k))
         mine = sum(
             n
             for (verb, res, sub), n in self.own.items()
@@ -250,6 +264,57 @@ def breakdown(delta: Mapping[RequestKey, float]) -> dict[str, int]:
         )
         rows[f"{k.verb} {what} {k.code}"] += int(v)
     return dict(rows.most_common())
+
+
+def parse_breakdown_key(text: str) -> RequestKey:
+    """The inverse of a `breakdown` key."""
+    verb, rest = text.split(" ", 1)
+    what, code = rest.rsplit(" ", 1)
+    group, resource, *sub = what.split("/", 2)
+    resource = "" if resource == "(non-resource)" else resource
+    subresource = sub[0] if sub else ""
+    return RequestKey(verb, "" if group == "core" else group, resource, subresource, code)
+
+
+def own_key_text(key: OwnKey) -> str:
+    return " ".join(part for part in key if part)
+
+
+def _own_keys(stored: Mapping[str, int]) -> dict[OwnKey, int]:
+    out: dict[OwnKey, int] = {}
+    for text, count in stored.items():
+        verb, resource, subresource = ([*text.split(" "), "", ""])[:3]
+        out[(verb, resource, subresource)] = int(count)
+    return out
+
+
+def request_columns(record: Mapping[str, Any]) -> dict[str, float]:
+    """The request columns of a run, from the counts its JSON line keeps (the breakdowns of
+    the three windows and the benchmark's own requests), by the rules above."""
+    own = record["own_requests"]
+    if "create_to_steady" not in own:  # older lines: one total, nearly all of it creates
+        own = {"create_to_steady": own, "steady_window": {}, "background_window": {}}
+
+    def part(name: str, seconds: str) -> Interval:
+        delta = {parse_breakdown_key(k): float(v) for k, v in record[f"requests_{name}"].items()}
+        return Interval(delta, _own_keys(own[name]), float(record[seconds]))
+
+    create = part("create_to_steady", "to_steady_s")
+    window = part("steady_window", "window_s")
+    background = part("background_window", "background_s")
+    running = float(record["running_jobs"])
+
+    def per_running_job(keep: Callable[[RequestKey], bool]) -> float:
+        extra = beyond_background(window, background, keep)
+        return extra / running / window.seconds if running else math.nan
+
+    return {
+        "requests_per_job": beyond_background(create, background) / int(record["jobs"]),
+        "list_per_s": beyond_background(window, background, is_list) / window.seconds,
+        "req_per_running_job_per_s": per_running_job(everything),
+        "status_writes_per_running_job_per_min": 60 * per_running_job(is_status_write),
+        "background_per_s": background.rate(),
+    }
 
 
 def running_stages(default_stages: str) -> str:
@@ -326,21 +391,16 @@ def job_mix(
             num_examples=1000 + 13 * i,
             gpus=GPU_COUNTS[i % len(GPU_COUNTS)],
         )
-        chosen = None
-        for dg in range(len(GPU_COUNTS)):
-            for dm in range(len(METHODS)):
-                candidate = JobPlan(
-                    **{
-                        **base.__dict__,
-                        "method": METHODS[(i + dm) % len(METHODS)],
-                        "gpus": GPU_COUNTS[(i + dg) % len(GPU_COUNTS)],
-                    }
-                )
-                if feasible(candidate):
-                    chosen = candidate
-                    break
-            if chosen is not None:
-                break
+        candidates = (
+            replace(
+                base,
+                method=METHODS[(i + dm) % len(METHODS)],
+                gpus=GPU_COUNTS[(i + dg) % len(GPU_COUNTS)],
+            )
+            for dg in range(len(GPU_COUNTS))
+            for dm in range(len(METHODS))
+        )
+        chosen = next((c for c in candidates if feasible(c)), None)
         if chosen is None:
             raise ValueError(f"no method or GPU count of {GPU_COUNTS} fits {base.model}")
         jobs.append(chosen)
@@ -708,7 +768,9 @@ class Options:
     progress_seconds: float
     label: str
     results: Path | None
-    root: Path
+    root: Path | None
+    """The cluster's state folder; None: a new one, removed after a run that went well."""
+    rescore: Path | None = None
     operator_env: dict[str, str] = field(default_factory=dict)
     apiserver_args: list[str] = field(default_factory=list)
 
@@ -824,15 +886,21 @@ class Bench:
 
     def run(self) -> dict[str, Any]:
         from kubetune_dev.binaries import ensure_binaries
-        from kubetune_dev.cluster import LocalCluster
+        from kubetune_dev.cluster import LocalCluster, default_root
 
         self.jobs = self.plan_jobs()
         binaries = ensure_binaries(say)
+        root = self.opts.root
+        if root is None:  # a folder of its own: runs by others on this machine keep theirs
+            parent = default_root("operator-scale").parent
+            parent.mkdir(parents=True, exist_ok=True)
+            root = Path(tempfile.mkdtemp(prefix="operator-scale-", dir=parent))
+        done = False
         with tempfile.TemporaryDirectory(prefix="kubetune-operator-scale-") as work:
             stages = Path(work) / "kwok-stages-running.yaml"
             stages.write_text(running_stages(binaries.kwok_stages.read_text()))
             self.cluster = LocalCluster(
-                self.opts.root,
+                root,
                 binaries,
                 say,
                 kwok_stages=stages,
@@ -847,11 +915,16 @@ class Bench:
                 self.create_and_settle()
                 self.steady_window()
                 self.background_window()
+                done = True
             finally:
                 for w in self.watches:
                     w.stop()
                 left = self.cluster.stop()
                 say(f"WARNING: processes survived: {left}" if left else "cluster stopped")
+                if done and not left and self.opts.root is None:
+                    shutil.rmtree(root, ignore_errors=True)
+                else:
+                    say(f"component logs: {root / 'logs'}")
         return self.summary()
 
     def plan_jobs(self) -> list[JobPlan]:
@@ -1057,16 +1130,11 @@ class Bench:
         create = interval(m["start"], m["steady"])
         window = interval(m["steady"], m["steady_end"])
         background = interval(m["background"], m["background_end"])
-        running = float(self.facts["running_jobs"])
         cpu0, cpu1, cpu2 = (m[k].proc for k in ("start", "steady", "steady_end"))
         assert cpu0 is not None and cpu1 is not None and cpu2 is not None
 
-        def per_running_job(keep: Callable[[RequestKey], bool]) -> float:
-            extra = beyond_background(window, background, keep)
-            return extra / running / window.seconds if running else math.nan
-
         whole = counter_delta(m["steady_end"].totals, m["start"].totals)
-        return {
+        record: dict[str, Any] = {
             "date": dt.date.today().isoformat(),
             "time": dt.datetime.now().strftime("%H:%M"),
             "label": opts.label,
@@ -1091,22 +1159,23 @@ class Bench:
             "background_s": round(background.seconds, 1),
             "cpu_pct": 100 * (cpu2.cpu_s - cpu1.cpu_s) / window.seconds,
             "cpu_s_to_steady": cpu1.cpu_s - cpu0.cpu_s,
-            "requests_per_job": beyond_background(create, background) / n,
-            "list_per_s": beyond_background(window, background, is_list) / window.seconds,
-            "req_per_running_job_per_s": per_running_job(everything),
-            "status_writes_per_running_job_per_min": 60 * per_running_job(is_status_write),
             "job_post_201": batch_job_posts(whole, "201"),
             "job_post_409": batch_job_posts(whole, "409"),
-            "background_per_s": background.rate(),
             "load_end": load_average(),
             "requests_create_to_steady": breakdown(create.delta),
             "requests_steady_window": breakdown(window.delta),
             "requests_background_window": breakdown(background.delta),
             "own_requests": {
-                " ".join(k).strip(): v
-                for k, v in own_delta(m["background_end"].own, m["start"].own).items()
+                name: {own_key_text(k): n for k, n in part.own.items()}
+                for name, part in (
+                    ("create_to_steady", create),
+                    ("steady_window", window),
+                    ("background_window", background),
+                )
             },
         }
+        record.update(request_columns(record))
+        return record
 
 
 def _ready(node: Mapping[str, Any]) -> bool:
@@ -1209,6 +1278,22 @@ def write_results(path: Path, result: Mapping[str, Any]) -> None:
         fh.write(json.dumps(result, default=_json_default) + "\n")
 
 
+def rescore(jsonl: Path) -> list[dict[str, Any]]:
+    """Derive the request columns of every run in `jsonl` again from its stored counts, by
+    the current rules, and rewrite it and the table rows of the .md beside it (what is
+    above the table stays)."""
+    records = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+    for record in records:
+        record.update(request_columns(record))
+    jsonl.write_text("".join(json.dumps(r, default=_json_default) + "\n" for r in records))
+    md = jsonl.with_suffix(".md")
+    if md.exists():
+        text = md.read_text()
+        head = text.index(table_header())
+        md.write_text(text[: head + len(table_header())] + "".join(table_row(r) for r in records))
+    return records
+
+
 def _json_default(value: object) -> object:
     if isinstance(value, Counter):
         return dict(value)
@@ -1295,9 +1380,19 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         help="extra kube-apiserver flag, e.g. --max-requests-inflight=800 (repeatable)",
     )
     p.add_argument(
-        "--root", type=Path, default=default_root("operator-scale"), help="cluster state folder"
+        "--root",
+        type=Path,
+        help="cluster state folder, kept (default: a new folder under "
+        f"{default_root('operator-scale').parent}, removed after a run that went well)",
     )
     p.add_argument("--quick", action="store_true", help="smoke test: 50 jobs, short windows")
+    p.add_argument(
+        "--rescore",
+        type=Path,
+        metavar="JSONL",
+        help="run nothing: derive the request columns of the runs in a results .jsonl again "
+        "from their stored counts, and rewrite it and the table of the .md beside it",
+    )
     a = p.parse_args(argv)
     quick = bool(a.quick)
     env = {}
@@ -1327,11 +1422,17 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         root=a.root,
         operator_env=env,
         apiserver_args=list(a.apiserver_arg),
+        rescore=a.rescore,
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     opts = parse_args(argv)
+    if opts.rescore is not None:
+        for record in rescore(opts.rescore):
+            say(table_row(record).rstrip())
+        say(f"rewrote {opts.rescore} and the table of {opts.rescore.with_suffix('.md')}")
+        return 0
 
     def terminate(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
@@ -1345,7 +1446,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         say("interrupted; the cluster was stopped")
         return 130
     except (ClusterError, TimeoutError) as exc:
-        say(f"failed: {exc}\nComponent logs: {opts.root / 'logs'}")
+        say(f"failed: {exc}")
         return 1
     say(report(result))
     if opts.results is not None:

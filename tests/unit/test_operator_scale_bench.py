@@ -4,6 +4,7 @@ counters and how requests are attributed, kwok's stages, the job mix, the tracke
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import sys
 from pathlib import Path
@@ -67,7 +68,7 @@ METRICS = "\n".join(
             code="200",
             group="",
             resource="",
-            subresource="/openapi/v3",
+            subresource="openapi/v3",
             verb="GET",
             version="",
         ),
@@ -96,7 +97,7 @@ def test_request_totals_are_parsed_and_summed_over_the_labels_not_kept() -> None
         Key("LIST", "", "pods", "", "200"): 42.0,  # cluster- and namespace-scoped lists
         Key("POST", "batch", "jobs", "", "409"): 7.0,
         Key("PATCH", "kubetune.io", "finetunejobs", "status", "200"): 45.0,
-        Key("GET", "", "", "/openapi/v3", "200"): 2.0,  # a timestamp after the value
+        Key("GET", "", "", "openapi/v3", "200"): 2.0,  # a timestamp after the value
         Key("PUT", "", "endpoints", "", "422"): 3.0,  # an escaped quote in another label
     }
 
@@ -122,6 +123,7 @@ def test_attribution_leaves_out_own_requests_tooling_and_background() -> None:
             Key("POST", "kubetune.io", "finetunejobs", "", "201"): 50.0,
             Key("PATCH", "kubetune.io", "finetunejobs", "status", "200"): 30.0,
             Key("PUT", "coordination.k8s.io", "leases", "", "200"): 200.0,
+            Key("PATCH", "events.k8s.io", "events", "", "200"): 70.0,  # the scheduler
         },
         own={("POST", "finetunejobs", ""): 50, ("LIST", "pods", ""): 4},
         seconds=10.0,
@@ -141,6 +143,11 @@ def test_attribution_leaves_out_own_requests_tooling_and_background() -> None:
     # Leases at 20/s in the background: 200 in 10 s are all background.
     assert bench.beyond_background(window, background) == pytest.approx(326 - 200)
     assert bench.beyond_background(window, background, bench.is_list) == 96
+    assert bench.never_the_operators(Key("POST", "events.k8s.io", "events", "", "201"))
+    assert not bench.never_the_operators(Key("POST", "", "events", "", "201"))
+    assert bench.local_tooling(Key("POST", "", "persistentvolumes", "", "409"))
+    assert not bench.local_tooling(Key("POST", "", "persistentvolumeclaims", "", "201"))
+    assert not bench.local_tooling(Key("PUT", "", "persistentvolumes", "status", "200"))
     assert bench.heartbeat_free(Key("PUT", "coordination.k8s.io", "leases", "", "200")) is False
     assert bench.heartbeat_free(Key("GET", "", "", "/apis", "200")) is False
     assert bench.heartbeat_free(Key("LIST", "", "pods", "", "200")) is True
@@ -271,3 +278,86 @@ def test_every_results_row_fills_every_column() -> None:
     assert "| 2 / – |" in row  # a NaN percentile shows as a dash
     assert "300 (not steady)" in row
     assert "| 150 / 50 (6 pods Pending) |" in row
+
+
+def test_breakdown_keys_read_back() -> None:
+    delta = bench.parse_request_totals(METRICS)
+    assert {bench.parse_breakdown_key(k): v for k, v in bench.breakdown(delta).items()} == delta
+
+
+def _record(**over: Any) -> dict[str, Any]:
+    record: dict[str, Any] = {
+        "jobs": 10,
+        "running_jobs": 5.0,
+        "to_steady_s": 100.0,
+        "window_s": 10.0,
+        "background_s": 5.0,
+        "requests_create_to_steady": {
+            "POST kubetune.io/finetunejobs 201": 10,
+            "LIST core/pods 200": 300,
+            "PUT coordination.k8s.io/leases 200": 2000,
+            "POST core/persistentvolumes 409": 500,
+        },
+        "requests_steady_window": {
+            "LIST core/pods 200": 50,
+            "PATCH kubetune.io/finetunejobs/status 200": 5,
+            "PUT coordination.k8s.io/leases 200": 200,
+            "PATCH events.k8s.io/events 200": 40,
+        },
+        "requests_background_window": {"PUT coordination.k8s.io/leases 200": 100},
+        "own_requests": {
+            "create_to_steady": {"POST finetunejobs": 10},
+            "steady_window": {},
+            "background_window": {},
+        },
+    }
+    return {**record, **over}
+
+
+def test_request_columns_come_from_the_stored_counts() -> None:
+    cols = bench.request_columns(_record())
+    assert cols["background_per_s"] == 20.0  # kwok's Leases
+    assert cols["requests_per_job"] == pytest.approx((300 + 2000 - 20 * 100) / 10)
+    assert cols["list_per_s"] == 5.0
+    assert cols["req_per_running_job_per_s"] == pytest.approx(55 / 5 / 10)
+    assert cols["status_writes_per_running_job_per_min"] == pytest.approx(6.0)
+    # Older lines kept one total of the benchmark's own requests: all of it counts as creates.
+    flat = bench.request_columns(_record(own_requests={"POST finetunejobs": 10}))
+    assert flat == cols
+
+
+def test_rescore_rewrites_the_rows_and_keeps_what_is_above_the_table(tmp_path: Path) -> None:
+    base = {
+        "date": "2026-01-01",
+        "time": "10:00",
+        "label": "x",
+        "commit": "abc",
+        "pools": "4×50×8",
+        "namespaces": 20,
+        "clients": 32,
+        "not_planned": 0,
+        "plan_p50_s": 1.0,
+        "plan_p99_s": 2.0,
+        "pod_p50_s": 3.0,
+        "pod_p99_s": 4.0,
+        "planned_per_s": 5.0,
+        "steady": True,
+        "phases": {"Running": 5},
+        "pending_pods": 0,
+        "rss_peak_mib": 100.0,
+        "cpu_pct": 10.0,
+        "job_post_409": 0,
+        "load_start": "1 1 1",
+        "load_end": "1 1 1",
+        "requests_per_job": 999.0,
+    }
+    jsonl = tmp_path / "operator-scale-2026-01-01.jsonl"
+    jsonl.write_text(json.dumps(_record(**base)) + "\n")
+    md = jsonl.with_suffix(".md")
+    md.write_text("# title\n\nA note.\n\n" + bench.table_header() + "| stale row |\n")
+    [record] = bench.rescore(jsonl)
+    assert record["requests_per_job"] == pytest.approx(30.0)
+    assert json.loads(jsonl.read_text())["requests_per_job"] == pytest.approx(30.0)
+    text = md.read_text()
+    assert text.startswith("# title\n\nA note.\n\n" + bench.table_header())
+    assert "stale row" not in text and "| 30.0 |" in text
