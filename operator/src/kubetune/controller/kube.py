@@ -71,11 +71,6 @@ def _rejected_fields(exc: ApiError) -> list[str]:
     return [str(cause.field) for cause in causes if cause.field]
 
 
-def _as_dict(obj: Any) -> dict[str, Any]:
-    data = obj.to_dict()
-    return dict(data)
-
-
 TRAINER_PREFIX = "kubetune_trainer_"
 
 

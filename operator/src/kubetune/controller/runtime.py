@@ -101,6 +101,22 @@ def status_patch(old: Mapping[str, Any], new: FineTuneJobStatus) -> dict[str, An
     return patch
 
 
+async def _wait(wake: asyncio.Event, stopped: Stopped, delay: float | None) -> None:
+    """Until `wake` is set, kopf stops the loop, or `delay` seconds pass (None: no limit)."""
+    woken = asyncio.ensure_future(wake.wait())
+    stop = asyncio.ensure_future(stopped.wait())
+    try:
+        await asyncio.wait({woken, stop}, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        woken.cancel()
+        stop.cancel()
+
+
+def _backoff(failures: int) -> float:
+    """Seconds before the next try after `failures` failed looks in a row (2, 4, … 60)."""
+    return min(60.0, 2.0 ** min(failures, 6))
+
+
 # ---------------------------------------------------------------------- caches of work
 
 
@@ -141,8 +157,6 @@ class PlanMemo:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._last: dict[str, tuple[Any, Plan | Exception]] = {}
-        self.hits = 0
-        self.misses = 0
 
     def planner(self, uid: str, generation: Any, view_version: Any) -> Callable[..., Plan]:
         def plan(
@@ -155,11 +169,9 @@ class PlanMemo:
             with self._lock:
                 last = self._last.get(uid)
             if last is not None and last[0] == key:
-                self.hits += 1
                 if isinstance(last[1], Exception):
                     raise last[1]
                 return last[1]
-            self.misses += 1
             try:
                 result: Plan | Exception = plan_job(spec, pools, arch, settings)
             except Exception as exc:
@@ -305,7 +317,7 @@ class Runtime:
         self.pool_wakers: dict[str, asyncio.Event] = {}
         self.pool_generations: dict[str, Any] = {}
         self.capacity_version = 0
-        self._pools: tuple[Any, list[GPUPool], dict[str, list[int]]] | None = None
+        self._pools: tuple[Any, list[GPUPool], dict[str, dict[str, Any]]] | None = None
         self._wake_pending = False
         self.last_success = time.monotonic()
 
@@ -343,10 +355,10 @@ class Runtime:
         """Changes whenever what the planner sees changes: capacity or reservations."""
         return (self.capacity_version, self.queue.version)
 
-    def live_pools(self) -> tuple[list[GPUPool], dict[str, list[int]]]:
+    def live_pools(self) -> tuple[list[GPUPool], dict[str, dict[str, Any]]]:
         """Valid pools with their status replaced by live capacity, less the GPUs reserved
-        for admitted jobs (what the planner sees), and each pool's free GPUs per node
-        before reservations (what admission starts from)."""
+        for admitted jobs (what the planner sees), and each pool's capacity before
+        reservations (what admission starts from and the pool's status shows)."""
         assert self.caches is not None
         cached = self._pools
         version = self.view_version
@@ -362,9 +374,8 @@ class Runtime:
                 free = free_after(numbers["freeGPUsPerNode"], reserved)
                 numbers.update(freeGPUsPerNode=free, freeGPUs=sum(free))
             live.append(with_capacity(pool, numbers, pool.metadata.get("generation")))
-        raw = {name: list(c["freeGPUsPerNode"]) for name, c in capacity.items()}
-        self._pools = (version, live, raw)
-        return live, raw
+        self._pools = (version, live, capacity)
+        return live, capacity
 
     # ------------------------------------------------------------------ job loops
 
@@ -390,15 +401,8 @@ class Runtime:
             self.plans.forget(str(meta.get("uid")))
 
     async def _sleep(self, state: _JobState, stopped: Stopped, delay: float | None) -> None:
-        if state.wake.is_set() or stopped:
-            return
-        woken = asyncio.ensure_future(state.wake.wait())
-        stop = asyncio.ensure_future(stopped.wait())
-        try:
-            await asyncio.wait({woken, stop}, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            woken.cancel()
-            stop.cancel()
+        if not (state.wake.is_set() or stopped):
+            await _wait(state.wake, stopped, delay)
 
     async def _look(self, key: JobKey, state: _JobState, body: Mapping[str, Any]) -> float | None:
         """One reconcile; returns the time until the next look (None: wait for events)."""
@@ -411,7 +415,7 @@ class Runtime:
             return self.settings.resync_seconds
         except Exception:
             state.failures += 1
-            backoff = min(60.0, 2.0 ** min(state.failures, 6))
+            backoff = _backoff(state.failures)
             log.exception(
                 "reconcile of %s/%s failed (%d in a row); next try in %.0fs",
                 key[0],
@@ -461,7 +465,7 @@ class Runtime:
             metrics.observe_job(raw, status.to_wire())
             return None if written else self._after_rejection(state)
         version = self.view_version
-        pools, free = self.live_pools()
+        pools, capacity = self.live_pools()
         observed = self.caches.observe(job, pools)
         if job.status and job.status.phase == Phase.RUNNING and observed.pods:
             async with self.scrapes:
@@ -475,7 +479,7 @@ class Runtime:
             now=now,
             load_arch=self.arch,
             plan=self.plans.planner(str(meta.get("uid")), meta.get("generation"), version),
-            admit=partial(self._admit, asyncio.get_running_loop(), key, job, free),
+            admit=partial(self._admit, asyncio.get_running_loop(), key, job, capacity),
         )
         decision: Decision = await asyncio.get_running_loop().run_in_executor(self.executor, decide)
         await self._carry_out(job, state, decision, body, now)
@@ -516,7 +520,7 @@ class Runtime:
         loop: asyncio.AbstractEventLoop,
         key: JobKey,
         job: FineTuneJob,
-        free: Mapping[str, list[int]],
+        capacity: Mapping[str, Mapping[str, Any]],
         plan: PlanStatus,
         queued: bool,
     ) -> str | None:
@@ -530,7 +534,8 @@ class Runtime:
             nodes=plan.nodes,
             gpus_per_node=plan.gpus_per_node,
         )
-        why = self.queue.admit(key, ticket, free.get(plan.pool, []), queued)
+        free = (capacity.get(plan.pool) or {}).get("freeGPUsPerNode", [])
+        why = self.queue.admit(key, ticket, free, queued)
         if why is None:
             # The next job in the queue may go now (or once this one's pods hold the GPUs).
             loop.call_soon_threadsafe(self.capacity_changed)
@@ -690,19 +695,11 @@ class Runtime:
                     delay = self.settings.resync_seconds
                 except Exception:
                     failures += 1
-                    delay = min(60.0, 2.0 ** min(failures, 6))
+                    delay = _backoff(failures)
                     log.exception(
                         "GPUPool %s: capacity not written; next try in %.0fs", name, delay
                     )
-                woken = asyncio.ensure_future(wake.wait())
-                stop = asyncio.ensure_future(stopped.wait())
-                try:
-                    await asyncio.wait(
-                        {woken, stop}, timeout=delay, return_when=asyncio.FIRST_COMPLETED
-                    )
-                finally:
-                    woken.cancel()
-                    stop.cancel()
+                await _wait(wake, stopped, delay)
                 # Capacity changes come in bursts (a job's pods bind one by one): write at
                 # most about once a second.
                 await asyncio.sleep(1.0)
@@ -726,7 +723,9 @@ class Runtime:
                 log.error("GPUPool %s is invalid: %s", name, parsed)
                 await self._write_pool(name, {"conditions": [condition]})
             return
-        capacity = dict(self.caches.capacities([parsed])[name])
+        # Computed once per change of nodes, pods or reservations, for every pool at once.
+        _, live = self.live_pools()
+        capacity = dict(live.get(name) or self.caches.capacities([parsed])[name])
         capacity["observedGeneration"] = meta.get("generation")
         patch = {k: v for k, v in capacity.items() if old.get(k) != v}
         condition = _pool_condition(old, True, Reason.POOL_ACCEPTED, "the operator reads this pool")
