@@ -642,6 +642,15 @@ class Snapshot:
         return (tuple(sorted(self.phases.items())), self.running_pods, self.pending_pods)
 
 
+class Timings(NamedTuple):
+    """Per job (namespace, name), server clock, 1 s resolution."""
+
+    created: dict[tuple[str, str], float]
+    planned: dict[tuple[str, str], float]
+    first_batch_job: dict[tuple[str, str], float]
+    first_pod: dict[tuple[str, str], float]
+
+
 class Tracker:
     """FineTuneJobs and trainer pods as the watches see them."""
 
@@ -649,6 +658,9 @@ class Tracker:
         self._lock = threading.Lock()
         self.jobs: dict[tuple[str, str], JobState] = {}
         self.first_pod: dict[tuple[str, str], float] = {}
+        self.first_batch_job: dict[tuple[str, str], float] = {}
+        """(namespace, job) → creation time of its first batch Job: the operator's part of
+        creation → first pod ends there; the Job controller's part begins."""
         self.pods: dict[tuple[str, str], tuple[tuple[str, str], str, float]] = {}
         """(namespace, pod) → (namespace, job), phase, creation time."""
         self.phase_changes = 0
@@ -690,6 +702,14 @@ class Tracker:
                 phase = str((obj.get("status") or {}).get("phase") or "Pending")
                 self.pods[key] = (job, phase, created)
 
+    def on_batch_job(self, kind: str, obj: Mapping[str, Any]) -> None:
+        meta = obj.get("metadata") or {}
+        job = (str(meta.get("namespace")), str((meta.get("labels") or {}).get(LABEL_JOB)))
+        with self._lock:
+            created = rfc3339_seconds(meta["creationTimestamp"])
+            if created < self.first_batch_job.get(job, math.inf):
+                self.first_batch_job[job] = created
+
     def snapshot(self, now: float, patience: float) -> Snapshot:
         """The state at `now` (epoch seconds); a Pending pod younger than `patience` seconds
         is young."""
@@ -717,11 +737,11 @@ class Tracker:
                 ),
             )
 
-    def timings(self) -> tuple[dict[Any, float], dict[Any, float], dict[Any, float]]:
+    def timings(self) -> Timings:
         with self._lock:
             created = {k: s.created for k, s in self.jobs.items()}
             planned = {k: s.planned_at for k, s in self.jobs.items() if s.planned_at is not None}
-            return created, planned, dict(self.first_pod)
+            return Timings(created, planned, dict(self.first_batch_job), dict(self.first_pod))
 
     def pools(self) -> dict[str, int]:
         with self._lock:
@@ -773,6 +793,7 @@ class Options:
     rescore: Path | None = None
     operator_env: dict[str, str] = field(default_factory=dict)
     apiserver_args: list[str] = field(default_factory=list)
+    controller_manager_args: list[str] = field(default_factory=list)
 
 
 def say(msg: str) -> None:
@@ -906,7 +927,10 @@ class Bench:
                 kwok_stages=stages,
                 kwok_args=[f"--cidr={POD_LOOPBACK_CIDR}"],
                 apiserver_args=self.opts.apiserver_args,
-                controller_manager_args=[ENDPOINT_CONTROLLERS_OFF],
+                controller_manager_args=[
+                    ENDPOINT_CONTROLLERS_OFF,
+                    *self.opts.controller_manager_args,
+                ],
             )
             try:
                 self.prepare()
@@ -1039,6 +1063,12 @@ class Bench:
                 "pods",
                 self.tracker.on_pod,
             ),
+            Watch(
+                self.api,
+                f"/apis/batch/v1/jobs?labelSelector={quote(LABEL_JOB)}",
+                "jobs",
+                self.tracker.on_batch_job,
+            ),
         ]
         for w in self.watches:
             w.start()
@@ -1124,8 +1154,10 @@ class Bench:
 
     def summary(self) -> dict[str, Any]:
         opts, m, n = self.opts, self.marks, len(self.jobs)
-        created, planned, first_pod = self.timings
+        created, planned, first_batch_job, first_pod = self.timings
         plan_lat, pod_lat = latencies(created, planned), latencies(created, first_pod)
+        batch_job_lat = latencies(created, first_batch_job)
+        pod_after_batch_job = latencies(first_batch_job, first_pod)
         span = (max(planned.values()) - min(created.values())) if planned else math.nan
         create = interval(m["start"], m["steady"])
         window = interval(m["steady"], m["steady_end"])
@@ -1144,6 +1176,7 @@ class Bench:
             "pools": f"{len(self.pools)}×{opts.nodes_per_pool}×8",
             "operator_env": opts.operator_env,
             "apiserver_args": opts.apiserver_args,
+            "controller_manager_args": opts.controller_manager_args,
             **self.facts,
             "planned": len(planned),
             "not_planned": n - len(planned),
@@ -1153,6 +1186,10 @@ class Bench:
             "pod_p50_s": percentile(pod_lat, 50),
             "pod_p99_s": percentile(pod_lat, 99),
             "jobs_with_pods": len(pod_lat),
+            "batch_job_p50_s": percentile(batch_job_lat, 50),
+            "batch_job_p99_s": percentile(batch_job_lat, 99),
+            "pod_after_batch_job_p50_s": percentile(pod_after_batch_job, 50),
+            "pod_after_batch_job_p99_s": percentile(pod_after_batch_job, 99),
             "planned_per_s": len(planned) / max(span, 1.0) if planned else 0.0,
             "to_steady_s": round(create.seconds, 1),
             "window_s": round(window.seconds, 1),
@@ -1199,6 +1236,7 @@ COLUMNS = (
     ("jobs", "jobs"),
     ("not_planned", "not Planned"),
     ("plan", "→Planned p50 / p99 s"),
+    ("batch_job", "→batch Job p50 / p99 s"),
     ("pod", "→first pod p50 / p99 s"),
     ("planned_per_s", "Planned jobs/s"),
     ("to_steady", "→steady s"),
@@ -1223,6 +1261,7 @@ def row_values(r: Mapping[str, Any]) -> dict[str, str]:
         "jobs": str(r["jobs"]),
         "not_planned": str(r["not_planned"]),
         "plan": f"{fmt(r['plan_p50_s'], 0)} / {fmt(r['plan_p99_s'], 0)}",
+        "batch_job": f"{fmt(r.get('batch_job_p50_s'), 0)} / {fmt(r.get('batch_job_p99_s'), 0)}",
         "pod": f"{fmt(r['pod_p50_s'], 0)} / {fmt(r['pod_p99_s'], 0)}",
         "planned_per_s": fmt(r["planned_per_s"]),
         "to_steady": fmt(r["to_steady_s"], 0) + ("" if r["steady"] else " (not steady)"),
@@ -1310,6 +1349,10 @@ def report(r: Mapping[str, Any]) -> str:
         f"max {fmt(r['plan_max_s'])}s",
         f"  creation → first pod  p50 {fmt(r['pod_p50_s'])}s  p99 {fmt(r['pod_p99_s'])}s  "
         f"({r['jobs_with_pods']} jobs had pods)",
+        f"  creation → batch Job  p50 {fmt(r.get('batch_job_p50_s'))}s  p99 "
+        f"{fmt(r.get('batch_job_p99_s'))}s (the operator's part); batch Job → pod p50 "
+        f"{fmt(r.get('pod_after_batch_job_p50_s'))}s  p99 "
+        f"{fmt(r.get('pod_after_batch_job_p99_s'))}s (the Job controller's)",
         f"  steady: {r['steady']} after {r['to_steady_s']}s; phases {r['phases']}; "
         f"trainer pods Running {r['running_pods']}, Pending {r['pending_pods']}; "
         f"pools {r['pools_chosen']}",
@@ -1380,6 +1423,13 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         help="extra kube-apiserver flag, e.g. --max-requests-inflight=800 (repeatable)",
     )
     p.add_argument(
+        "--controller-manager-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="extra kube-controller-manager flag, e.g. --kube-api-qps=100 (repeatable)",
+    )
+    p.add_argument(
         "--root",
         type=Path,
         help="cluster state folder, kept (default: a new folder under "
@@ -1422,6 +1472,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         root=a.root,
         operator_env=env,
         apiserver_args=list(a.apiserver_arg),
+        controller_manager_args=list(a.controller_manager_arg),
         rescore=a.rescore,
     )
 
