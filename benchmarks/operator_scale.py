@@ -78,6 +78,41 @@ ENDPOINT_CONTROLLERS_OFF = (
 )
 """Endpoints of the trainers' headless Services: no use without DNS or kube-proxy, and the
 controllers would retry loopback pod addresses (which Endpoints refuse) forever."""
+SCALE_TEST_QPS = 100
+"""The client rate limit (QPS and burst) Kubernetes' own 5,000-node scalability tests give
+kube-controller-manager and kube-scheduler; their defaults are 20/30 and 50/100."""
+
+
+def gpu_bin_packing() -> dict[str, Any]:
+    """A kube-scheduler profile that fills the busiest node's GPUs first (MostAllocated on
+    nvidia.com/gpu, no balancing of CPU and memory): what the operator's queue assumes when
+    it reserves GPUs (best fit), and what keeps whole nodes free for multi-GPU jobs. The
+    default profile spreads pods, so one-GPU pods fragment the nodes."""
+    return {
+        "profiles": [
+            {
+                "schedulerName": "default-scheduler",
+                "plugins": {"score": {"disabled": [{"name": "NodeResourcesBalancedAllocation"}]}},
+                "pluginConfig": [
+                    {
+                        "name": "NodeResourcesFit",
+                        "args": {
+                            "scoringStrategy": {
+                                "type": "MostAllocated",
+                                "resources": [
+                                    {"name": "nvidia.com/gpu", "weight": 10},
+                                    {"name": "cpu", "weight": 1},
+                                    {"name": "memory", "weight": 1},
+                                ],
+                            }
+                        },
+                    }
+                ],
+            }
+        ]
+    }
+
+
 SETTLED_PHASES = frozenset({"Running", "Queued", "Succeeded", "Failed"})
 
 # The job mix: pairwise coprime lengths (11, 3, 4, 5), so the first 660 jobs are 660
@@ -794,6 +829,9 @@ class Options:
     operator_env: dict[str, str] = field(default_factory=dict)
     apiserver_args: list[str] = field(default_factory=list)
     controller_manager_args: list[str] = field(default_factory=list)
+    client_qps: int | None = None
+    """kube-controller-manager's and kube-scheduler's client QPS and burst (None: theirs)."""
+    bin_packing: bool = False
 
 
 def say(msg: str) -> None:
@@ -929,8 +967,10 @@ class Bench:
                 apiserver_args=self.opts.apiserver_args,
                 controller_manager_args=[
                     ENDPOINT_CONTROLLERS_OFF,
+                    *self.control_plane_args(),
                     *self.opts.controller_manager_args,
                 ],
+                scheduler_config=self.scheduler_config(),
             )
             try:
                 self.prepare()
@@ -1030,6 +1070,21 @@ class Bench:
                 say(f"cluster quiet after {time.monotonic() - t0:.0f}s ({rate:.1f} req/s)")
                 return
         say(f"WARNING: the cluster was still busy after {timeout:.0f}s; measuring anyway")
+
+    def control_plane_args(self) -> list[str]:
+        qps = self.opts.client_qps
+        return [] if qps is None else [f"--kube-api-qps={qps}", f"--kube-api-burst={qps}"]
+
+    def scheduler_config(self) -> dict[str, Any] | None:
+        if self.opts.client_qps is None and not self.opts.bin_packing:
+            return None
+        config = gpu_bin_packing() if self.opts.bin_packing else {}
+        if self.opts.client_qps is not None:
+            config["clientConnection"] = {
+                "qps": self.opts.client_qps,
+                "burst": self.opts.client_qps,
+            }
+        return config
 
     def start_operator(self) -> None:
         env = self.cluster.env()
@@ -1177,6 +1232,8 @@ class Bench:
             "operator_env": opts.operator_env,
             "apiserver_args": opts.apiserver_args,
             "controller_manager_args": opts.controller_manager_args,
+            "client_qps": opts.client_qps,
+            "bin_packing": opts.bin_packing,
             **self.facts,
             "planned": len(planned),
             "not_planned": n - len(planned),
@@ -1252,12 +1309,21 @@ COLUMNS = (
 )
 
 
+def control_plane_text(r: Mapping[str, Any]) -> str:
+    parts = []
+    if r.get("client_qps"):
+        parts.append(f"controller-manager and scheduler QPS {r['client_qps']}")
+    if r.get("bin_packing"):
+        parts.append("GPU bin packing")
+    return "".join(f"; {p}" for p in parts)
+
+
 def row_values(r: Mapping[str, Any]) -> dict[str, str]:
     return {
         "time": f"{r['date']} {r['time']}",
         "label": str(r["label"]),
         "commit": str(r["commit"]),
-        "setup": f"{r['pools']}, {r['namespaces']}, {r['clients']}",
+        "setup": f"{r['pools']}, {r['namespaces']}, {r['clients']}" + control_plane_text(r),
         "jobs": str(r["jobs"]),
         "not_planned": str(r["not_planned"]),
         "plan": f"{fmt(r['plan_p50_s'], 0)} / {fmt(r['plan_p99_s'], 0)}",
@@ -1430,6 +1496,20 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         help="extra kube-controller-manager flag, e.g. --kube-api-qps=100 (repeatable)",
     )
     p.add_argument(
+        "--client-qps",
+        type=int,
+        metavar="N",
+        help=f"kube-controller-manager's and kube-scheduler's client QPS and burst "
+        f"(default: theirs, 20/30 and 50/100; Kubernetes' scalability tests use "
+        f"{SCALE_TEST_QPS})",
+    )
+    p.add_argument(
+        "--bin-packing",
+        action="store_true",
+        help="kube-scheduler fills the busiest node's GPUs first (MostAllocated on "
+        "nvidia.com/gpu), as docs/operations.md recommends for GPU pools",
+    )
+    p.add_argument(
         "--root",
         type=Path,
         help="cluster state folder, kept (default: a new folder under "
@@ -1473,6 +1553,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         operator_env=env,
         apiserver_args=list(a.apiserver_arg),
         controller_manager_args=list(a.controller_manager_arg),
+        client_qps=a.client_qps,
+        bin_packing=a.bin_packing,
         rescore=a.rescore,
     )
 

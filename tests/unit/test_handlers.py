@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import logging
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta, tzinfo
@@ -1214,3 +1215,29 @@ async def test_the_operator_keeps_reconciling_after_a_rejected_status_write(
 
     status_patches = [r for r in apiserver if r.method == "PATCH" and r.subresource == "status"]
     assert len(status_patches) >= 2
+
+
+def test_no_change_handlers_so_no_diff_base_is_needed() -> None:
+    """The operator skips kopf's diff base (NoDiffBase); that is only right while no change
+    handler (on.create/update/delete/resume/field) is registered: one would see no diff."""
+    registry = kopf.get_default_registry()
+    assert not registry._changing._handlers, [h.id for h in registry._changing._handlers]
+    # The handlers module's own handlers are there (so the registry looked at is theirs).
+    assert {h.id for h in registry._spawning._handlers} >= {"finetunejob_loop", "gpupool_loop"}
+    storage = handlers.NoDiffBase(prefix="kubetune.io", key="last-handled-configuration")
+    body = kopf.Body({"metadata": {"annotations": {}}, "spec": {"x": 1}})
+    assert storage.build(body=body) == {}
+    assert storage.fetch(body=body) is None
+
+
+def test_wake_up_successes_are_not_logged(caplog: pytest.LogCaptureFixture) -> None:
+    logger = logging.getLogger("kopf.objects")
+    with caplog.at_level(logging.INFO, logger="kopf.objects"):
+        for name in sorted(handlers.WAKE_HANDLERS):
+            logger.info("Handler '%s' succeeded.", name)
+        logger.info("Handler 'finetunejob_loop' succeeded.")
+        logger.error("Handler 'pod_changed' failed with an exception. Will retry.")
+    assert [r.getMessage() for r in caplog.records] == [
+        "Handler 'finetunejob_loop' succeeded.",
+        "Handler 'pod_changed' failed with an exception. Will retry.",
+    ]

@@ -8,7 +8,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -237,9 +237,16 @@ def test_tracker_times_planned_and_first_pod_and_knows_when_settled() -> None:
     assert snap.settled(2) and not snap.settled(3)
     assert snap.phases == {"Running": 1, "Queued": 1}
     assert (snap.pending_pods, snap.running_pods) == (0, 1)
-    created, planned, first_pod = t.timings()
+    # The operator's part ends at the first batch Job; a later attempt's does not count.
+    batch_job = {"metadata": {**_pod("a-a1", "a", "2026-01-01T00:00:03Z", "")["metadata"]}}
+    t.on_batch_job("ADDED", batch_job)
+    later = {"metadata": {**_pod("a-a2", "a", "2026-01-01T00:05:00Z", "")["metadata"]}}
+    t.on_batch_job("ADDED", later)
+    created, planned, first_batch_job, first_pod = t.timings()
     assert bench.latencies(created, planned) == [2.0, 2.0]
     assert bench.latencies(created, first_pod) == [4.0]
+    assert bench.latencies(created, first_batch_job) == [3.0]
+    assert bench.latencies(first_batch_job, first_pod) == [1.0]
 
 
 def test_every_results_row_fills_every_column() -> None:
@@ -278,6 +285,26 @@ def test_every_results_row_fills_every_column() -> None:
     assert "| 2 / – |" in row  # a NaN percentile shows as a dash
     assert "300 (not steady)" in row
     assert "| 150 / 50 (6 pods Pending) |" in row
+    assert "| – / – | 4 / 9 |" in row, "rows from before the batch Job column show dashes"
+    tuned = bench.table_row({**result, "client_qps": 100, "bin_packing": True})
+    assert "4×50×8, 20, 32; controller-manager and scheduler QPS 100; GPU bin packing |" in tuned
+
+
+def test_scheduler_config_of_the_control_plane_knobs() -> None:
+    def opts(**over: Any) -> Any:
+        return SimpleNamespace(**{"client_qps": None, "bin_packing": False, **over})
+
+    bench_ = bench.Bench.__new__(bench.Bench)
+    bench_.opts = opts()
+    assert bench_.scheduler_config() is None and bench_.control_plane_args() == []
+    bench_.opts = opts(client_qps=100, bin_packing=False)
+    assert bench_.scheduler_config() == {"clientConnection": {"qps": 100, "burst": 100}}
+    assert bench_.control_plane_args() == ["--kube-api-qps=100", "--kube-api-burst=100"]
+    bench_.opts = opts(bin_packing=True)
+    config = bench_.scheduler_config()
+    assert config is not None and "clientConnection" not in config
+    fit = config["profiles"][0]["pluginConfig"][0]
+    assert fit["args"]["scoringStrategy"]["type"] == "MostAllocated"
 
 
 def test_breakdown_keys_read_back() -> None:

@@ -176,12 +176,16 @@ class LocalCluster:
         kwok_args: Sequence[str] = (),
         apiserver_args: Sequence[str] = (),
         controller_manager_args: Sequence[str] = (),
+        scheduler_config: Mapping[str, Any] | None = None,
     ) -> None:
         """`kwok_stages` replaces the Stage objects kwok runs (default: the release's "fast"
         set next to the kwok binary). `kwok_args`, `apiserver_args` and
         `controller_manager_args` are appended to those components' command lines: a flag
         given there wins over the default one, and a list flag such as `--controllers`
-        extends it (`--controllers=-endpoints-controller` turns one more controller off)."""
+        extends it (`--controllers=-endpoints-controller` turns one more controller off).
+        `scheduler_config` is a KubeSchedulerConfiguration (kubescheduler.config.k8s.io/v1)
+        for kube-scheduler, e.g. its profiles and client rate limits; the connection's
+        kubeconfig and leader election are filled in here."""
         self.root = root
         self.binaries = binaries
         self.progress = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -189,6 +193,7 @@ class LocalCluster:
         self.kwok_args = tuple(kwok_args)
         self.apiserver_args = tuple(apiserver_args)
         self.controller_manager_args = tuple(controller_manager_args)
+        self.scheduler_config = None if scheduler_config is None else dict(scheduler_config)
         self.pki = Pki(root / "pki")
         self.logs = root / "logs"
         self.kubeconfig = root / "kubeconfig"
@@ -352,19 +357,7 @@ class LocalCluster:
 
     def _start_controllers(self) -> None:
         self._spawn("kube-controller-manager", self.controller_manager_argv())
-        self._spawn(
-            "kube-scheduler",
-            [
-                str(self.binaries.kube_scheduler),
-                f"--kubeconfig={self.component_kubeconfig('scheduler')}",
-                f"--authentication-kubeconfig={self.component_kubeconfig('scheduler')}",
-                f"--authorization-kubeconfig={self.component_kubeconfig('scheduler')}",
-                "--bind-address=127.0.0.1",
-                f"--secure-port={free_port()}",
-                "--leader-elect=false",
-                "--v=1",
-            ],
-        )
+        self._spawn("kube-scheduler", self.scheduler_argv())
         self._spawn("kwok", self.kwok_argv())
         self._spawn(
             "provisioner",
@@ -377,6 +370,33 @@ class LocalCluster:
                 f"--storage-class={STORAGE_CLASS}",
             ],
         )
+
+    def scheduler_argv(self) -> list[str]:
+        kubeconfig = self.component_kubeconfig("scheduler")
+        argv = [
+            str(self.binaries.kube_scheduler),
+            f"--authentication-kubeconfig={kubeconfig}",
+            f"--authorization-kubeconfig={kubeconfig}",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={free_port()}",
+            "--v=1",
+        ]
+        if self.scheduler_config is None:
+            return [*argv, f"--kubeconfig={kubeconfig}", "--leader-elect=false"]
+        # With --config, kube-scheduler ignores --kubeconfig and --leader-elect.
+        config = {
+            "apiVersion": "kubescheduler.config.k8s.io/v1",
+            "kind": "KubeSchedulerConfiguration",
+            **self.scheduler_config,
+        }
+        config["clientConnection"] = {
+            **(config.get("clientConnection") or {}),
+            "kubeconfig": str(kubeconfig),
+        }
+        config["leaderElection"] = {"leaderElect": False}
+        path = self.root / "kube-scheduler-config.yaml"
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        return [*argv, f"--config={path}"]
 
     def controller_manager_argv(self) -> list[str]:
         p = self.pki
