@@ -649,6 +649,8 @@ class JobState:
     planned_at: float | None = None
     not_planned_reason: str = ""
     pool: str = ""
+    queued: bool = False
+    """Seen Queued at some point: it waited for GPUs (capacity did not exist at creation)."""
 
 
 @dataclass
@@ -684,6 +686,8 @@ class Timings(NamedTuple):
     planned: dict[tuple[str, str], float]
     first_batch_job: dict[tuple[str, str], float]
     first_pod: dict[tuple[str, str], float]
+    queued: frozenset[tuple[str, str]]
+    """Jobs seen Queued at some point."""
 
 
 class Tracker:
@@ -714,6 +718,7 @@ class Tracker:
             if phase != state.phase:
                 self.phase_changes += 1
                 state.phase = phase
+            state.queued = state.queued or phase == "Queued"
             state.pool = str((status.get("plan") or {}).get("pool") or "")
             for cond in status.get("conditions") or []:
                 if cond.get("type") != "Planned":
@@ -776,7 +781,10 @@ class Tracker:
         with self._lock:
             created = {k: s.created for k, s in self.jobs.items()}
             planned = {k: s.planned_at for k, s in self.jobs.items() if s.planned_at is not None}
-            return Timings(created, planned, dict(self.first_batch_job), dict(self.first_pod))
+            queued = frozenset(k for k, s in self.jobs.items() if s.queued)
+            return Timings(
+                created, planned, dict(self.first_batch_job), dict(self.first_pod), queued
+            )
 
     def pools(self) -> dict[str, int]:
         with self._lock:
@@ -1209,8 +1217,10 @@ class Bench:
 
     def summary(self) -> dict[str, Any]:
         opts, m, n = self.opts, self.marks, len(self.jobs)
-        created, planned, first_batch_job, first_pod = self.timings
+        created, planned, first_batch_job, first_pod, queued = self.timings
         plan_lat, pod_lat = latencies(created, planned), latencies(created, first_pod)
+        at_once = {k: v for k, v in first_pod.items() if k not in queued}
+        pod_at_once = latencies(created, at_once)
         batch_job_lat = latencies(created, first_batch_job)
         pod_after_batch_job = latencies(first_batch_job, first_pod)
         span = (max(planned.values()) - min(created.values())) if planned else math.nan
@@ -1243,6 +1253,9 @@ class Bench:
             "pod_p50_s": percentile(pod_lat, 50),
             "pod_p99_s": percentile(pod_lat, 99),
             "jobs_with_pods": len(pod_lat),
+            "pod_at_once_p50_s": percentile(pod_at_once, 50),
+            "pod_at_once_p99_s": percentile(pod_at_once, 99),
+            "jobs_launched_at_once": len(pod_at_once),
             "batch_job_p50_s": percentile(batch_job_lat, 50),
             "batch_job_p99_s": percentile(batch_job_lat, 99),
             "pod_after_batch_job_p50_s": percentile(pod_after_batch_job, 50),
@@ -1328,7 +1341,13 @@ def row_values(r: Mapping[str, Any]) -> dict[str, str]:
         "not_planned": str(r["not_planned"]),
         "plan": f"{fmt(r['plan_p50_s'], 0)} / {fmt(r['plan_p99_s'], 0)}",
         "batch_job": f"{fmt(r.get('batch_job_p50_s'), 0)} / {fmt(r.get('batch_job_p99_s'), 0)}",
-        "pod": f"{fmt(r['pod_p50_s'], 0)} / {fmt(r['pod_p99_s'], 0)}",
+        "pod": f"{fmt(r['pod_p50_s'], 0)} / {fmt(r['pod_p99_s'], 0)}"
+        + (
+            f" (never Queued: {fmt(r['pod_at_once_p50_s'], 0)} / {fmt(r['pod_at_once_p99_s'], 0)},"
+            f" {r['jobs_launched_at_once']} jobs)"
+            if "jobs_launched_at_once" in r
+            else ""
+        ),
         "planned_per_s": fmt(r["planned_per_s"]),
         "to_steady": fmt(r["to_steady_s"], 0) + ("" if r["steady"] else " (not steady)"),
         "running": f"{r['phases'].get('Running', 0)} / {r['phases'].get('Queued', 0)}"
@@ -1415,6 +1434,8 @@ def report(r: Mapping[str, Any]) -> str:
         f"max {fmt(r['plan_max_s'])}s",
         f"  creation → first pod  p50 {fmt(r['pod_p50_s'])}s  p99 {fmt(r['pod_p99_s'])}s  "
         f"({r['jobs_with_pods']} jobs had pods)",
+        f"  jobs never Queued ({r.get('jobs_launched_at_once')}): creation → first pod p50 "
+        f"{fmt(r.get('pod_at_once_p50_s'))}s  p99 {fmt(r.get('pod_at_once_p99_s'))}s",
         f"  creation → batch Job  p50 {fmt(r.get('batch_job_p50_s'))}s  p99 "
         f"{fmt(r.get('batch_job_p99_s'))}s (the operator's part); batch Job → pod p50 "
         f"{fmt(r.get('pod_after_batch_job_p50_s'))}s  p99 "

@@ -242,7 +242,8 @@ def test_tracker_times_planned_and_first_pod_and_knows_when_settled() -> None:
     t.on_batch_job("ADDED", batch_job)
     later = {"metadata": {**_pod("a-a2", "a", "2026-01-01T00:05:00Z", "")["metadata"]}}
     t.on_batch_job("ADDED", later)
-    created, planned, first_batch_job, first_pod = t.timings()
+    created, planned, first_batch_job, first_pod, queued = t.timings()
+    assert queued == {("ns", "b")}, "b was seen Queued; a never was"
     assert bench.latencies(created, planned) == [2.0, 2.0]
     assert bench.latencies(created, first_pod) == [4.0]
     assert bench.latencies(created, first_batch_job) == [3.0]
