@@ -647,6 +647,10 @@ class JobState:
     created: float
     phase: str = ""
     planned_at: float | None = None
+    """The Planned condition's lastTransitionTime: when the operator's look began."""
+    planned_seen: float | None = None
+    """When the watch first showed Planned=True (this machine's clock, the API server's
+    too): when a user could see it, at most the watch's lag late."""
     not_planned_reason: str = ""
     pool: str = ""
     queued: bool = False
@@ -688,13 +692,15 @@ class Timings(NamedTuple):
     first_pod: dict[tuple[str, str], float]
     queued: frozenset[tuple[str, str]]
     """Jobs seen Queued at some point."""
+    planned_seen: dict[tuple[str, str], float]
 
 
 class Tracker:
     """FineTuneJobs and trainer pods as the watches see them."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._lock = threading.Lock()
+        self.clock = clock
         self.jobs: dict[tuple[str, str], JobState] = {}
         self.first_pod: dict[tuple[str, str], float] = {}
         self.first_batch_job: dict[tuple[str, str], float] = {}
@@ -725,6 +731,7 @@ class Tracker:
                     continue
                 if cond.get("status") == "True" and state.planned_at is None:
                     state.planned_at = rfc3339_seconds(cond["lastTransitionTime"])
+                    state.planned_seen = self.clock()
                 elif cond.get("status") != "True":
                     state.not_planned_reason = str(cond.get("reason") or "")
 
@@ -782,8 +789,9 @@ class Tracker:
             created = {k: s.created for k, s in self.jobs.items()}
             planned = {k: s.planned_at for k, s in self.jobs.items() if s.planned_at is not None}
             queued = frozenset(k for k, s in self.jobs.items() if s.queued)
+            seen = {k: s.planned_seen for k, s in self.jobs.items() if s.planned_seen is not None}
             return Timings(
-                created, planned, dict(self.first_batch_job), dict(self.first_pod), queued
+                created, planned, dict(self.first_batch_job), dict(self.first_pod), queued, seen
             )
 
     def pools(self) -> dict[str, int]:
@@ -1217,7 +1225,8 @@ class Bench:
 
     def summary(self) -> dict[str, Any]:
         opts, m, n = self.opts, self.marks, len(self.jobs)
-        created, planned, first_batch_job, first_pod, queued = self.timings
+        created, planned, first_batch_job, first_pod, queued, planned_seen = self.timings
+        seen_lat = latencies(created, planned_seen)
         plan_lat, pod_lat = latencies(created, planned), latencies(created, first_pod)
         at_once = {k: v for k, v in first_pod.items() if k not in queued}
         pod_at_once = latencies(created, at_once)
@@ -1250,6 +1259,8 @@ class Bench:
             "plan_p50_s": percentile(plan_lat, 50),
             "plan_p99_s": percentile(plan_lat, 99),
             "plan_max_s": max(plan_lat, default=math.nan),
+            "plan_seen_p50_s": percentile(seen_lat, 50),
+            "plan_seen_p99_s": percentile(seen_lat, 99),
             "pod_p50_s": percentile(pod_lat, 50),
             "pod_p99_s": percentile(pod_lat, 99),
             "jobs_with_pods": len(pod_lat),
@@ -1339,7 +1350,12 @@ def row_values(r: Mapping[str, Any]) -> dict[str, str]:
         "setup": f"{r['pools']}, {r['namespaces']}, {r['clients']}" + control_plane_text(r),
         "jobs": str(r["jobs"]),
         "not_planned": str(r["not_planned"]),
-        "plan": f"{fmt(r['plan_p50_s'], 0)} / {fmt(r['plan_p99_s'], 0)}",
+        "plan": f"{fmt(r['plan_p50_s'], 0)} / {fmt(r['plan_p99_s'], 0)}"
+        + (
+            f" (seen {fmt(r['plan_seen_p50_s'], 0)} / {fmt(r['plan_seen_p99_s'], 0)})"
+            if "plan_seen_p50_s" in r
+            else ""
+        ),
         "batch_job": f"{fmt(r.get('batch_job_p50_s'), 0)} / {fmt(r.get('batch_job_p99_s'), 0)}",
         "pod": f"{fmt(r['pod_p50_s'], 0)} / {fmt(r['pod_p99_s'], 0)}"
         + (
@@ -1431,7 +1447,8 @@ def report(r: Mapping[str, Any]) -> str:
         f"  Planned: {r['planned']}/{r['jobs']} (not Planned: {r['not_planned_reasons'] or 0}); "
         f"{fmt(r['planned_per_s'])} jobs/s",
         f"  creation → Planned    p50 {fmt(r['plan_p50_s'])}s  p99 {fmt(r['plan_p99_s'])}s  "
-        f"max {fmt(r['plan_max_s'])}s",
+        f"max {fmt(r['plan_max_s'])}s; seen by a watch p50 {fmt(r.get('plan_seen_p50_s'))}s "
+        f"p99 {fmt(r.get('plan_seen_p99_s'))}s",
         f"  creation → first pod  p50 {fmt(r['pod_p50_s'])}s  p99 {fmt(r['pod_p99_s'])}s  "
         f"({r['jobs_with_pods']} jobs had pods)",
         f"  jobs never Queued ({r.get('jobs_launched_at_once')}): creation → first pod p50 "

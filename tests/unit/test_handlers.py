@@ -882,6 +882,9 @@ async def test_a_child_owned_by_someone_else_fails_the_job(
     assert f"a Service named {names.service} already exists" in status["message"]
     assert "To fix:" in status["message"]
     assert [(t, r) for t, r, _ in loop.events] == [("Warning", Reason.CHILD_CONFLICT)]
+    # The batch Job comes after the objects its pods use: with one of them foreign, no
+    # trainer is started.
+    assert children(apiserver)["job"] == []
 
 
 async def test_job_with_no_pools_waits_for_them(apiserver: ApiServerEmulator, loop: Loop) -> None:

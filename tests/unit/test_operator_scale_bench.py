@@ -214,8 +214,8 @@ def _pod(name: str, job: str, created: str, phase: str) -> dict[str, Any]:
 
 
 def test_tracker_times_planned_and_first_pod_and_knows_when_settled() -> None:
-    t = bench.Tracker()
     t0 = bench.rfc3339_seconds("2026-01-01T00:00:00Z")
+    t = bench.Tracker(clock=lambda: t0 + 7)
     t.on_job("ADDED", _ftj("a", "2026-01-01T00:00:00Z"))
     t.on_job("ADDED", _ftj("b", "2026-01-01T00:00:01Z", "Queued", "2026-01-01T00:00:03Z"))
     t.on_job("MODIFIED", _ftj("a", "2026-01-01T00:00:00Z", "Running", "2026-01-01T00:00:02Z"))
@@ -242,7 +242,8 @@ def test_tracker_times_planned_and_first_pod_and_knows_when_settled() -> None:
     t.on_batch_job("ADDED", batch_job)
     later = {"metadata": {**_pod("a-a2", "a", "2026-01-01T00:05:00Z", "")["metadata"]}}
     t.on_batch_job("ADDED", later)
-    created, planned, first_batch_job, first_pod, queued = t.timings()
+    created, planned, first_batch_job, first_pod, queued, seen = t.timings()
+    assert bench.latencies(created, seen) == [7.0, 6.0], "seen when the watch delivered it"
     assert queued == {("ns", "b")}, "b was seen Queued; a never was"
     assert bench.latencies(created, planned) == [2.0, 2.0]
     assert bench.latencies(created, first_pod) == [4.0]

@@ -595,36 +595,47 @@ class Runtime:
     ) -> tuple[Reason, str] | None:
         """Create each child once; a child of that name owned by someone else is a conflict.
 
+        The batch Job goes last, once everything its pods mount exists (and nothing
+        conflicts); the others are created together, one round trip instead of three.
         A child counts as created when the cache holds it (batch Jobs) or when this process
         created it in the last resync period; only then is it POSTed again (a child deleted
         behind the operator's back comes back within one resync).
         """
+        first = [m for m in manifests if m["kind"] != "Job"]
+        last = [m for m in manifests if m["kind"] == "Job"]
+        for group in (first, last):
+            found = await asyncio.gather(*(self._create_child(job, state, m) for m in group))
+            conflict = next((c for c in found if c is not None), None)
+            if conflict is not None:
+                return conflict
+        return None
+
+    async def _create_child(
+        self, job: FineTuneJob, state: _JobState, manifest: Mapping[str, Any]
+    ) -> tuple[Reason, str] | None:
         assert self.caches is not None
         uid = str(job.metadata.get("uid"))
-        key = job_key(job)
-        horizon = time.monotonic() - self.settings.resync_seconds
-        for manifest in manifests:
-            kind = str(manifest["kind"])
-            name = str(manifest["metadata"]["name"])
-            ident = f"{kind}/{name}"
-            if state.created.get(ident, -1.0) > horizon:
-                continue
-            if kind == "Job" and self.caches.has_batch_job(key, name, uid):
-                state.created[ident] = time.monotonic()
-                continue
-            if not await self.kube.create_if_absent(manifest) and kind != "PersistentVolumeClaim":
-                # A retained checkpoint volume of an earlier job of the same name is meant to
-                # be taken over (docs/runbook.md); any other child must be ours.
-                owners = await self.kube.owner_uids(manifest)
-                if owners is not None and uid not in owners:
-                    return (
-                        Reason.CHILD_CONFLICT,
-                        f"a {kind} named {name} already exists in namespace "
-                        f"{manifest['metadata'].get('namespace')} and does not belong to this "
-                        f"FineTuneJob. To fix: delete or rename that {kind}, or create this "
-                        "job under another name",
-                    )
+        kind = str(manifest["kind"])
+        name = str(manifest["metadata"]["name"])
+        ident = f"{kind}/{name}"
+        if state.created.get(ident, -1.0) > time.monotonic() - self.settings.resync_seconds:
+            return None
+        if kind == "Job" and self.caches.has_batch_job(job_key(job), name, uid):
             state.created[ident] = time.monotonic()
+            return None
+        if not await self.kube.create_if_absent(manifest) and kind != "PersistentVolumeClaim":
+            # A retained checkpoint volume of an earlier job of the same name is meant to
+            # be taken over (docs/runbook.md); any other child must be ours.
+            owners = await self.kube.owner_uids(manifest)
+            if owners is not None and uid not in owners:
+                return (
+                    Reason.CHILD_CONFLICT,
+                    f"a {kind} named {name} already exists in namespace "
+                    f"{manifest['metadata'].get('namespace')} and does not belong to this "
+                    f"FineTuneJob. To fix: delete or rename that {kind}, or create this "
+                    "job under another name",
+                )
+        state.created[ident] = time.monotonic()
         return None
 
     async def _write_status(
