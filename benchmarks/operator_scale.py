@@ -655,6 +655,8 @@ class JobState:
     pool: str = ""
     queued: bool = False
     """Seen Queued at some point: it waited for GPUs (capacity did not exist at creation)."""
+    first_queued: str = ""
+    """Why it was first Queued (the status message, numbers as N)."""
 
 
 @dataclass
@@ -724,7 +726,9 @@ class Tracker:
             if phase != state.phase:
                 self.phase_changes += 1
                 state.phase = phase
-            state.queued = state.queued or phase == "Queued"
+            if phase == "Queued" and not state.queued:
+                state.queued = True
+                state.first_queued = re.sub(r"\d+", "N", str(status.get("message") or ""))[:160]
             state.pool = str((status.get("plan") or {}).get("pool") or "")
             for cond in status.get("conditions") or []:
                 if cond.get("type") != "Planned":
@@ -783,6 +787,12 @@ class Tracker:
                     if s.planned_at is None
                 ),
             )
+
+    def first_queued(self) -> dict[str, int]:
+        """How many jobs were first Queued for each reason, commonest first."""
+        with self._lock:
+            found = Counter(s.first_queued for s in self.jobs.values() if s.queued)
+        return dict(found.most_common(8))
 
     def timings(self) -> Timings:
         with self._lock:
@@ -1267,6 +1277,7 @@ class Bench:
             "pod_at_once_p50_s": percentile(pod_at_once, 50),
             "pod_at_once_p99_s": percentile(pod_at_once, 99),
             "jobs_launched_at_once": len(pod_at_once),
+            "first_queued": self.tracker.first_queued(),
             "batch_job_p50_s": percentile(batch_job_lat, 50),
             "batch_job_p99_s": percentile(batch_job_lat, 99),
             "pod_after_batch_job_p50_s": percentile(pod_after_batch_job, 50),
@@ -1453,6 +1464,7 @@ def report(r: Mapping[str, Any]) -> str:
         f"({r['jobs_with_pods']} jobs had pods)",
         f"  jobs never Queued ({r.get('jobs_launched_at_once')}): creation → first pod p50 "
         f"{fmt(r.get('pod_at_once_p50_s'))}s  p99 {fmt(r.get('pod_at_once_p99_s'))}s",
+        f"  first Queued because: {r.get('first_queued')}",
         f"  creation → batch Job  p50 {fmt(r.get('batch_job_p50_s'))}s  p99 "
         f"{fmt(r.get('batch_job_p99_s'))}s (the operator's part); batch Job → pod p50 "
         f"{fmt(r.get('pod_after_batch_job_p50_s'))}s  p99 "

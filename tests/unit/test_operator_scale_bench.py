@@ -245,6 +245,7 @@ def test_tracker_times_planned_and_first_pod_and_knows_when_settled() -> None:
     created, planned, first_batch_job, first_pod, queued, seen = t.timings()
     assert bench.latencies(created, seen) == [7.0, 6.0], "seen when the watch delivered it"
     assert queued == {("ns", "b")}, "b was seen Queued; a never was"
+    assert t.first_queued() == {"": 1}
     assert bench.latencies(created, planned) == [2.0, 2.0]
     assert bench.latencies(created, first_pod) == [4.0]
     assert bench.latencies(created, first_batch_job) == [3.0]
