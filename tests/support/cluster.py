@@ -22,6 +22,7 @@ OPERATOR_UP = "Initial authentication has finished."
 FAST_OPERATOR = {
     "KUBETUNE_POLL_SECONDS": "1",
     "KUBETUNE_QUEUE_RETRY_SECONDS": "2",
+    "KUBETUNE_PROGRESS_WRITE_SECONDS": "2",
     "KUBETUNE_TRAINER_IMAGE": "kubetune/trainer:test",
 }
 """The operator settings of the integration tier: it polls fast so tests are quick."""

@@ -1244,3 +1244,27 @@ def test_wake_up_successes_are_not_logged(caplog: pytest.LogCaptureFixture) -> N
         "Handler 'finetunejob_loop' succeeded.",
         "Handler 'pod_changed' failed with an exception. Will retry.",
     ]
+
+
+def test_a_queued_jobs_new_position_alone_waits_like_progress() -> None:
+    only_volatile = runtime_module.only_volatile
+    queued = {
+        "phase": "Queued",
+        "message": "position 7 in the queue of pool a100: 6 job(s) ahead (higher priority, "
+        "or created earlier) go first",
+        "conditions": [{"type": "Queued", "status": "True", "message": "position 7 in the queue of pool a100"}],
+    }
+    moved = {
+        "message": "position 3 in the queue of pool a100: 2 job(s) ahead (higher priority, "
+        "or created earlier) go first",
+        "conditions": [{"type": "Queued", "status": "True", "message": "position 3 in the queue of pool a100"}],
+    }
+    assert only_volatile(queued, moved)
+    assert only_volatile(queued, {"progress": {"step": 3}})
+    # At the front it waits for GPUs, not for jobs: that is news, written at once.
+    front = {"message": "position 1 in the queue of pool a100: waiting for 8 free GPU(s)"}
+    assert not only_volatile(queued, front)
+    assert not only_volatile(queued, {**moved, "phase": "Running"})
+    assert not only_volatile(queued, {**moved, "plan": {"pool": "h100"}})
+    # A running job's message is never throttled.
+    assert not only_volatile({**queued, "phase": "Running"}, moved)

@@ -400,6 +400,13 @@ class OperatorMetrics:
             ["phase"],
             registry=r,
         )
+        self.reconcile_wait = Histogram(
+            "kubetune_reconcile_wait_seconds",
+            "Time a job's look waited for a reconcile worker thread "
+            "(KUBETUNE_PLANNER_WORKERS) before it could decide",
+            buckets=_RECONCILE_BUCKETS,
+            registry=r,
+        )
         self.status_writes = Counter(
             "kubetune_status_writes",
             "Status writes of FineTuneJobs and GPUPools, by result: ok, rejected (HTTP 422, "
@@ -626,6 +633,10 @@ def forget_job(namespace: str, name: str) -> None:
 
 def reconciled(namespace: str, name: str, when: float | None) -> None:
     METRICS.reconciled(namespace, name, when)
+
+
+def reconcile_waited(seconds: float) -> None:
+    METRICS.reconcile_wait.observe(seconds)
 
 
 def status_write(result: str) -> None:

@@ -22,8 +22,10 @@ the operator cannot read (condition Valid=False) without letting it affect any j
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -58,7 +60,8 @@ log = logging.getLogger("kubetune")
 
 VOLATILE = frozenset({"progress", "cost"})
 """Status fields that change on every look of a running job; written at most every
-`progress_write_seconds` unless something else changed too."""
+`progress_write_seconds` unless something else changed too (so is a queued job's position:
+`only_volatile`)."""
 
 WAKE_PER_POOL = 8
 """How many jobs at the front of a pool's queue a change of capacity wakes at once."""
@@ -99,6 +102,24 @@ def status_patch(old: Mapping[str, Any], new: FineTuneJobStatus) -> dict[str, An
         if key not in wire:
             patch[key] = None
     return patch
+
+
+_QUEUE_NUMBERS = re.compile(r"position \d+ in the queue|\d+ job\(s\) ahead")
+
+
+def only_volatile(old: Mapping[str, Any], patch: Mapping[str, Any]) -> bool:
+    """True when the patch changes only what moves on every look: a running job's progress
+    and cost, a queued job's position in its queue (in the message and the Queued
+    condition). Such a patch may wait for `progress_write_seconds`."""
+    if set(patch) <= VOLATILE:
+        return True
+    if old.get("phase") != "Queued" or not set(patch) <= VOLATILE | {"message", "conditions"}:
+        return False
+
+    def masked(value: Any) -> str:
+        return _QUEUE_NUMBERS.sub("#", json.dumps(value, sort_keys=True))
+
+    return all(masked(patch[k]) == masked(old.get(k)) for k in patch if k not in VOLATILE)
 
 
 async def _wait(wake: asyncio.Event, stopped: Stopped, delay: float | None) -> None:
@@ -471,17 +492,20 @@ class Runtime:
             async with self.scrapes:
                 scraped = await self.kube.trainer_metrics(observed.pods)
             observed = replace(observed, trainer_metrics=scraped)
-        decide = partial(
-            reconcile,
-            job,
-            observed,
-            self.settings,
-            now=now,
-            load_arch=self.arch,
-            plan=self.plans.planner(str(meta.get("uid")), meta.get("generation"), version),
-            admit=partial(self._admit, asyncio.get_running_loop(), key, job, capacity),
-        )
-        decision: Decision = await asyncio.get_running_loop().run_in_executor(self.executor, decide)
+        submitted = time.monotonic()
+        plan = self.plans.planner(str(meta.get("uid")), meta.get("generation"), version)
+        admit = partial(self._admit, asyncio.get_running_loop(), key, job, capacity)
+
+        def decide() -> tuple[Decision, datetime]:
+            # The decision's time (condition transitions, events) is when it is made: on a
+            # busy operator a look may wait for a worker a while.
+            metrics.reconcile_waited(time.monotonic() - submitted)
+            at = datetime.now(UTC)
+            return reconcile(
+                job, observed, self.settings, now=at, load_arch=self.arch, plan=plan, admit=admit
+            ), at
+
+        decision, now = await asyncio.get_running_loop().run_in_executor(self.executor, decide)
         await self._carry_out(job, state, decision, body, now)
         written = await self._write_status(
             namespace, name, state, old_status or {}, decision.status, body
@@ -652,9 +676,8 @@ class Runtime:
         if not patch:
             state.rejections = 0
             return True
-        volatile_only = set(patch) <= VOLATILE
         if (
-            volatile_only
+            only_volatile(old, patch)
             and time.monotonic() - state.written_at < self.settings.progress_write_seconds
         ):
             return True
