@@ -1252,12 +1252,16 @@ def test_a_queued_jobs_new_position_alone_waits_like_progress() -> None:
         "phase": "Queued",
         "message": "position 7 in the queue of pool a100: 6 job(s) ahead (higher priority, "
         "or created earlier) go first",
-        "conditions": [{"type": "Queued", "status": "True", "message": "position 7 in the queue of pool a100"}],
+        "conditions": [
+            {"type": "Queued", "status": "True", "message": "position 7 in the queue of pool a100"}
+        ],
     }
     moved = {
         "message": "position 3 in the queue of pool a100: 2 job(s) ahead (higher priority, "
         "or created earlier) go first",
-        "conditions": [{"type": "Queued", "status": "True", "message": "position 3 in the queue of pool a100"}],
+        "conditions": [
+            {"type": "Queued", "status": "True", "message": "position 3 in the queue of pool a100"}
+        ],
     }
     assert only_volatile(queued, moved)
     assert only_volatile(queued, {"progress": {"step": 3}})
