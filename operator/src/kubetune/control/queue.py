@@ -79,7 +79,11 @@ def count_ahead(ticket: Ticket, waiting: Iterable[Ticket]) -> int:
 
 def why_wait(ticket: Ticket, waiting: Iterable[Ticket], free: Sequence[int]) -> str | None:
     """None when the job may launch now; otherwise what it waits for, with its position."""
-    ahead = count_ahead(ticket, waiting)
+    return wait_reason(ticket, count_ahead(ticket, waiting), free)
+
+
+def wait_reason(ticket: Ticket, ahead: int, free: Sequence[int]) -> str | None:
+    """`why_wait` for a job with `ahead` jobs before it in its pool's queue."""
     if ahead:
         return (
             f"position {ahead + 1} in the queue of pool {ticket.pool}: "

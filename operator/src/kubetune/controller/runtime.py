@@ -48,7 +48,7 @@ from kubetune.api.v1alpha1 import (
 from kubetune.api.vocabulary import TERMINAL_PHASES, EventType, Phase, PoolConditionType, Reason
 from kubetune.control.conditions import now_rfc3339
 from kubetune.control.lifecycle import failed
-from kubetune.control.queue import Ticket, count_ahead, free_after, why_wait
+from kubetune.control.queue import Ticket, count_ahead, free_after, wait_reason
 from kubetune.control.reconcile import ControllerSettings, Decision, reconcile
 from kubetune.controller import metrics
 from kubetune.controller.cache import Caches, JobKey, job_key, job_key_of, parse_pool, with_capacity
@@ -242,7 +242,8 @@ class GpuQueue:
             others = [
                 t for k, (t, _) in self.reserved.items() if k != key and t.pool == ticket.pool
             ]
-            why = why_wait(ticket, self.waiting.values(), free_after(free_per_node, others))
+            ahead = count_ahead(ticket, self.waiting.values())
+            why = wait_reason(ticket, ahead, free_after(free_per_node, others))
             if why is None:
                 self.waiting.pop(key, None)
                 self.positions.pop(key, None)
@@ -250,7 +251,7 @@ class GpuQueue:
                 self.version += 1
             else:
                 self.waiting[key] = ticket
-                self.positions[key] = count_ahead(ticket, self.waiting.values()) + 1
+                self.positions[key] = ahead + 1
             return why
 
     def position(self, key: JobKey) -> int | None:
