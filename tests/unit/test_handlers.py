@@ -1234,6 +1234,9 @@ def test_no_change_handlers_so_no_diff_base_is_needed() -> None:
 
 
 def test_wake_up_successes_are_not_logged(caplog: pytest.LogCaptureFixture) -> None:
+    # The quiet list is every event handler the operator registers, no more, no less.
+    watching = kopf.get_default_registry()._watching._handlers
+    assert {h.id for h in watching} == handlers.WAKE_HANDLERS
     logger = logging.getLogger("kopf.objects")
     with caplog.at_level(logging.INFO, logger="kopf.objects"):
         for name in sorted(handlers.WAKE_HANDLERS):

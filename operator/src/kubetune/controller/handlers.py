@@ -189,11 +189,10 @@ class QuietWakeUps(logging.Filter):
     they run on every watch event of every pod, node, batch Job and job (thousands a second
     on a busy cluster) and do nothing worth a line. Their failures are still logged."""
 
+    QUIET = frozenset(f"Handler '{name}' succeeded." for name in WAKE_HANDLERS)
+
     def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if not message.endswith("succeeded."):
-            return True
-        return not any(f"'{name}' succeeded." in message for name in WAKE_HANDLERS)
+        return record.getMessage() not in self.QUIET
 
 
 logging.getLogger("kopf.objects").addFilter(QuietWakeUps())
