@@ -739,14 +739,22 @@ class Tracker:
                 elif cond.get("status") != "True":
                     state.not_planned_reason = str(cond.get("reason") or "")
 
+    @staticmethod
+    def _keep_first(
+        first: dict[tuple[str, str], float], meta: Mapping[str, Any]
+    ) -> tuple[tuple[str, str], float]:
+        """Record a child's creation time if it is its job's first; (job, creation time)."""
+        job = (str(meta.get("namespace")), str((meta.get("labels") or {}).get(LABEL_JOB)))
+        created = rfc3339_seconds(meta["creationTimestamp"])
+        if created < first.get(job, math.inf):
+            first[job] = created
+        return job, created
+
     def on_pod(self, kind: str, obj: Mapping[str, Any]) -> None:
         meta = obj.get("metadata") or {}
-        job = (str(meta.get("namespace")), str((meta.get("labels") or {}).get(LABEL_JOB)))
         key = (str(meta.get("namespace")), str(meta.get("name")))
         with self._lock:
-            created = rfc3339_seconds(meta["creationTimestamp"])
-            if created < self.first_pod.get(job, math.inf):
-                self.first_pod[job] = created
+            job, created = self._keep_first(self.first_pod, meta)
             if kind == "DELETED" or meta.get("deletionTimestamp"):
                 self.pods.pop(key, None)
             else:
@@ -754,12 +762,8 @@ class Tracker:
                 self.pods[key] = (job, phase, created)
 
     def on_batch_job(self, kind: str, obj: Mapping[str, Any]) -> None:
-        meta = obj.get("metadata") or {}
-        job = (str(meta.get("namespace")), str((meta.get("labels") or {}).get(LABEL_JOB)))
         with self._lock:
-            created = rfc3339_seconds(meta["creationTimestamp"])
-            if created < self.first_batch_job.get(job, math.inf):
-                self.first_batch_job[job] = created
+            self._keep_first(self.first_batch_job, obj.get("metadata") or {})
 
     def snapshot(self, now: float, patience: float) -> Snapshot:
         """The state at `now` (epoch seconds); a Pending pod younger than `patience` seconds
