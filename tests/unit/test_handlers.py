@@ -810,6 +810,44 @@ async def test_new_job_is_planned_and_launched(apiserver: ApiServerEmulator, loo
     assert len(loop.status_patches()) == 1
 
 
+async def test_the_plan_is_written_before_the_batch_job_is_created(
+    apiserver: ApiServerEmulator, loop: Loop
+) -> None:
+    seed(apiserver, *example_cluster(), tiny_job())
+
+    await loop.look()
+
+    # On a busy API server every round trip is seconds: the status carrying the plan goes
+    # out with the first creates, and the batch Job, whose pods mount them, after both.
+    served = [(r.method, r.resource, bool(r.subresource)) for r in apiserver]
+    status_write = served.index(("PATCH", kmock.resource(FTJ), True))
+    batch_job = served.index(("POST", kmock.resource(JOBS), False))
+    assert status_write < batch_job
+    assert {r for r in served[:batch_job] if r[0] == "POST"} == {
+        ("POST", kmock.resource(resource), False) for resource in (PVCS, CONFIGMAPS, SERVICES)
+    }
+
+
+async def test_a_status_write_that_fails_launches_no_trainer(
+    apiserver: ApiServerEmulator, loop: Loop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seed(apiserver, *example_cluster(), tiny_job())
+    monkeypatch.setattr(kube_module, "RETRY_DELAYS", (0.0,))
+    apiserver[f"patch {STATUS_PATH}"][:2] << kmock.KubernetesError(500, "InternalError", "down")
+
+    delay = await loop.look()
+
+    # The look failed and is retried; nothing says attempt 1 started, so no batch Job does.
+    assert delay == 2.0
+    assert children(apiserver)["job"] == []
+
+    await loop.look()
+
+    assert loop.status()["attempt"] == 1
+    assert children(apiserver)["job"] == [child_names("tiny-cpu-lora", 1).job]
+    assert len(requests(apiserver, kmock.action.CREATE, JOBS)) == 1
+
+
 async def test_looking_again_creates_nothing_and_writes_the_cost_clock_only_when_due(
     apiserver: ApiServerEmulator, loop: Loop, clock: type[Clock]
 ) -> None:

@@ -287,9 +287,11 @@ class _Reconciler:
     def adopt_lost_launch(self) -> None:
         """Follow a newer attempt whose launch the status never recorded.
 
-        The operator creates children before it writes the status; stopped in between, it
-        finds a batch Job one attempt ahead of `status.attempt`. Creating the old attempt's
-        children again would run two trainers on one checkpoint folder.
+        The operator creates the batch Job even when the apiserver rejected the status
+        write that recorded its launch (and an older operator created children before it
+        wrote the status): it then finds a batch Job one attempt ahead of `status.attempt`.
+        Creating the old attempt's children again would run two trainers on one checkpoint
+        folder.
         """
         newest = self.observed.attempt
         if newest > self.s.attempt:

@@ -507,10 +507,7 @@ class Runtime:
             ), at
 
         decision, now = await asyncio.get_running_loop().run_in_executor(self.executor, decide)
-        await self._carry_out(job, state, decision, body, now)
-        written = await self._write_status(
-            namespace, name, state, old_status or {}, decision.status, body
-        )
+        written = await self._carry_out(job, state, decision, body, now, old_status or {})
         metrics.observe_job(raw, decision.status.to_wire())
         phase = decision.status.phase
         if phase == Phase.QUEUED or (phase == Phase.PLANNING and not observed.pools):
@@ -588,52 +585,72 @@ class Runtime:
         d: Decision,
         body: Mapping[str, Any],
         now: datetime,
-    ) -> None:
-        namespace = str(job.metadata["namespace"])
-        try:
-            conflict = await self._create_children(job, state, d.create)
-        except ApiError as exc:
-            if exc.status.code not in (400, 422):
-                raise
-            # The spec passed admission but makes a child Kubernetes refuses (a Secret or
-            # StorageClass name, a volume size): retrying cannot help.
-            conflict = (
-                Reason.INVALID_SPEC,
-                f"Kubernetes rejected an object built from this job's spec: "
-                f"{exc.status.message}. To fix: correct the spec field it names and create "
-                "the job again",
-            )
+        old_status: Mapping[str, Any],
+    ) -> bool:
+        """Write the decision's status and create its children; True when the status landed.
+
+        The status goes out together with the objects the trainer's pods use (volume,
+        config, Service), in one round trip: on a busy API server a user sees the plan as
+        soon as it is made, not after every create. The batch Job comes last, once those
+        exist and none conflicts. A status write that fails creates no batch Job (the next
+        look decides again); one the apiserver rejects (422) does not hold the launch back,
+        and the next look follows the batch Job (`adopt_lost_launch`). A conflict fails the
+        job with a second write.
+        """
+        namespace, name = str(job.metadata["namespace"]), str(job.metadata["name"])
+        first = [m for m in d.create if m["kind"] != "Job"]
+        last = [m for m in d.create if m["kind"] == "Job"]
+        write = self._write_status(namespace, name, state, old_status, d.status, body)
+        written, conflict = await asyncio.gather(
+            write, self._create_children(job, state, first), return_exceptions=True
+        )
+        # Both have finished: neither is left running behind an error.
+        if isinstance(written, BaseException):
+            raise written
+        if isinstance(conflict, BaseException):
+            raise conflict
+        if conflict is None and last:
+            conflict = await self._create_children(job, state, last)
         if conflict is not None:
             reason, message = conflict
             d.status = failed(d.status, reason, message, now)
             d.events.clear()
             self.post_event(body, EventType.WARNING, reason, message)
-        for name in d.delete_jobs:
-            await self.kube.delete_batch_job(namespace, name)
+            written = await self._write_status(
+                namespace, name, state, self._status_of(state, body) or {}, d.status, body
+            )
+        for batch_job in d.delete_jobs:
+            await self.kube.delete_batch_job(namespace, batch_job)
         for event in d.events:
             self.post_event(body, event.type, event.reason, event.message)
         if d.delete_self:
-            await self.kube.delete_finetunejob(namespace, str(job.metadata["name"]))
+            await self.kube.delete_finetunejob(namespace, name)
+        return written
 
     async def _create_children(
         self, job: FineTuneJob, state: _JobState, manifests: Sequence[Mapping[str, Any]]
     ) -> tuple[Reason, str] | None:
-        """Create each child once; a child of that name owned by someone else is a conflict.
+        """Create each child once, together; the first conflict found, if any.
 
-        The batch Job goes last, once everything its pods mount exists (and nothing
-        conflicts); the others are created together, one round trip instead of three.
+        A child owned by someone else is a conflict, and so is one Kubernetes refuses
+        (400, 422): the spec passed admission but makes an object that cannot exist (a
+        Secret or StorageClass name, a volume size), and retrying cannot help.
         A child counts as created when the cache holds it (batch Jobs) or when this process
         created it in the last resync period; only then is it POSTed again (a child deleted
         behind the operator's back comes back within one resync).
         """
-        first = [m for m in manifests if m["kind"] != "Job"]
-        last = [m for m in manifests if m["kind"] == "Job"]
-        for group in (first, last):
-            found = await asyncio.gather(*(self._create_child(job, state, m) for m in group))
-            conflict = next((c for c in found if c is not None), None)
-            if conflict is not None:
-                return conflict
-        return None
+        try:
+            found = await asyncio.gather(*(self._create_child(job, state, m) for m in manifests))
+        except ApiError as exc:
+            if exc.status.code not in (400, 422):
+                raise
+            return (
+                Reason.INVALID_SPEC,
+                f"Kubernetes rejected an object built from this job's spec: "
+                f"{exc.status.message}. To fix: correct the spec field it names and create "
+                "the job again",
+            )
+        return next((c for c in found if c is not None), None)
 
     async def _create_child(
         self, job: FineTuneJob, state: _JobState, manifest: Mapping[str, Any]
