@@ -235,6 +235,16 @@ def test_non_default_values(helm: Helm, tmp_path: Path) -> None:
             assert json.loads(text)["uid"].startswith("kubetune")
     (pool,) = find(docs, "GPUPool")
     assert pool["metadata"]["name"] == "l40s" and pool["spec"]["pricePerGPUHour"] == 0.79
+    # Without a cluster to look the GPUPool CRD up in (as on a first install into a cluster
+    # without it), the pools are a post-install hook that carries the release's ownership,
+    # so that the next upgrade adopts them instead of creating them again;
+    # tests/integration/test_helm.py upgrades them in place.
+    annotations = pool["metadata"]["annotations"]
+    assert annotations["helm.sh/hook"] == "post-install,post-upgrade"
+    assert annotations["helm.sh/resource-policy"] == "keep"
+    assert annotations["meta.helm.sh/release-name"] == "rel"
+    assert annotations["meta.helm.sh/release-namespace"] == "kubetune-system"
+    assert pool["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
 
 
 LEASE_RULES = {

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import yaml
 
+from kubetune_dev.binaries import Binaries
 from kubetune_dev.cluster import LocalCluster, free_port
 from support.cluster import Cluster, job_doc, operators_paused, wait_phase
 from support.helm import Helm
@@ -413,20 +414,43 @@ def test_replicas_elect_a_leader_with_only_the_chart_rbac(
 def test_upgrade_then_uninstall_keeps_the_crds(
     cluster: Cluster, release: str, tmp_path: Path
 ) -> None:
-    """Runs last: `helm upgrade` re-applies the CRD templates in place; uninstall keeps them."""
+    """Runs last: `helm upgrade` re-applies the CRD templates and the pools from values in
+    place (same objects, status kept); uninstall keeps them."""
     local = cluster.local
     uid = cluster.get("crd", "finetunejobs.kubetune.io")["metadata"]["uid"]  # type: ignore[index]
-    helm(
-        local,
-        "upgrade",
-        release,
-        str(CHART),
-        "-n",
-        RELEASE_NS,
-        "--reuse-values",
-        "--set-json",
-        "operator.safetyFactor=1.3",
-    )
+    pool_name = CHART_POOL["name"]
+    with operators_paused(local):  # nothing else writes the pool's status meanwhile
+        cluster.kubectl(
+            "patch",
+            "gpupool",
+            pool_name,
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            '{"status": {"updatedAt": "2026-11-24T00:00:00Z", "nodes": 3}}',
+        )
+        pool = cluster.get("gpupool", pool_name)
+        assert pool is not None
+        helm(
+            local,
+            "upgrade",
+            release,
+            str(CHART),
+            "-n",
+            RELEASE_NS,
+            "--reuse-values",
+            "--set-json",
+            "operator.safetyFactor=1.3",
+        )
+        upgraded = cluster.get("gpupool", pool_name)
+    # Deleted and created again, a pool would lose its status and its UID (and jobs
+    # planned on it would see it vanish): the upgrade patches it in place.
+    assert upgraded is not None
+    assert upgraded["metadata"]["uid"] == pool["metadata"]["uid"]
+    assert upgraded["status"]["updatedAt"] == "2026-11-24T00:00:00Z"
+    assert upgraded["status"]["nodes"] == 3
+    assert upgraded["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert "helm.sh/hook" not in upgraded["metadata"]["annotations"]
     deploy = cluster.get("deployment", f"{release}-kubetune", RELEASE_NS)
     assert deploy is not None
     env = {
@@ -442,3 +466,71 @@ def test_upgrade_then_uninstall_keeps_the_crds(
         crd = cluster.get("crd", name)
         assert crd is not None and crd["metadata"]["uid"], f"{name} was removed"
     assert cluster.get("gpupool", "l40s") is not None
+
+
+def test_pools_of_a_first_install_without_the_crds_are_adopted_by_the_next_upgrade(
+    binaries: Binaries, tmp_path: Path
+) -> None:
+    """A cluster that has never seen kubetune: the release creates the GPUPool CRD, so its
+    pools come from a post-install hook; the next upgrade adopts them as release objects
+    (same UID, status kept) and later upgrades patch them in place.
+
+    A control plane of its own (about 10 s to start): the session's has the CRDs."""
+    fresh = LocalCluster(tmp_path / "fresh", binaries)
+    fresh.start()
+    try:
+        kube = Cluster(fresh)
+        values = tmp_path / "values.yaml"
+        values.write_text(yaml.safe_dump({**base_values(), "gpuPools": [CHART_POOL]}))
+        name = CHART_POOL["name"]
+
+        def pool() -> dict[str, Any]:
+            obj = kube.get("gpupool", name)
+            assert obj is not None, f"GPUPool {name} is gone"
+            return obj
+
+        helm(
+            fresh,
+            "install",
+            "kt",
+            str(CHART),
+            "-n",
+            RELEASE_NS,
+            "--create-namespace",
+            "-f",
+            str(values),
+        )
+        installed = pool()
+        assert installed["metadata"]["annotations"]["helm.sh/hook"] == "post-install,post-upgrade"
+        kube.kubectl(
+            "patch",
+            "gpupool",
+            name,
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            '{"status": {"nodes": 3}}',
+        )
+        for factor in ("1.3", "1.4"):
+            helm(
+                fresh,
+                "upgrade",
+                "kt",
+                str(CHART),
+                "-n",
+                RELEASE_NS,
+                "--reuse-values",
+                "--set-json",
+                f"operator.safetyFactor={factor}",
+            )
+            upgraded = pool()
+            assert upgraded["metadata"]["uid"] == installed["metadata"]["uid"]
+            assert upgraded["status"]["nodes"] == 3
+            assert "helm.sh/hook" not in upgraded["metadata"]["annotations"]
+        assert name in {
+            d["metadata"]["name"] for d in manifest(fresh, "kt") if d["kind"] == "GPUPool"
+        }
+        helm(fresh, "uninstall", "kt", "-n", RELEASE_NS, "--wait")
+        assert pool()["metadata"]["uid"] == installed["metadata"]["uid"]
+    finally:
+        fresh.stop()
