@@ -95,7 +95,20 @@ SAYS = {
         "The finetunejob handler failed 166.7m times per second over the last 10 minutes; "
         "see the operator's log.",
     ),
+    "KubetuneJobFailed": (
+        "FineTuneJob failed",
+        "a/f is Failed. Its Failed condition's reason and message say why and what to change; "
+        "its checkpoint volume keeps the last complete checkpoint to resume from.",
+    ),
+    "KubetuneOperatorAbsent": (
+        "No kubetune operator is being scraped",
+        "Prometheus has scraped no kubetune operator for 10m: no job is planned, launched, "
+        "recovered or billed meanwhile (running trainers go on). Check the operator's "
+        "Deployment and its metrics scrape.",
+    ),
 }
+SEVERITY = {"KubetuneOperatorAbsent": "critical"}
+RUNBOOK = ROOT / "docs/runbook.md"
 
 
 def rules_file(tmp: Path, helm: Helm) -> Path:
@@ -116,8 +129,12 @@ def alert(name: str, at: str, labels: dict[str, str] | None) -> dict[str, Any]:
         if labels is None
         else [
             {
-                "exp_labels": {"severity": "warning", **labels},
-                "exp_annotations": {"summary": summary, "description": description},
+                "exp_labels": {"severity": SEVERITY.get(name, "warning"), **labels},
+                "exp_annotations": {
+                    "summary": summary,
+                    "description": description,
+                    "runbook_url": f"docs/runbook.md#{name.lower()}",
+                },
             }
         ]
     )
@@ -174,6 +191,11 @@ def test_promtool_checks_and_tests_the_alert_rules(tmp_path: Path, binaries: Bin
             'kubetune_finetunejob_last_reconcile_timestamp_seconds{namespace="a",finetunejob="fresh"}',
             "0+60x40",
         ),
+        # f fails at minute 10.
+        (f"kubetune_finetunejob_info{{{INFO.format(job='f', phase='Running')}}}", "1x9"),
+        (f"kubetune_finetunejob_info{{{INFO.format(job='f', phase='Failed')}}}", "_x10 1x30"),
+        # The operator is scraped for 20 minutes, then no more.
+        ('kubetune_operator_info{version="0.1.0"}', "1x20"),
     ]
     tests = {
         "rule_files": [str(rules)],
@@ -193,6 +215,11 @@ def test_promtool_checks_and_tests_the_alert_rules(tmp_path: Path, binaries: Bin
                     alert("KubetuneReconcileErrors", "30m", {"handler": "finetunejob"}),
                     alert("KubetuneReconcileStale", "10m", None),
                     alert("KubetuneReconcileStale", "20m", job("stale")),
+                    alert("KubetuneJobFailed", "5m", None),
+                    alert("KubetuneJobFailed", "15m", job("f")),
+                    alert("KubetuneOperatorAbsent", "20m", None),
+                    alert("KubetuneOperatorAbsent", "30m", None),  # absent, not yet for 10m
+                    alert("KubetuneOperatorAbsent", "40m", {}),
                 ],
             }
         ],
@@ -209,6 +236,11 @@ def test_promtool_checks_and_tests_the_alert_rules(tmp_path: Path, binaries: Bin
         if t["exp_alerts"]
     }
     assert defined == fired
+    # Each alert links to its own section of the runbook.
+    sections = {
+        line[4:].strip() for line in RUNBOOK.read_text().splitlines() if line.startswith("### ")
+    }
+    assert defined <= sections, defined - sections
 
 
 # ---------------------------------------------------------------------- live scrape
