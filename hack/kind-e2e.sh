@@ -185,6 +185,9 @@ helm install kubetune charts/kubetune --namespace kubetune-system --create-names
   --set operator.terminationGraceSeconds=60 --set operator.rescheduleSeconds=5 \
   --set operator.trainerCPUPerGPU=250m --set operator.trainerMemoryPerGPU=1Gi
 
+stamp "helm test"
+helm test kubetune --namespace kubetune-system --logs --timeout 3m
+
 stamp "running the e2e suite against kind"
 KUBETUNE_E2E_TARGET=kind KUBETUNE_KIND_KUBECONFIG="$KUBECONFIG_FILE" KIND_CLUSTER_NAME="$CLUSTER" \
   KUBETUNE_KIND_TRAINER_IMAGE="$TRAINER_IMAGE" "$VENV/bin/pytest" tests/e2e -m e2e "$@"

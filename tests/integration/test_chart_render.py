@@ -134,6 +134,7 @@ def test_default_render_is_a_standalone_cluster_wide_operator(helm: Helm) -> Non
         "ClusterRoleBinding",
         "CustomResourceDefinition",
         "Deployment",
+        "Pod",
         "Service",
         "ServiceAccount",
     ]
@@ -144,6 +145,18 @@ def test_default_render_is_a_standalone_cluster_wide_operator(helm: Helm) -> Non
     pod = deploy["spec"]["template"]["spec"]
     container = pod["containers"][0]
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
+    # `helm test`: `kubetune check` as the operator, against its metrics Service; a pod
+    # the operator's ReplicaSet must not adopt.
+    (check,) = find(docs, "Pod")
+    assert check["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    assert check["spec"]["serviceAccountName"] == pod["serviceAccountName"]
+    assert check["spec"]["containers"][0]["args"] == [
+        "check",
+        "--operator-url=http://rel-kubetune-metrics.kubetune-system.svc:8000/metrics",
+    ]
+    selector = deploy["spec"]["selector"]["matchLabels"]
+    assert not selector.items() <= check["metadata"]["labels"].items()
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -322,8 +335,10 @@ def test_toggles_turn_objects_off(helm: Helm) -> None:
         "serviceAccount.name=existing",
         "metrics.enabled=false",
     )
-    assert sorted(d["kind"] for d in docs) == ["Deployment"]
-    (deploy,) = docs
+    assert sorted(d["kind"] for d in docs) == ["Deployment", "Pod"]
+    (deploy,) = find(docs, "Deployment")
+    # Without metrics, `helm test` checks the CRDs only.
+    assert find(docs, "Pod")[0]["spec"]["containers"][0]["args"] == ["check"]
     assert deploy["spec"]["template"]["spec"]["serviceAccountName"] == "existing"
     assert env_of(docs)["KUBETUNE_METRICS_PORT"] == "-1"
     docs = render(helm, "crds.keep=false")

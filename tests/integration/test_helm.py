@@ -313,7 +313,48 @@ def test_operator_with_only_the_chart_rbac_runs_a_job_to_success(
             30,
         )
         assert pool == 4
+        answered, url = helm_test_check(cluster, release, kubeconfig)
+        assert answered.returncode == 0, answered.stdout + answered.stderr
+        assert answered.stdout.splitlines() == [
+            "ok   CRD finetunejobs.kubetune.io is established",
+            "ok   CRD gpupools.kubetune.io is established",
+            f"ok   the operator answers at {url} (version 0.1.0)",
+        ]
     assert not forbidden_lines(log), "\n".join(forbidden_lines(log)[-20:])
+    # With the operator gone, the check says so, and fails.
+    gone, url = helm_test_check(cluster, release, kubeconfig)
+    assert gone.returncode == 1
+    assert f"FAIL the operator does not answer at {url}" in gone.stdout
+
+
+def helm_test_check(
+    cluster: Cluster, release: str, kubeconfig: Path
+) -> tuple[subprocess.CompletedProcess[str], str]:
+    """Run the chart's `helm test` pod's command here, as the chart's ServiceAccount, with
+    the metrics Service's URL pointed at the local operator's metrics port (the pod would
+    reach the Service)."""
+    text = helm(cluster.local, "get", "hooks", release, "-n", RELEASE_NS).stdout
+    (pod,) = [d for d in yaml.safe_load_all(text) if d and d["kind"] == "Pod"]
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    container = pod["spec"]["containers"][0]
+    assert container["command"] == ["kubetune"]
+    port = yaml.safe_load(helm(cluster.local, "get", "values", release, "-n", RELEASE_NS).stdout)[
+        "metrics"
+    ]["port"]
+    url = f"http://127.0.0.1:{port}/metrics"
+    args = [
+        f"--operator-url={url}" if a.startswith("--operator-url=") else a for a in container["args"]
+    ]
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
+    done = subprocess.run(
+        [sys.executable, "-m", "kubetune.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+    return done, url
 
 
 # ---------------------------------------------------------------------- namespaced mode

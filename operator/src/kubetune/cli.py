@@ -375,6 +375,32 @@ def crds(outdir: str | None) -> None:
 
 @main.command()
 @click.option(
+    "--operator-url",
+    default=None,
+    help="The operator's metrics endpoint, e.g. http://kubetune-metrics.kubetune-system:8000"
+    "/metrics (the chart's `helm test` passes its Service); without it only the CRDs are checked.",
+)
+@click.option("--timeout", default=10.0, show_default=True, help="Seconds per request.")
+def check(operator_url: str | None, timeout: float) -> None:
+    """Check an installation: the CRDs are established and the operator answers.
+
+    Uses the current kubeconfig (in a pod: its service account). Exits 1 when anything
+    fails, each failure saying what to look at.
+    """
+    from kubetune.controller.check import run_checks
+
+    try:
+        findings = run_checks(operator_url, timeout)
+    except Exception as exc:  # the API server itself: unreachable, forbidden
+        raise Abort(f"cannot read the cluster's CRDs: {exc}") from exc
+    for finding in findings:
+        click.echo(finding.line())
+    if not all(f.ok for f in findings):
+        sys.exit(1)
+
+
+@main.command()
+@click.option(
     "--namespace", "-n", multiple=True, help="Watch only these namespaces (default: all)."
 )
 @click.option(
