@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 from click.testing import CliRunner
 
 from kubetune.cli import main
@@ -121,6 +122,47 @@ spec:
     code, out = invoke("plan", str(ROOT / "examples/llama-8b-full.yaml"), "--pools", str(pools))
     assert code != 0
     assert "tiny:" in out and "To fix:" in out
+
+
+def test_plan_reads_the_pools_kubectl_prints_from_stdin() -> None:
+    """`kubectl get gpupools -o yaml | kubetune plan JOB --pools -`: a List of live objects,
+    with the server's metadata and the operator's status."""
+    pools = [d for d in yaml.safe_load_all((ROOT / "examples/gpupools.yaml").read_text()) if d]
+    for pool in pools:
+        pool["metadata"].update(
+            uid="0b3f", resourceVersion="812", generation=1,
+            managedFields=[{"manager": "kubectl", "operation": "Apply"}],
+        )  # fmt: skip
+        pool["status"] = {
+            "observedGeneration": 1, "nodes": 2, "allocatableGPUs": 16, "freeGPUs": 16,
+            "freeGPUsPerNode": [8, 8], "updatedAt": "2026-11-24T06:00:00Z",
+            "conditions": [{"type": "Valid", "status": "True", "reason": "PoolValid",
+                            "message": "", "lastTransitionTime": "2026-11-24T05:00:00Z"}],
+        }  # fmt: skip
+    listed = yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": pools})
+    job = str(ROOT / "examples/mistral-7b-lora.yaml")
+
+    result = CliRunner().invoke(main, ["plan", job, "--pools", "-"], input=listed)
+
+    assert result.exit_code == 0, result.output
+    assert f"pools: {len(pools)} from stdin" in result.output
+    default = CliRunner().invoke(main, ["plan", job])
+    assert "pools: the built-in catalog" in default.output
+    # The same plan as from the file the pools came from.
+    from_file = CliRunner().invoke(
+        main, ["plan", job, "--json", "--pools", str(ROOT / "examples/gpupools.yaml")]
+    )
+    from_stdin = CliRunner().invoke(main, ["plan", job, "--json", "--pools", "-"], input=listed)
+    assert json.loads(from_stdin.output) == json.loads(from_file.output)
+
+
+def test_plan_without_pools_in_the_input_says_how_to_get_them() -> None:
+    job = str(ROOT / "examples/mistral-7b-lora.yaml")
+    empty = yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": []})
+    result = CliRunner().invoke(main, ["plan", job, "--pools", "-"], input=empty)
+    assert result.exit_code != 0
+    assert "stdin holds no GPUPool objects. To fix:" in result.output
+    assert "kubectl get gpupools -o yaml" in result.output
 
 
 def test_plan_default_objective_applies_only_to_jobs_without_one(tmp_path: Path) -> None:

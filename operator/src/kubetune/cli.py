@@ -219,11 +219,26 @@ def estimate(
 
 
 def _load_yaml_docs(path: str) -> list[dict[str, Any]]:
+    """The objects of a YAML file (`-`: stdin), the items of a `List` (what `kubectl get
+    -o yaml` prints) included."""
     try:
-        text = Path(path).read_text()
-        return [d for d in yaml.safe_load_all(text) if d]
+        text = sys.stdin.read() if path == "-" else Path(path).read_text()
+        docs = [d for d in yaml.safe_load_all(text) if d]
     except (OSError, yaml.YAMLError) as exc:
-        raise Abort(f"cannot read {path}: {exc}") from exc
+        raise Abort(f"cannot read {_source(path)}: {exc}") from exc
+    objects: list[dict[str, Any]] = []
+    for doc in docs:
+        if not isinstance(doc, dict):
+            raise Abort(f"{_source(path)}: expected Kubernetes objects, found {doc!r:.60}")
+        if str(doc.get("kind", "")).endswith("List") and isinstance(doc.get("items"), list):
+            objects.extend(item for item in doc["items"] if isinstance(item, dict))
+        else:
+            objects.append(doc)
+    return objects
+
+
+def _source(path: str) -> str:
+    return "stdin" if path == "-" else path
 
 
 def load_pools(path: str | None) -> list[GPUPool]:
@@ -236,9 +251,14 @@ def load_pools(path: str | None) -> list[GPUPool]:
         try:
             pools.append(GPUPool.model_validate(doc))
         except ValidationError as exc:
-            raise Abort(f"{path}: GPUPool {doc.get('metadata', {}).get('name')}: {exc}") from exc
+            name = doc.get("metadata", {}).get("name")
+            raise Abort(f"{_source(path)}: GPUPool {name}: {exc}") from exc
     if not pools:
-        raise Abort(f"{path} holds no GPUPool objects")
+        raise Abort(
+            f"{_source(path)} holds no GPUPool objects. To fix: pass a file of GPUPools "
+            "(examples/gpupools.yaml), or your cluster's: kubectl get gpupools -o yaml | "
+            "kubetune plan JOB.yaml --pools -"
+        )
     return pools
 
 
@@ -302,8 +322,9 @@ def format_plan(plan: Plan, objective_defaulted: bool = False) -> str:
 @click.option(
     "--pools",
     "pools_file",
-    type=click.Path(exists=True),
-    help="GPUPool YAML (default: built-in catalog).",
+    type=click.Path(exists=True, allow_dash=True),
+    help="GPUPools to plan against: a YAML file, or - for stdin (e.g. `kubectl get gpupools "
+    "-o yaml`); default: the built-in catalog.",
 )
 @click.option(
     "--safety-factor", type=float, default=PlannerSettings.safety_factor, show_default=True
@@ -348,6 +369,12 @@ def plan(
         click.echo(json.dumps(result.to_status(pools).to_wire(), indent=2))
         return
     click.echo(f"{job.metadata.get('name', job_file)}: {arch.name}")
+    if pools_file is None:
+        click.echo(
+            f"pools: the built-in catalog ({len(pools)} pools, list prices); --pools for yours"
+        )
+    else:
+        click.echo(f"pools: {len(pools)} from {_source(pools_file)}")
     click.echo(format_plan(result, objective_defaulted=job.spec.resources.objective is None))
 
 
