@@ -50,9 +50,9 @@ def test_estimate_json_has_total_and_breakdown() -> None:
     )
     assert code == 0, out
     data = json.loads(out)
-    assert data["per_gpu_bytes"] == sum(data["breakdown"].values())
-    assert data["per_gpu_gib"] == pytest.approx(data["per_gpu_bytes"] / 1024**3, rel=1e-3)
-    assert data["trainable_params"] == 32 * 16 * (4096 + 4096) + 32 * 16 * (4096 + 1024)
+    assert data["perGPUBytes"] == sum(data["breakdown"].values())
+    assert data["perGPUGiB"] == pytest.approx(data["perGPUBytes"] / 1024**3, rel=1e-3)
+    assert data["trainableParams"] == 32 * 16 * (4096 + 4096) + 32 * 16 * (4096 + 1024)
     assert data["setup"]["method"] == "qlora"
 
 
@@ -61,14 +61,14 @@ def test_estimate_from_config_file(tmp_path: Path) -> None:
     config = sorted(cfg.glob("*.json"))[0]
     code, out = invoke("estimate", "--config", str(config), "--method", "full", "--json")
     assert code == 0, out
-    assert json.loads(out)["per_gpu_bytes"] > 0
+    assert json.loads(out)["perGPUBytes"] > 0
 
 
 def test_checkpointing_and_precision_flags_change_the_estimate() -> None:
     def gib(*flags: str) -> float:
         code, out = invoke("estimate", "--model", "Qwen/Qwen2.5-7B", "--json", *flags)
         assert code == 0, out
-        return float(json.loads(out)["per_gpu_gib"])
+        return float(json.loads(out)["perGPUGiB"])
 
     assert gib("--no-grad-ckpt") > gib("--grad-ckpt")
     assert gib("--method", "full", "--precision", "amp-bf16") > gib(

@@ -351,12 +351,16 @@ def test_breakdown_sums_to_total_and_has_every_component() -> None:
 def test_to_dict_is_json_ready() -> None:
     est = estimate_vram(TINY, TrainingSetup(lora_targets=("q_proj", "v_proj")))
     data = json.loads(json.dumps(est.to_dict()))
-    assert data["per_gpu_bytes"] == est.per_gpu_bytes
+    assert data["perGPUBytes"] == est.per_gpu_bytes
     assert set(data["breakdown"]) == set(BREAKDOWN_COMPONENTS)
-    assert set(data["breakdown_gib"]) == set(BREAKDOWN_COMPONENTS)
-    assert data["setup"]["lora_targets"] == ["q_proj", "v_proj"]
-    assert data["trainable_params"] == est.trainable_params
-    assert data["total_params"] == TINY.total_params
+    assert set(data["breakdownGiB"]) == set(BREAKDOWN_COMPONENTS)
+    assert data["setup"]["loraTargets"] == ["q_proj", "v_proj"]
+    assert data["trainableParams"] == est.trainable_params
+    assert data["totalParams"] == TINY.total_params
+    # One naming convention with the API's JSON (kubetune plan --json, status.plan).
+    keys = [*data, *data["setup"]]  # type: ignore[misc]
+    assert not [k for k in keys if "_" in k], keys
+    assert data["setup"]["microBatch"] == 1 and data["setup"]["cpuOffload"] is False
 
 
 def test_comparable_bytes_by_metric() -> None:

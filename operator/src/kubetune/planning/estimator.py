@@ -225,18 +225,26 @@ class VramEstimate:
         return self.per_gpu_bytes / GIB
 
     def to_dict(self) -> dict[str, object]:
-        """A JSON-ready view (plain ints, floats, strings, lists and dicts)."""
-        setup = asdict(self.setup)
-        setup["lora_targets"] = list(self.setup.lora_targets)
+        """A JSON-ready view (plain ints, floats, strings, lists and dicts), its keys in
+        the API's camelCase; the breakdown's keys are component names, as in
+        `status.plan.memoryBreakdownGiB`."""
+        setup = {_camel(k): v for k, v in asdict(self.setup).items()}
+        setup["loraTargets"] = list(self.setup.lora_targets)
         return {
-            "per_gpu_bytes": self.per_gpu_bytes,
-            "per_gpu_gib": round(self.per_gpu_gib, 3),
+            "perGPUBytes": self.per_gpu_bytes,
+            "perGPUGiB": round(self.per_gpu_gib, 3),
             "breakdown": dict(self.breakdown),
-            "breakdown_gib": {k: round(v / GIB, 3) for k, v in self.breakdown.items()},
-            "trainable_params": self.trainable_params,
-            "total_params": self.total_params,
+            "breakdownGiB": {k: round(v / GIB, 3) for k, v in self.breakdown.items()},
+            "trainableParams": self.trainable_params,
+            "totalParams": self.total_params,
             "setup": setup,
         }
+
+
+def _camel(name: str) -> str:
+    """`micro_batch` → `microBatch`, `cpu_offload` → `cpuOffload` (the API's spelling)."""
+    head, *rest = name.split("_")
+    return head + "".join(part.upper() if part in ("cpu", "gpu") else part.title() for part in rest)
 
 
 # --------------------------------------------------------------------------- validation
