@@ -156,6 +156,30 @@ def test_plan_reads_the_pools_kubectl_prints_from_stdin() -> None:
     assert json.loads(from_stdin.output) == json.loads(from_file.output)
 
 
+def test_plan_table_shows_every_pools_best_with_its_headroom() -> None:
+    pools = [d for d in yaml.safe_load_all((ROOT / "examples/gpupools.yaml").read_text()) if d]
+    long_name = "h100-sxm-reserved-capacity-us-east-1b"  # longer than any fixed column
+    for pool in pools:
+        if pool["metadata"]["name"] == "h100":
+            pool["metadata"]["name"] = long_name
+    listed = yaml.safe_dump_all(pools)
+    job = str(ROOT / "examples/mistral-7b-lora.yaml")
+
+    result = CliRunner().invoke(main, ["plan", job, "--pools", "-"], input=listed)
+
+    assert result.exit_code == 0, result.output
+    header, *rows = result.output.split("\n\n")[0].splitlines()[2:]
+    assert "HEADROOM" in header.split()
+    names = [row[2:].split()[0] for row in rows]
+    # One row per pool that can run the job (none is rejected here), each pool once.
+    assert sorted(names) == sorted(p["metadata"]["name"] for p in pools)
+    for row in rows:
+        cells = row[2:].split()
+        assert len(cells) == len(header.split()), row  # nothing ran into the next column
+        headroom = float(cells[header.split().index("HEADROOM")].rstrip("%"))
+        assert 0 <= headroom < 100
+
+
 def test_plan_without_pools_in_the_input_says_how_to_get_them() -> None:
     job = str(ROOT / "examples/mistral-7b-lora.yaml")
     empty = yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": []})

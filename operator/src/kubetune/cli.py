@@ -283,20 +283,25 @@ def _hours(seconds: float) -> str:
 
 
 def format_plan(plan: Plan, objective_defaulted: bool = False) -> str:
-    """The plan as a table; `objective_defaulted`: the job left spec.resources.objective unset."""
+    """The plan as a table: the chosen configuration (*) and the best of each other pool,
+    with each one's memory headroom per GPU; `objective_defaulted`: the job left
+    spec.resources.objective unset."""
     c = plan.chosen
     rows = [c, *plan.alternatives]
+    width = max(len("POOL"), *(len(r.pool) for r in rows)) + 2
     lines = [
-        f"{'':2}{'POOL':<16}{'METHOD':<7}{'GPUS':>5}{'NODES':>6}{'SHARD':>8}{'MICRO×ACC':>11}{'CKPT':>6}"
-        f"{'GiB/GPU':>9}{'TOK/S':>10}{'TIME':>8}{'COST':>11}"
+        f"{'':2}{'POOL':<{width}}{'METHOD':<7}{'GPUS':>5}{'NODES':>6}{'SHARD':>8}"
+        f"{'MICRO×ACC':>11}{'CKPT':>6}{'GiB/GPU':>9}{'HEADROOM':>10}{'TOK/S':>10}{'TIME':>8}"
+        f"{'COST':>11}"
     ]
     for i, r in enumerate(rows):
         mark = "* " if i == 0 else "  "
+        used = r.estimate.per_gpu_bytes / GIB
         lines.append(
-            f"{mark}{r.pool:<16}{r.method:<7}{r.total_gpus:>5}{r.nodes:>6}{r.sharding:>8}"
+            f"{mark}{r.pool:<{width}}{r.method:<7}{r.total_gpus:>5}{r.nodes:>6}{r.sharding:>8}"
             f"{f'{r.micro_batch}×{r.grad_accum}':>11}{'on' if r.grad_ckpt else 'off':>6}"
-            f"{r.estimate.per_gpu_bytes / GIB:>9.1f}{r.tokens_per_second:>10,.0f}"
-            f"{_hours(r.duration_s):>8}{f'${r.cost:,.2f}':>11}"
+            f"{used:>9.1f}{f'{(r.gpu_memory_gib - used) / r.gpu_memory_gib:.0%}':>10}"
+            f"{r.tokens_per_second:>10,.0f}{_hours(r.duration_s):>8}{f'${r.cost:,.2f}':>11}"
         )
     lines.append("")
     lines.append(
@@ -362,6 +367,8 @@ def plan(
                 default_objective=default_objective,
                 use_live_capacity=False,
             ),
+            # Every pool's best, not only the three runners-up the operator records.
+            alternatives=len(pools),
         )
     except (KubetuneError, ArchitectureError, EstimatorError) as exc:
         raise Abort(str(exc)) from exc

@@ -756,12 +756,12 @@ def _finish(
         raise _infeasible(ctx, rejected)
     ranked = sorted(accepted, key=lambda c: rank_key(c, objective, spot))
     best = ranked[0]
-    seen = {(best.pool, best.method, best.total_gpus)}
+    # The runners-up answer "why not that pool?": the best of each other pool, in rank order.
+    seen = {best.pool}
     alts: list[Candidate] = []
     for c in ranked[1:]:
-        key = (c.pool, c.method, c.total_gpus)
-        if key not in seen and len(alts) < alternatives:
-            seen.add(key)
+        if c.pool not in seen and len(alts) < alternatives:
+            seen.add(c.pool)
             alts.append(c)
     return Plan(
         chosen=best,
