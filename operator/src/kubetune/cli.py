@@ -13,6 +13,7 @@ import yaml
 from pydantic import ValidationError
 
 from kubetune.api.errors import KubetuneError
+from kubetune.api.hints import did_you_mean
 from kubetune.api.v1alpha1 import FineTuneJob, GPUPool, Objective
 from kubetune.planning.arch import ArchitectureError, ModelArch, known_models
 from kubetune.planning.catalog import default_pools
@@ -272,7 +273,10 @@ def load_job(path: str) -> FineTuneJob:
         lines = [f"{path}: invalid FineTuneJob:"]
         for err in exc.errors():
             loc = ".".join(str(p) for p in err["loc"])
-            lines.append(f"  {loc}: {err['msg']}")
+            hint = None
+            if err["type"] == "extra_forbidden":
+                hint = did_you_mean(err["loc"])
+            lines.append(f"  {loc}: {err['msg']}" + (f"; {hint}" if hint else ""))
         raise Abort("\n".join(lines)) from exc
 
 
