@@ -45,6 +45,41 @@ def test_admission_rejects_bad_specs(
     assert message in out.stderr, out.stderr
 
 
+def test_admission_takes_a_known_gpu_by_name_and_wants_numbers_for_others(
+    cluster: Cluster,
+) -> None:
+    def pool(name: str, gpu: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "apiVersion": "kubetune.io/v1alpha1",
+            "kind": "GPUPool",
+            "metadata": {"name": name},
+            "spec": {
+                # No node carries this label: the pools exist, and nothing lands on them.
+                "nodeSelector": {"kubetune.io/pool": name},
+                "gpu": gpu,
+                "gpusPerNode": 8,
+                "maxNodes": 1,
+                "pricePerGPUHour": 999.0,
+            },
+        }
+
+    try:
+        out = cluster.apply(pool("by-name-h200", {"product": "NVIDIA-H200"}))
+        assert out.returncode == 0, out.stderr
+        stored = cluster.get("gpupool", "by-name-h200")
+        assert stored is not None
+        # Stored as written: no schema default stands in for the product's figures.
+        assert stored["spec"]["gpu"] == {"product": "NVIDIA-H200"}
+        out = cluster.apply(pool("by-name-b200", {"product": "NVIDIA-B200", "memoryGiB": 180}))
+        assert out.returncode != 0
+        assert "spec.gpu.memoryGiB and spec.gpu.bf16TFLOPS are required" in out.stderr
+        assert "NVIDIA-H200" in out.stderr
+    finally:
+        cluster.kubectl(
+            "delete", "gpupool", "by-name-h200", "--ignore-not-found", "--wait=false", check=False
+        )
+
+
 def test_model_cannot_change_once_training_started(
     cluster: Cluster, namespace: str, operator: Path
 ) -> None:

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from kubetune.api.gpus import KNOWN_GPUS
 from kubetune.api.vocabulary import Phase, PlanReason, RecoveryReason
 from kubetune_trainer.contract import DatasetFormat, Method, Optimizer, Precision, Sharding
 
@@ -655,23 +656,82 @@ class Toleration(_Model):
     )
 
 
+def _facts_optional_for_known_products(schema: dict[str, Any]) -> None:
+    """In the CRD, memoryGiB and bf16TFLOPS may be left out for a product kubetune knows,
+    and the other numbers have no schema default: the apiserver would store it, and the
+    product's own figure could not take its place."""
+    schema["required"] = [k for k in schema.get("required", []) if k not in GPU_FACT_KEYS]
+    for prop in schema.get("properties", {}).values():
+        prop.pop("default", None)
+    known = ", ".join(f"'{p}'" for p in KNOWN_GPUS)
+    schema.update(
+        _validations(
+            _cel(
+                f"(has(self.memoryGiB) && has(self.bf16TFLOPS)) || self.product in [{known}]",
+                "spec.gpu.memoryGiB and spec.gpu.bf16TFLOPS are required for a GPU product "
+                f"kubetune does not know; it knows {', '.join(KNOWN_GPUS)}",
+            )
+        )
+    )
+
+
+GPU_FACT_KEYS = ("memoryGiB", "bf16TFLOPS")
+
+
 class GPUSpec(_Model):
+    """The GPU of a pool. For a product in `kubetune.api.gpus.KNOWN_GPUS` (H100, H200, A100,
+    L40S, L4, RTX 4090) every number may be left out: the datasheet's is used, and any
+    number given overrides it."""
+
+    model_config = ConfigDict(json_schema_extra=_facts_optional_for_known_products)
+
     product: str = Field(
-        description="GPU product as GPU feature discovery labels it, e.g. NVIDIA-H100-80GB-HBM3."
+        description="GPU product as GPU feature discovery labels it, e.g. NVIDIA-H100-80GB-HBM3; "
+        "for a product kubetune knows, the numbers below default to its datasheet's."
     )
     memory_gib: float = Field(gt=0, alias="memoryGiB", description="Memory per GPU (GiB).")
     bf16_tflops: float = Field(
         gt=0, alias="bf16TFLOPS", description="Dense bf16 tensor-core TFLOPS per GPU."
     )
+
     memory_bandwidth_gbps: float = Field(
-        default=0, ge=0, alias="memoryBandwidthGBps", description="HBM/GDDR bandwidth (GB/s)."
+        default=0,
+        ge=0,
+        alias="memoryBandwidthGBps",
+        description="HBM/GDDR bandwidth (GB/s); default: the product's, else 0 (unknown).",
     )
     interconnect: Literal["nvlink", "pcie"] = Field(
-        default="pcie", description="GPU-to-GPU link inside a node."
+        default="pcie",
+        description="GPU-to-GPU link inside a node; default: the product's, else pcie.",
     )
     interconnect_gbps: float = Field(
-        default=64, ge=0, alias="interconnectGBps", description="Intra-node GPU link (GB/s)."
+        default=64,
+        ge=0,
+        alias="interconnectGBps",
+        description="Intra-node GPU link (GB/s); default: the product's, else 64.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_product_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        names = {f.alias or n: n for n, f in cls.model_fields.items()}
+
+        def given(key: str) -> bool:
+            return key in data or names[key] in data
+
+        facts = KNOWN_GPUS.get(str(data.get("product")))
+        if facts is None:
+            missing = [k for k in GPU_FACT_KEYS if not given(k)]
+            if missing:
+                raise ValueError(
+                    f"gpu.{' and gpu.'.join(missing)} required: kubetune does not know GPU "
+                    f"product {data.get('product')!r}. To fix: give the numbers, or use the "
+                    f"name GPU feature discovery gives a GPU it knows ({', '.join(KNOWN_GPUS)})"
+                )
+            return data
+        return {**{k: v for k, v in facts.spec_fields().items() if not given(k)}, **data}
 
 
 class GPUPoolSpec(_Model):
