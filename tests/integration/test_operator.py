@@ -6,10 +6,15 @@ without executing anything: these tests are about the Kubernetes side.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from support.cluster import Cluster, job_doc, wait_phase
 from support.waiting import wait_for
@@ -78,6 +83,31 @@ def test_admission_takes_a_known_gpu_by_name_and_wants_numbers_for_others(
         cluster.kubectl(
             "delete", "gpupool", "by-name-h200", "--ignore-not-found", "--wait=false", check=False
         )
+
+
+def test_plan_from_the_cluster_uses_its_pools(cluster: Cluster, tmp_path: Path) -> None:
+    """`kubetune plan --from-cluster` against the real apiserver, as a user runs it."""
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(job_doc("planned-offline")))
+    names = set(cluster.kubectl("get", "gpupools", "-o", "name").stdout.split())
+    pools = {n.split("/", 1)[1] for n in names}
+    assert pools, "the session's cluster has GPUPools"
+    env = {**os.environ, "KUBECONFIG": "/nonexistent"}  # only --kubeconfig may count
+    argv = [sys.executable, "-m", "kubetune.cli", "plan", str(job), "--from-cluster"]
+    argv += ["--kubeconfig", str(cluster.local.kubeconfig)]
+
+    table = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60)
+    plan = subprocess.run([*argv, "--json"], capture_output=True, text=True, env=env, timeout=60)
+
+    assert table.returncode == 0, table.stdout + table.stderr
+    assert f"pools: {len(pools)} from the cluster, with their free GPUs now" in table.stdout
+    assert json.loads(plan.stdout)["pool"] in pools
+    wrong = subprocess.run(
+        [*argv[:-2], "--kubeconfig", str(tmp_path / "missing")],
+        capture_output=True, text=True, env=env, timeout=60,
+    )  # fmt: skip
+    assert wrong.returncode != 0
+    assert "cannot read the cluster's GPUPools" in wrong.stdout + wrong.stderr
 
 
 def test_model_cannot_change_once_training_started(

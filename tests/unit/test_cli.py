@@ -180,6 +180,15 @@ def test_plan_table_shows_every_pools_best_with_its_headroom() -> None:
         assert 0 <= headroom < 100
 
 
+def test_plan_takes_pools_from_one_place() -> None:
+    job = str(ROOT / "examples/mistral-7b-lora.yaml")
+    pools = str(ROOT / "examples/gpupools.yaml")
+    both = CliRunner().invoke(main, ["plan", job, "--pools", pools, "--from-cluster"])
+    assert both.exit_code != 0 and "pass one" in both.output
+    stray = CliRunner().invoke(main, ["plan", job, "--context", "prod"])
+    assert stray.exit_code != 0 and "only mean something with --from-cluster" in stray.output
+
+
 def test_plan_without_pools_in_the_input_says_how_to_get_them() -> None:
     job = str(ROOT / "examples/mistral-7b-lora.yaml")
     empty = yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": []})

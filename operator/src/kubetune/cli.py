@@ -336,6 +336,13 @@ def format_plan(plan: Plan, objective_defaulted: bool = False) -> str:
     "-o yaml`); default: the built-in catalog.",
 )
 @click.option(
+    "--from-cluster",
+    is_flag=True,
+    help="Plan against the cluster's GPUPools and their free GPUs now (current kubeconfig).",
+)
+@click.option("--kubeconfig", default=None, help="With --from-cluster: this kubeconfig file.")
+@click.option("--context", default=None, help="With --from-cluster: this kubeconfig context.")
+@click.option(
     "--safety-factor", type=float, default=PlannerSettings.safety_factor, show_default=True
 )
 @click.option(
@@ -351,6 +358,9 @@ def format_plan(plan: Plan, objective_defaulted: bool = False) -> str:
 def plan(
     job_file: str,
     pools_file: str | None,
+    from_cluster: bool,
+    kubeconfig: str | None,
+    context: str | None,
     safety_factor: float,
     default_objective: Objective,
     allow_network: bool,
@@ -358,7 +368,26 @@ def plan(
 ) -> None:
     """Plan a FineTuneJob offline: the chosen pool, GPUs, method, time and cost."""
     job = load_job(job_file)
-    pools = load_pools(pools_file)
+    if from_cluster and pools_file:
+        raise Abort("--from-cluster and --pools both say where pools come from: pass one")
+    if (kubeconfig or context) and not from_cluster:
+        raise Abort("--kubeconfig and --context only mean something with --from-cluster")
+    unreadable: list[str] = []
+    if from_cluster:
+        from kubetune.controller.check import cluster_pools
+
+        try:
+            pools, unreadable = cluster_pools(10.0, kubeconfig, context)
+        except Exception as exc:  # no kubeconfig, unreachable, forbidden
+            raise Abort(f"cannot read the cluster's GPUPools: {exc}") from exc
+        if not pools:
+            raise Abort(
+                "the cluster has no GPUPool kubetune can read. To fix: create pools "
+                "(examples/gpupools.yaml, or the chart's gpuPools)"
+                + "".join(f"\n  {line}" for line in unreadable)
+            )
+    else:
+        pools = load_pools(pools_file)
     model = job.spec.model.architecture or job.spec.model.uri
     try:
         arch = load_arch(model, allow_network=allow_network)
@@ -369,7 +398,8 @@ def plan(
             PlannerSettings(
                 safety_factor=safety_factor,
                 default_objective=default_objective,
-                use_live_capacity=False,
+                # From the cluster, the pools' status says what is free now.
+                use_live_capacity=from_cluster,
             ),
             # Every pool's best, not only the three runners-up the operator records.
             alternatives=len(pools),
@@ -380,9 +410,14 @@ def plan(
         click.echo(json.dumps(result.to_status(pools).to_wire(), indent=2))
         return
     click.echo(f"{job.metadata.get('name', job_file)}: {arch.name}")
-    if pools_file is None:
+    if from_cluster:
+        click.echo(f"pools: {len(pools)} from the cluster, with their free GPUs now")
+        for line in unreadable:
+            click.echo(f"  {line}")
+    elif pools_file is None:
         click.echo(
-            f"pools: the built-in catalog ({len(pools)} pools, list prices); --pools for yours"
+            f"pools: the built-in catalog ({len(pools)} pools, list prices); "
+            "--pools or --from-cluster for yours"
         )
     else:
         click.echo(f"pools: {len(pools)} from {_source(pools_file)}")

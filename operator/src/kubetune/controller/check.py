@@ -1,4 +1,5 @@
-"""`kubetune check`: is kubetune installed and working in this cluster?
+"""What the CLI reads from a cluster: `kubetune check` (is kubetune installed and working?)
+and the GPUPools `kubetune plan --from-cluster` plans against.
 
 What the chart's `helm test` pod runs (and what a platform engineer runs by hand): the
 CRDs are served (Established), and the operator answers on its metrics endpoint with its
@@ -12,8 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx2
+from lightkube import Client, KubeConfig
+from lightkube.resources.apiextensions_v1 import CustomResourceDefinition
+from pydantic import ValidationError
 
-from kubetune.api.v1alpha1 import GROUP
+from kubetune.api.v1alpha1 import GROUP, GPUPool
+from kubetune.controller.kube import GPUPoolResource
 
 CRDS = (f"finetunejobs.{GROUP}", f"gpupools.{GROUP}")
 OPERATOR_METRIC = "kubetune_operator_info"
@@ -68,17 +73,43 @@ def check_operator(url: str, get: Callable[[str], httpx2.Response]) -> Finding:
     return Finding(False, f"{url} answered, but without {OPERATOR_METRIC}: is it kubetune's?")
 
 
+def client(timeout: float, kubeconfig: str | None = None, context: str | None = None) -> Client:
+    """A client for the CLI: `kubeconfig` (default: $KUBECONFIG, ~/.kube/config, or the
+    pod's service account) and its `context` (default: the current one)."""
+    if kubeconfig is None and context is None:
+        return Client(timeout=httpx2.Timeout(timeout))
+    config = KubeConfig.from_file(kubeconfig) if kubeconfig else KubeConfig.from_env()
+    return Client(config=config.get(context_name=context), timeout=httpx2.Timeout(timeout))
+
+
+def cluster_pools(
+    timeout: float, kubeconfig: str | None = None, context: str | None = None
+) -> tuple[list[GPUPool], list[str]]:
+    """The cluster's GPUPools with their status (live capacity), and a line for each one
+    that cannot be read."""
+    api = client(timeout, kubeconfig, context)
+    try:
+        objects = [obj.to_dict() for obj in api.list(GPUPoolResource)]  # type: ignore[no-untyped-call]
+    finally:
+        api.close()
+    pools, unreadable = [], []
+    for obj in objects:
+        try:
+            pools.append(GPUPool.model_validate(obj))
+        except ValidationError as exc:
+            name = (obj.get("metadata") or {}).get("name")
+            unreadable.append(f"GPUPool {name} cannot be read: {exc.errors()[0]['msg']}")
+    return pools, unreadable
+
+
 def run_checks(operator_url: str | None, timeout: float) -> list[Finding]:
     """Check the CRDs through the current kubeconfig (or in-cluster account), then the
     operator when a URL is given."""
-    from lightkube import Client
-    from lightkube.resources.apiextensions_v1 import CustomResourceDefinition
-
-    client = Client(timeout=httpx2.Timeout(timeout))
+    api = client(timeout)
     try:
-        crds = [c.to_dict() for c in client.list(CustomResourceDefinition)]
+        crds = [c.to_dict() for c in api.list(CustomResourceDefinition)]
     finally:
-        client.close()
+        api.close()
     findings = check_crds(crds)
     if operator_url:
         with httpx2.Client(timeout=timeout) as http:
