@@ -1039,6 +1039,8 @@ async def test_pool_capacity_is_written_only_when_it_changed(
 ) -> None:
     body = pool("h100")
     body["metadata"]["generation"] = 3
+    # The product alone: the status shows the memory the planner takes for it.
+    body["spec"]["gpu"] = {"product": body["spec"]["gpu"]["product"]}
     seed(apiserver, *capacity_cluster(), body)
     loop.runtime.caches = caches_from(apiserver)
 
@@ -1054,6 +1056,7 @@ async def test_pool_capacity_is_written_only_when_it_changed(
         "freeGPUs": 9,
         "freeGPUsPerNode": [2, 7],
         "observedGeneration": 3,
+        "gpuMemoryGiB": 80.0,
     }
     writes = len([r for r in apiserver if r.method == "PATCH"])
 

@@ -183,7 +183,7 @@ def gpupool_crd() -> Schema:
         schema=root,
         columns=[
             _column("GPU", ".spec.gpu.product"),
-            _column("Mem(GiB)", ".spec.gpu.memoryGiB", "number"),
+            _column("Mem(GiB)", ".status.gpuMemoryGiB", "number"),
             _column("GPUs/Node", ".spec.gpusPerNode", "integer"),
             _column("$/GPU-h", ".spec.pricePerGPUHour", "number"),
             _column("Spot", ".spec.spot", "boolean"),

@@ -9,6 +9,7 @@ validate every object they read through them. Field names are camelCase on the w
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Annotated, Any, Literal
 
@@ -714,8 +715,9 @@ class GPUSpec(_Model):
     @model_validator(mode="before")
     @classmethod
     def _known_product_defaults(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
+        if not isinstance(data, Mapping):
             return data
+        data = dict(data)
         names = {f.alias or n: n for n, f in cls.model_fields.items()}
 
         def given(key: str) -> bool:
@@ -762,6 +764,11 @@ class GPUPoolStatus(_Model):
     free_gpus: int = Field(default=0, alias="freeGPUs", description="GPUs not held by pods.")
     free_gpus_per_node: list[int] = Field(
         default_factory=list, alias="freeGPUsPerNode", description="Free GPUs on each node."
+    )
+    gpu_memory_gib: float | None = Field(
+        default=None,
+        alias="gpuMemoryGiB",
+        description="Memory per GPU the planner uses: spec.gpu.memoryGiB, or the product's.",
     )
     updated_at: str | None = Field(default=None, description="When this was computed.")
     conditions: list[Condition] = Field(default_factory=list, description="Pool conditions.")

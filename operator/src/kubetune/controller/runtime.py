@@ -779,6 +779,7 @@ class Runtime:
         _, live = self.live_pools()
         capacity = dict(live.get(name) or self.caches.capacities([parsed])[name])
         capacity["observedGeneration"] = meta.get("generation")
+        capacity["gpuMemoryGiB"] = parsed.spec.gpu.memory_gib  # the product's when not given
         patch = {k: v for k, v in capacity.items() if old.get(k) != v}
         condition = _pool_condition(old, True, Reason.POOL_ACCEPTED, "the operator reads this pool")
         if condition is not None:
