@@ -110,6 +110,33 @@ def test_plan_from_the_cluster_uses_its_pools(cluster: Cluster, tmp_path: Path) 
     assert "cannot read the cluster's GPUPools" in wrong.stdout + wrong.stderr
 
 
+def test_get_and_pools_read_the_cluster(cluster: Cluster, namespace: str) -> None:
+    """`kubetune get` and `kubetune pools` against the real apiserver, as a user runs them."""
+    out = cluster.apply(job_doc("listed"), namespace=namespace)
+    assert out.returncode == 0, out.stderr
+    env = {**os.environ, "KUBECONFIG": str(cluster.local.kubeconfig)}
+
+    def cli(*args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "kubetune.cli", *args],
+            capture_output=True, text=True, env=env, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    table = cli("get", "-n", namespace)
+    assert table.splitlines()[0].split()[:2] == ["NAME", "PHASE"]
+    assert any(line.split()[0] == "listed" for line in table.splitlines()[1:])
+    every = json.loads(cli("get", "-A", "-o", "json"))
+    assert ("listed", namespace) in {
+        (j["metadata"]["name"], j["metadata"]["namespace"]) for j in every["items"]
+    }
+    assert "no FineTuneJobs in nowhere-at-all" in cli("get", "-n", "nowhere-at-all")
+    pools = cluster.kubectl("get", "gpupools", "-o", "name").stdout.split()
+    rows = cli("pools").splitlines()[1:]
+    assert sorted(row.split()[0] for row in rows) == sorted(p.split("/", 1)[1] for p in pools)
+
+
 def test_model_cannot_change_once_training_started(
     cluster: Cluster, namespace: str, operator: Path
 ) -> None:

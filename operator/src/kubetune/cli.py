@@ -374,7 +374,7 @@ def plan(
         raise Abort("--kubeconfig and --context only mean something with --from-cluster")
     unreadable: list[str] = []
     if from_cluster:
-        from kubetune.controller.check import cluster_pools
+        from kubetune.controller.readers import cluster_pools
 
         try:
             pools, unreadable = cluster_pools(10.0, kubeconfig, context)
@@ -424,6 +424,70 @@ def plan(
     click.echo(format_plan(result, objective_defaulted=job.spec.resources.objective is None))
 
 
+# ---------------------------------------------------------------------- the cluster
+
+
+def _print_objects(objects: list[dict[str, Any]], output: str, as_table: str) -> None:
+    if output == "table":
+        click.echo(as_table)
+        return
+    listed = {"apiVersion": "v1", "kind": "List", "items": objects}
+    if output == "json":
+        click.echo(json.dumps(listed, indent=2))
+    else:
+        click.echo(yaml.safe_dump(listed, sort_keys=False), nl=False)
+
+
+def _cluster_options(fn: Any) -> Any:
+    fn = click.option(
+        "--output", "-o", type=click.Choice(["table", "json", "yaml"]), default="table",
+        show_default=True,
+    )(fn)  # fmt: skip
+    fn = click.option("--context", default=None, help="Kubeconfig context (default: current).")(fn)
+    return click.option("--kubeconfig", default=None, help="Kubeconfig file (default: the usual).")(
+        fn
+    )
+
+
+@main.command(name="get")
+@click.option("--namespace", "-n", default=None, help="Namespace (default: the context's).")
+@click.option("--all-namespaces", "-A", is_flag=True, help="Jobs of every namespace.")
+@_cluster_options
+def get_jobs(
+    namespace: str | None, all_namespaces: bool, kubeconfig: str | None, context: str | None,
+    output: str,
+) -> None:  # fmt: skip
+    """List FineTuneJobs: phase, pool, GPUs, progress, ETA, cost spent of the estimate."""
+    from kubetune.controller.readers import cluster_jobs
+    from kubetune.views import job_table
+
+    try:
+        jobs, where = cluster_jobs(10.0, kubeconfig, context, namespace, all_namespaces)
+    except Exception as exc:  # no kubeconfig, unreachable, forbidden
+        raise Abort(f"cannot read FineTuneJobs: {exc}") from exc
+    if not jobs and output == "table":
+        click.echo(f"no FineTuneJobs in {'any namespace' if where == '*' else where}")
+        return
+    _print_objects(jobs, output, job_table(jobs, namespaces=all_namespaces))
+
+
+@main.command()
+@_cluster_options
+def pools(kubeconfig: str | None, context: str | None, output: str) -> None:
+    """List the cluster's GPUPools: GPU, nodes, free GPUs, price, and whether they are read."""
+    from kubetune.controller.readers import pool_objects
+    from kubetune.views import pool_table
+
+    try:
+        objects = pool_objects(10.0, kubeconfig, context)
+    except Exception as exc:
+        raise Abort(f"cannot read GPUPools: {exc}") from exc
+    if not objects and output == "table":
+        click.echo("no GPUPools: create some (examples/gpupools.yaml, or the chart's gpuPools)")
+        return
+    _print_objects(objects, output, pool_table(objects))
+
+
 # ---------------------------------------------------------------------- crds / operator
 
 
@@ -460,7 +524,7 @@ def check(operator_url: str | None, timeout: float) -> None:
     Uses the current kubeconfig (in a pod: its service account). Exits 1 when anything
     fails, each failure saying what to look at.
     """
-    from kubetune.controller.check import run_checks
+    from kubetune.controller.readers import run_checks
 
     try:
         findings = run_checks(operator_url, timeout)

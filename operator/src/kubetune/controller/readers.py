@@ -18,7 +18,7 @@ from lightkube.resources.apiextensions_v1 import CustomResourceDefinition
 from pydantic import ValidationError
 
 from kubetune.api.v1alpha1 import GROUP, GPUPool
-from kubetune.controller.kube import GPUPoolResource
+from kubetune.controller.kube import FineTuneJobResource, GPUPoolResource
 
 CRDS = (f"finetunejobs.{GROUP}", f"gpupools.{GROUP}")
 OPERATOR_METRIC = "kubetune_operator_info"
@@ -82,16 +82,23 @@ def client(timeout: float, kubeconfig: str | None = None, context: str | None = 
     return Client(config=config.get(context_name=context), timeout=httpx2.Timeout(timeout))
 
 
+def pool_objects(
+    timeout: float, kubeconfig: str | None = None, context: str | None = None
+) -> list[dict[str, Any]]:
+    """The cluster's GPUPools as the API server returns them."""
+    api = client(timeout, kubeconfig, context)
+    try:
+        return [obj.to_dict() for obj in api.list(GPUPoolResource)]  # type: ignore[no-untyped-call]
+    finally:
+        api.close()
+
+
 def cluster_pools(
     timeout: float, kubeconfig: str | None = None, context: str | None = None
 ) -> tuple[list[GPUPool], list[str]]:
     """The cluster's GPUPools with their status (live capacity), and a line for each one
     that cannot be read."""
-    api = client(timeout, kubeconfig, context)
-    try:
-        objects = [obj.to_dict() for obj in api.list(GPUPoolResource)]  # type: ignore[no-untyped-call]
-    finally:
-        api.close()
+    objects = pool_objects(timeout, kubeconfig, context)
     pools, unreadable = [], []
     for obj in objects:
         try:
@@ -100,6 +107,24 @@ def cluster_pools(
             name = (obj.get("metadata") or {}).get("name")
             unreadable.append(f"GPUPool {name} cannot be read: {exc.errors()[0]['msg']}")
     return pools, unreadable
+
+
+def cluster_jobs(
+    timeout: float,
+    kubeconfig: str | None = None,
+    context: str | None = None,
+    namespace: str | None = None,
+    all_namespaces: bool = False,
+) -> tuple[list[dict[str, Any]], str]:
+    """The FineTuneJobs of `namespace` (default: the context's, else `default`) or of every
+    namespace, as the API server returns them; and the namespace read ("*" for all)."""
+    api = client(timeout, kubeconfig, context)
+    try:
+        where = "*" if all_namespaces else (namespace or api.namespace or "default")
+        listed = api.list(FineTuneJobResource, namespace=where)
+        return [obj.to_dict() for obj in listed], where  # type: ignore[no-untyped-call]
+    finally:
+        api.close()
 
 
 def run_checks(operator_url: str | None, timeout: float) -> list[Finding]:
