@@ -49,6 +49,10 @@ def test_hints_for_other_tools_keys_and_none_for_nonsense() -> None:
     )
     assert "spec.training.sequenceLength" in str(did_you_mean(("spec", "Sequence_Len")))
     assert did_you_mean(("spec", "training", "frobnicate")) is None
+    # This API's own field in snake_case: refused by the API server, so by the CLI too.
+    assert did_you_mean(("spec", "training", "learning_rate")) == (
+        "did you mean `learningRate`? The API's fields are camelCase"
+    )
     assert did_you_mean(("spec", "training", 0)) is None
     assert did_you_mean(()) is None
 
@@ -65,7 +69,7 @@ spec:
   dataset: {uri: /data/train.jsonl}
   method: lora
   lora: {r: 8}
-  training: {lr: 0.0001, sequence_len: 2048, frobnicate: 1}
+  training: {lr: 0.0001, sequence_len: 2048, frobnicate: 1, max_steps: 10}
 """
     )
     result = CliRunner().invoke(main, ["plan", str(job)])
@@ -75,6 +79,7 @@ spec:
         "  spec.lora.r: Extra inputs are not permitted; did you mean spec.lora.rank?"
     )
     assert any("spec.training.lr:" in ln and "spec.training.learningRate" in ln for ln in lines)
+    assert any("spec.training.max_steps:" in ln and "`maxSteps`" in ln for ln in lines)
     assert any(
         ln.endswith("spec.training.frobnicate: Extra inputs are not permitted") for ln in lines
     )

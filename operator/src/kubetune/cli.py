@@ -268,7 +268,8 @@ def load_job(path: str) -> FineTuneJob:
     if len(docs) != 1:
         raise Abort(f"{path}: expected exactly one FineTuneJob, found {len(docs)}")
     try:
-        return FineTuneJob.model_validate(docs[0])
+        # Field names as the API server takes them: camelCase only.
+        return FineTuneJob.model_validate(docs[0], by_alias=True, by_name=False)
     except ValidationError as exc:
         lines = [f"{path}: invalid FineTuneJob:"]
         for err in exc.errors():

@@ -1,13 +1,18 @@
 """What to write instead: keys users bring from other fine-tuning tools.
 
 A FineTuneJob refuses unknown keys. Most of them are the right idea under another tool's
-name (Axolotl's `sequence_len`, TRL's `per_device_train_batch_size`, PEFT's `r`).
-`did_you_mean` turns such a key into the field to use.
+name (Axolotl's `sequence_len`, TRL's `per_device_train_batch_size`, PEFT's `r`), or this
+API's own name in snake_case. `did_you_mean` turns such a key into the field to use.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cache
+from typing import Any, get_args
+
+from pydantic import BaseModel
+from pydantic.alias_generators import to_camel
 
 # Other tools' keys → the FineTuneJob field (under spec) that does the same.
 FOREIGN_KEYS: dict[str, str] = {
@@ -57,7 +62,31 @@ def did_you_mean(loc: Sequence[str | int]) -> str | None:
     if not loc or not isinstance(loc[-1], str):
         return None
     key = loc[-1]
+    camel = to_camel(key)
+    if camel != key and camel in _api_keys():
+        return f"did you mean `{camel}`? The API's fields are camelCase"
     target = FOREIGN_KEYS.get(key) or FOREIGN_KEYS.get(key.lower())
     if target is None:
         return None
     return f"did you mean spec.{target}? (`{key}` is another tool's name)"
+
+
+@cache
+def _api_keys() -> frozenset[str]:
+    """Every field name (camelCase) of a FineTuneJob, at any depth."""
+    from kubetune.api.v1alpha1 import FineTuneJob
+
+    keys: set[str] = set()
+    todo: list[type[BaseModel]] = [FineTuneJob]
+    while todo:
+        model = todo.pop()
+        for name, field in model.model_fields.items():
+            keys.add(field.alias or name)
+            todo.extend(m for m in _models_in(field.annotation) if m not in todo)
+    return frozenset(keys)
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in get_args(annotation) for m in _models_in(arg)]
