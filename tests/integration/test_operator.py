@@ -132,6 +132,17 @@ def test_get_and_pools_read_the_cluster(cluster: Cluster, namespace: str) -> Non
         (j["metadata"]["name"], j["metadata"]["namespace"]) for j in every["items"]
     }
     assert "no FineTuneJobs in nowhere-at-all" in cli("get", "-n", "nowhere-at-all")
+    described = cli("describe", "listed", "-n", namespace).splitlines()
+    assert described[0].split() == ["Name:", "listed"]
+    assert described[1].split() == ["Namespace:", namespace]
+    assert json.loads(cli("describe", "listed", "-n", namespace, "-o", "json"))["kind"] == (
+        "FineTuneJob"
+    )
+    missing = subprocess.run(
+        [sys.executable, "-m", "kubetune.cli", "describe", "absent", "-n", namespace],
+        capture_output=True, text=True, env=env, timeout=60,
+    )  # fmt: skip
+    assert missing.returncode != 0 and "cannot read FineTuneJob absent" in missing.stderr
     pools = cluster.kubectl("get", "gpupools", "-o", "name").stdout.split()
     rows = cli("pools").splitlines()[1:]
     assert sorted(row.split()[0] for row in rows) == sorted(p.split("/", 1)[1] for p in pools)

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kubetune.views import age, job_table, pool_table
+from kubetune.views import age, describe_job, job_table, pool_table
 
 pytestmark = pytest.mark.unit
 
@@ -91,3 +91,75 @@ def test_pools_show_capacity_price_and_whether_the_operator_reads_them() -> None
     ]
     assert fresh.split()[2] == "24" and fresh.endswith("not seen by the operator")
     assert "unreadable:" in b200 and "bf16TFLOPS" in b200
+
+
+def test_describe_tells_the_plan_its_alternatives_and_what_happened() -> None:
+    plan = {
+        "revision": 2, "reason": "OOMReplan", "method": "lora", "pool": "l40s",
+        "gpuProduct": "NVIDIA-L40S", "gpuMemoryGiB": 48, "nodes": 1, "gpusPerNode": 2,
+        "totalGPUs": 2, "sharding": "full", "precision": "bf16", "optimizer": "adamw",
+        "microBatchSize": 1, "gradientAccumulation": 32, "gradientCheckpointing": True,
+        "perGPUMemoryGiB": 39.6, "memoryBreakdownGiB": {"weights": 6.75, "activations": 20.1},
+        "estimatedDurationSeconds": 10440, "estimatedCostUSD": 4.51,
+        "alternatives": [{"pool": "h100", "method": "lora", "totalGPUs": 2, "nodes": 1,
+                          "perGPUMemoryGiB": 69.6, "estimatedDurationSeconds": 3240,
+                          "estimatedCostUSD": 4.8}],
+        "rejected": [{"pool": "l4", "reason": "needs 52 GiB per GPU, has 24"}],
+    }  # fmt: skip
+    described = job(
+        "mistral",
+        phase="Running",
+        attempt=2,
+        message="attempt 2 training",
+        plan=plan,
+        progress={"step": 40, "totalSteps": 100, "percent": 40, "loss": 1.2345, "eta": "1h20m"},
+        cost={"accruedUSD": 3.5, "estimatedUSD": 9.1, "rateUSDPerHour": 1.58},
+        checkpoint={"latestStep": 40, "time": "2026-11-24T11:55:00Z"},
+        recoveries=[{"reason": "OOM", "time": "2026-11-24T11:00:00Z", "step": 20}],
+        conditions=[{"type": "Planned", "status": "True", "reason": "PlanReady",
+                     "lastTransitionTime": "2026-11-24T11:00:00Z", "message": "lora on 1×2"}],
+    )  # fmt: skip
+    described["spec"] = {"model": {"uri": "mistralai/Mistral-7B-v0.3"}, "method": "lora",
+                         "resources": {"maxCostUSD": 20}}  # fmt: skip
+    events = [
+        {"type": "Normal", "reason": "Launched", "message": "Attempt 2 on pool l40s",
+         "lastTimestamp": "2026-11-24T11:01:00Z"},
+        {"type": "Warning", "reason": "OutOfMemory", "message": "rank 0 ran out of memory",
+         "lastTimestamp": "2026-11-24T11:00:00Z"},
+    ]  # fmt: skip
+
+    text = describe_job(described, events, now=NOW)
+
+    lines = text.splitlines()
+    assert "Phase:       Running, attempt 2: attempt 2 training" in lines
+    assert (
+        "Plan:        r2 (OOMReplan): lora on 1×2 NVIDIA-L40S (pool l40s), ~2.9h, ~$4.51" in lines
+    )
+    assert "  memory:    39.6 of 48 GiB per GPU: weights 6.75, activations 20.10" in lines
+    assert "  instead:   h100: lora on 2 GPU(s), 69.6 GiB/GPU, ~54m, ~$4.80" in lines
+    assert "  not:       l4: needs 52 GiB per GPU, has 24" in lines
+    assert "Progress:    40% (40/100 steps), loss 1.234, ETA 1h20m" in lines
+    assert "Cost:        $3.50 spent of ~$9.10 at $1.58/h; budget $20.00" in lines
+    assert "Checkpoint:  step 40, 5m ago" in lines
+    assert "Recovered:   OOM 60m ago, resumed from step 20" in lines
+    # Events oldest first, as kubectl describe shows them.
+    events_at = lines.index("Events:")
+    assert [ln.split()[2] for ln in lines[events_at + 2 :]] == ["OutOfMemory", "Launched"]
+
+
+def test_describe_of_a_new_job_says_what_it_does_not_have_yet() -> None:
+    text = describe_job(job("fresh"), [], now=NOW)
+    assert "Phase:       Pending" in text and "Events:      none" in text
+    assert "Plan:" not in text and "Cost:" not in text
+
+
+def test_events_of_the_same_second_keep_the_order_they_were_stored_in() -> None:
+    at = "2026-11-24T11:59:40Z"
+    events = [
+        {"reason": "Training", "lastTimestamp": at, "metadata": {"resourceVersion": "912"}},
+        {"reason": "PlanReady", "lastTimestamp": at, "metadata": {"resourceVersion": "97"}},
+        {"reason": "Launched", "lastTimestamp": at, "metadata": {"resourceVersion": "900"}},
+    ]
+    lines = describe_job(job("x"), events, now=NOW).splitlines()
+    shown = lines[lines.index("Events:") + 2 :]
+    assert [ln.split()[1] for ln in shown] == ["PlanReady", "Launched", "Training"]

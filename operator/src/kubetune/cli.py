@@ -473,6 +473,34 @@ def get_jobs(
 
 
 @main.command()
+@click.argument("name")
+@click.option("--namespace", "-n", default=None, help="Namespace (default: the context's).")
+@_cluster_options
+def describe(
+    name: str, namespace: str | None, kubeconfig: str | None, context: str | None, output: str
+) -> None:
+    """One FineTuneJob: its plan and the alternatives, memory per GPU, progress, cost,
+    checkpoint, recoveries, conditions and recent Events."""
+    from lightkube.core.exceptions import ApiError
+
+    from kubetune.controller.readers import job_with_events
+    from kubetune.views import describe_job
+
+    try:
+        job, events = job_with_events(10.0, name, kubeconfig, context, namespace)
+    except ApiError as exc:
+        raise Abort(f"cannot read FineTuneJob {name}: {exc.status.message}") from exc
+    except Exception as exc:
+        raise Abort(f"cannot read FineTuneJob {name}: {exc}") from exc
+    if output == "table":
+        click.echo(describe_job(job, events))
+    elif output == "json":
+        click.echo(json.dumps(job, indent=2))
+    else:
+        click.echo(yaml.safe_dump(job, sort_keys=False), nl=False)
+
+
+@main.command()
 @_cluster_options
 def pools(kubeconfig: str | None, context: str | None, output: str) -> None:
     """List the cluster's GPUPools: GPU, nodes, free GPUs, price, and whether they are read."""

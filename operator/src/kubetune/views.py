@@ -139,3 +139,121 @@ def pool_table(pools: Iterable[Mapping[str, Any]]) -> str:
     return table(
         POOL_COLUMNS, rows, numeric=("MEM GiB", "GPUS/NODE", "NODES", "FREE GPUS", "$/GPU-H")
     )
+
+
+def _hours(seconds: float | None) -> str:
+    if seconds is None:
+        return NONE
+    return f"{seconds / 60:.0f}m" if seconds < 3600 else f"{seconds / 3600:.1f}h"
+
+
+def describe_job(
+    job: Mapping[str, Any], events: Iterable[Mapping[str, Any]], now: datetime | None = None
+) -> str:
+    """`kubetune describe`: the plan with its alternatives and memory breakdown, progress,
+    cost, checkpoint, recoveries, conditions and the job's recent Events."""
+    now = now or datetime.now(UTC)
+    meta, spec, status = job["metadata"], job.get("spec") or {}, job.get("status") or {}
+    lines = [
+        f"Name:        {meta['name']}",
+        f"Namespace:   {meta.get('namespace', '')}",
+        f"Model:       {(spec.get('model') or {}).get('uri', NONE)} ({spec.get('method', NONE)})",
+        f"Phase:       {status.get('phase') or 'Pending'}"
+        + (f", attempt {status['attempt']}" if status.get("attempt") else "")
+        + (f": {status['message']}" if status.get("message") else ""),
+    ]
+    plan = status.get("plan")
+    if plan:
+        lines += [
+            f"Plan:        r{plan.get('revision', 1)} ({plan.get('reason', NONE)}): "
+            f"{plan['method']} "
+            f"on {plan['nodes']}×{plan['gpusPerNode']} {plan['gpuProduct']} (pool {plan['pool']}"
+            f"{', spot' if plan.get('spot') else ''}), "
+            f"~{_hours(plan.get('estimatedDurationSeconds'))}, "
+            f"~{_usd(plan.get('estimatedCostUSD'))}",
+            f"  layout:    micro-batch {plan['microBatchSize']} × accumulation "
+            f"{plan['gradientAccumulation']}, sharding {plan['sharding']}, {plan['precision']}, "
+            f"{plan['optimizer']}, "
+            f"checkpointing {'on' if plan['gradientCheckpointing'] else 'off'}",
+            f"  memory:    {plan['perGPUMemoryGiB']:.1f} of {plan['gpuMemoryGiB']:g} GiB per GPU: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in (plan.get("memoryBreakdownGiB") or {}).items()),
+        ]
+        for alt in plan.get("alternatives") or []:
+            lines.append(
+                f"  instead:   {alt['pool']}: {alt['method']} on {alt['totalGPUs']} GPU(s), "
+                f"{alt['perGPUMemoryGiB']:.1f} GiB/GPU, "
+                f"~{_hours(alt['estimatedDurationSeconds'])}, "
+                f"~{_usd(alt['estimatedCostUSD'])}"
+            )
+        for rejected in plan.get("rejected") or []:
+            lines.append(f"  not:       {rejected['pool']}: {rejected['reason']}")
+    progress = status.get("progress") or {}
+    if progress.get("totalSteps"):
+        speed = progress.get("tokensPerSecond")
+        extra = [
+            f"loss {progress['loss']:.3f}" if progress.get("loss") is not None else "",
+            f"{speed:,.0f} tok/s" if speed else "",
+            f"ETA {progress['eta']}" if progress.get("eta") else "",
+        ]
+        lines.append(
+            f"Progress:    {progress.get('percent', 0)}% ({progress.get('step', 0)}/"
+            f"{progress['totalSteps']} steps)" + "".join(f", {e}" for e in extra if e)
+        )
+    cost = status.get("cost") or {}
+    if cost:
+        budget = (spec.get("resources") or {}).get("maxCostUSD")
+        lines.append(
+            f"Cost:        {_usd(cost.get('accruedUSD'))} spent "
+            f"of ~{_usd(cost.get('estimatedUSD'))}"
+            + (f" at {_usd(cost['rateUSDPerHour'])}/h" if cost.get("rateUSDPerHour") else "")
+            + (f"; budget {_usd(budget)}" if budget is not None else "")
+        )
+    checkpoint = status.get("checkpoint")
+    if checkpoint:
+        lines.append(
+            f"Checkpoint:  step {checkpoint['latestStep']}, {age(checkpoint.get('time'), now)} ago"
+        )
+    for recovery in status.get("recoveries") or []:
+        lines.append(
+            f"Recovered:   {recovery['reason']} {age(recovery.get('time'), now)} ago"
+            + (
+                f", resumed from step {recovery['step']}"
+                if recovery.get("step") is not None
+                else ""
+            )
+            + (f": {recovery['message']}" if recovery.get("message") else "")
+        )
+    conditions = status.get("conditions") or []
+    if conditions:
+        lines += ["", "Conditions:"]
+        rows = [[c["type"], c["status"], c.get("reason", ""), age(c.get("lastTransitionTime"), now),
+                 c.get("message", "")] for c in conditions]  # fmt: skip
+        lines += [
+            "  " + ln
+            for ln in table(["TYPE", "STATUS", "REASON", "AGE", "MESSAGE"], rows).splitlines()
+        ]
+    recent = sorted(events, key=_event_order)[-10:]
+    lines += ["", "Events:" if recent else "Events:      none"]
+    if recent:
+        rows = [[age(_event_time(e) or None, now), e.get("type", ""), e.get("reason", ""),
+                 e.get("message", "")] for e in recent]  # fmt: skip
+        lines += [
+            "  " + ln for ln in table(["AGE", "TYPE", "REASON", "MESSAGE"], rows).splitlines()
+        ]
+    return "\n".join(lines)
+
+
+def _event_time(event: Mapping[str, Any]) -> str:
+    return str(
+        event.get("lastTimestamp")
+        or event.get("eventTime")
+        or event.get("firstTimestamp")
+        or (event.get("metadata") or {}).get("creationTimestamp")
+        or ""
+    )
+
+
+def _event_order(event: Mapping[str, Any]) -> tuple[str, int]:
+    """By time, then (same second) by when the API server stored it."""
+    version = str((event.get("metadata") or {}).get("resourceVersion") or "")
+    return _event_time(event), int(version) if version.isdigit() else 0

@@ -15,6 +15,7 @@ from typing import Any
 import httpx2
 from lightkube import Client, KubeConfig
 from lightkube.resources.apiextensions_v1 import CustomResourceDefinition
+from lightkube.resources.core_v1 import Event
 from pydantic import ValidationError
 
 from kubetune.api.v1alpha1 import GROUP, GPUPool
@@ -123,6 +124,28 @@ def cluster_jobs(
         where = "*" if all_namespaces else (namespace or api.namespace or "default")
         listed = api.list(FineTuneJobResource, namespace=where)
         return [obj.to_dict() for obj in listed], where  # type: ignore[no-untyped-call]
+    finally:
+        api.close()
+
+
+def job_with_events(
+    timeout: float,
+    name: str,
+    kubeconfig: str | None = None,
+    context: str | None = None,
+    namespace: str | None = None,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One FineTuneJob as the API server returns it, and the Events about it."""
+    api = client(timeout, kubeconfig, context)
+    try:
+        where = namespace or api.namespace or "default"
+        job = api.get(FineTuneJobResource, name, namespace=where).to_dict()  # type: ignore[no-untyped-call]
+        selector: dict[str, Any] = {
+            "involvedObject.name": name,
+            "involvedObject.kind": "FineTuneJob",
+        }
+        events = [e.to_dict() for e in api.list(Event, namespace=where, fields=selector)]
+        return job, events
     finally:
         api.close()
 
