@@ -26,6 +26,7 @@ from kubetune.planning.estimator import (
 )
 from kubetune.planning.planner import Plan, PlannerSettings, plan_job
 from kubetune.sources import load_arch
+from kubetune.views import describe_job, hours, job_table, pool_table
 from kubetune_trainer.contract import (
     METHODS,
     OPTIMIZERS,
@@ -281,12 +282,6 @@ def load_job(path: str) -> FineTuneJob:
         raise Abort("\n".join(lines)) from exc
 
 
-def _hours(seconds: float) -> str:
-    if seconds < 3600:
-        return f"{seconds / 60:.0f}m"
-    return f"{seconds / 3600:.1f}h"
-
-
 def format_plan(plan: Plan, objective_defaulted: bool = False) -> str:
     """The plan as a table: the chosen configuration (*) and the best of each other pool,
     with each one's memory headroom per GPU; `objective_defaulted`: the job left
@@ -306,7 +301,7 @@ def format_plan(plan: Plan, objective_defaulted: bool = False) -> str:
             f"{mark}{r.pool:<{width}}{r.method:<7}{r.total_gpus:>5}{r.nodes:>6}{r.sharding:>8}"
             f"{f'{r.micro_batch}×{r.grad_accum}':>11}{'on' if r.grad_ckpt else 'off':>6}"
             f"{used:>9.1f}{f'{(r.gpu_memory_gib - used) / r.gpu_memory_gib:.0%}':>10}"
-            f"{r.tokens_per_second:>10,.0f}{_hours(r.duration_s):>8}{f'${r.cost:,.2f}':>11}"
+            f"{r.tokens_per_second:>10,.0f}{hours(r.duration_s):>8}{f'${r.cost:,.2f}':>11}"
         )
     lines.append("")
     lines.append(
@@ -428,15 +423,19 @@ def plan(
 # ---------------------------------------------------------------------- the cluster
 
 
+def _dump(value: dict[str, Any], output: str) -> None:
+    """`value` as JSON or YAML (`output`), as kubectl prints objects."""
+    if output == "json":
+        click.echo(json.dumps(value, indent=2))
+    else:
+        click.echo(yaml.safe_dump(value, sort_keys=False), nl=False)
+
+
 def _print_objects(objects: list[dict[str, Any]], output: str, as_table: str) -> None:
     if output == "table":
         click.echo(as_table)
-        return
-    listed = {"apiVersion": "v1", "kind": "List", "items": objects}
-    if output == "json":
-        click.echo(json.dumps(listed, indent=2))
     else:
-        click.echo(yaml.safe_dump(listed, sort_keys=False), nl=False)
+        _dump({"apiVersion": "v1", "kind": "List", "items": objects}, output)
 
 
 def _cluster_options(fn: Any) -> Any:
@@ -460,7 +459,6 @@ def get_jobs(
 ) -> None:  # fmt: skip
     """List FineTuneJobs: phase, pool, GPUs, progress, ETA, cost spent of the estimate."""
     from kubetune.controller.readers import cluster_jobs
-    from kubetune.views import job_table
 
     try:
         jobs, where = cluster_jobs(10.0, kubeconfig, context, namespace, all_namespaces)
@@ -484,7 +482,6 @@ def describe(
     from lightkube.core.exceptions import ApiError
 
     from kubetune.controller.readers import job_with_events
-    from kubetune.views import describe_job
 
     try:
         job, events = job_with_events(10.0, name, kubeconfig, context, namespace)
@@ -494,10 +491,8 @@ def describe(
         raise Abort(f"cannot read FineTuneJob {name}: {exc}") from exc
     if output == "table":
         click.echo(describe_job(job, events))
-    elif output == "json":
-        click.echo(json.dumps(job, indent=2))
     else:
-        click.echo(yaml.safe_dump(job, sort_keys=False), nl=False)
+        _dump(job, output)
 
 
 @main.command()
@@ -505,7 +500,6 @@ def describe(
 def pools(kubeconfig: str | None, context: str | None, output: str) -> None:
     """List the cluster's GPUPools: GPU, nodes, free GPUs, price, and whether they are read."""
     from kubetune.controller.readers import pool_objects
-    from kubetune.views import pool_table
 
     try:
         objects = pool_objects(10.0, kubeconfig, context)

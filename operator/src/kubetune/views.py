@@ -141,7 +141,8 @@ def pool_table(pools: Iterable[Mapping[str, Any]]) -> str:
     )
 
 
-def _hours(seconds: float | None) -> str:
+def hours(seconds: float | None) -> str:
+    """A duration as minutes under an hour (`54m`), else hours (`2.9h`)."""
     if seconds is None:
         return NONE
     return f"{seconds / 60:.0f}m" if seconds < 3600 else f"{seconds / 3600:.1f}h"
@@ -169,7 +170,7 @@ def describe_job(
             f"{plan['method']} "
             f"on {plan['nodes']}×{plan['gpusPerNode']} {plan['gpuProduct']} (pool {plan['pool']}"
             f"{', spot' if plan.get('spot') else ''}), "
-            f"~{_hours(plan.get('estimatedDurationSeconds'))}, "
+            f"~{hours(plan.get('estimatedDurationSeconds'))}, "
             f"~{_usd(plan.get('estimatedCostUSD'))}",
             f"  layout:    micro-batch {plan['microBatchSize']} × accumulation "
             f"{plan['gradientAccumulation']}, sharding {plan['sharding']}, {plan['precision']}, "
@@ -182,7 +183,7 @@ def describe_job(
             lines.append(
                 f"  instead:   {alt['pool']}: {alt['method']} on {alt['totalGPUs']} GPU(s), "
                 f"{alt['perGPUMemoryGiB']:.1f} GiB/GPU, "
-                f"~{_hours(alt['estimatedDurationSeconds'])}, "
+                f"~{hours(alt['estimatedDurationSeconds'])}, "
                 f"~{_usd(alt['estimatedCostUSD'])}"
             )
         for rejected in plan.get("rejected") or []:

@@ -1,9 +1,10 @@
-"""What the CLI reads from a cluster: `kubetune check` (is kubetune installed and working?)
-and the GPUPools `kubetune plan --from-cluster` plans against.
+"""What the CLI reads from a cluster, through the user's kubeconfig: the jobs and pools of
+`kubetune get`, `describe`, `pools` and `plan --from-cluster`, and `kubetune check`.
 
-What the chart's `helm test` pod runs (and what a platform engineer runs by hand): the
-CRDs are served (Established), and the operator answers on its metrics endpoint with its
-`kubetune_operator_info`. Each finding is a line; any failure says what to look at.
+`kubetune check` is what the chart's `helm test` pod runs (and what a platform engineer
+runs by hand): the CRDs are served (Established), and the operator answers on its metrics
+endpoint with its `kubetune_operator_info`. Each finding is a line; any failure says what
+to look at.
 """
 
 from __future__ import annotations
@@ -87,11 +88,8 @@ def pool_objects(
     timeout: float, kubeconfig: str | None = None, context: str | None = None
 ) -> list[dict[str, Any]]:
     """The cluster's GPUPools as the API server returns them."""
-    api = client(timeout, kubeconfig, context)
-    try:
+    with client(timeout, kubeconfig, context) as api:
         return [obj.to_dict() for obj in api.list(GPUPoolResource)]  # type: ignore[no-untyped-call]
-    finally:
-        api.close()
 
 
 def cluster_pools(
@@ -119,13 +117,10 @@ def cluster_jobs(
 ) -> tuple[list[dict[str, Any]], str]:
     """The FineTuneJobs of `namespace` (default: the context's, else `default`) or of every
     namespace, as the API server returns them; and the namespace read ("*" for all)."""
-    api = client(timeout, kubeconfig, context)
-    try:
+    with client(timeout, kubeconfig, context) as api:
         where = "*" if all_namespaces else (namespace or api.namespace or "default")
         listed = api.list(FineTuneJobResource, namespace=where)
         return [obj.to_dict() for obj in listed], where  # type: ignore[no-untyped-call]
-    finally:
-        api.close()
 
 
 def job_with_events(
@@ -136,8 +131,7 @@ def job_with_events(
     namespace: str | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """One FineTuneJob as the API server returns it, and the Events about it."""
-    api = client(timeout, kubeconfig, context)
-    try:
+    with client(timeout, kubeconfig, context) as api:
         where = namespace or api.namespace or "default"
         job = api.get(FineTuneJobResource, name, namespace=where).to_dict()  # type: ignore[no-untyped-call]
         selector: dict[str, Any] = {
@@ -146,18 +140,13 @@ def job_with_events(
         }
         events = [e.to_dict() for e in api.list(Event, namespace=where, fields=selector)]
         return job, events
-    finally:
-        api.close()
 
 
 def run_checks(operator_url: str | None, timeout: float) -> list[Finding]:
     """Check the CRDs through the current kubeconfig (or in-cluster account), then the
     operator when a URL is given."""
-    api = client(timeout)
-    try:
+    with client(timeout) as api:
         crds = [c.to_dict() for c in api.list(CustomResourceDefinition)]
-    finally:
-        api.close()
     findings = check_crds(crds)
     if operator_url:
         with httpx2.Client(timeout=timeout) as http:

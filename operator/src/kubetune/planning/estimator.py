@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Literal, get_args
 
+from pydantic.alias_generators import to_camel
+
 from kubetune.planning.arch import LinearLayer, ModelArch
 from kubetune_trainer.contract import (
     METHODS,
@@ -228,7 +230,7 @@ class VramEstimate:
         """A JSON-ready view (plain ints, floats, strings, lists and dicts), its keys in
         the API's camelCase; the breakdown's keys are component names, as in
         `status.plan.memoryBreakdownGiB`."""
-        setup = {_camel(k): v for k, v in asdict(self.setup).items()}
+        setup = {to_camel(k): v for k, v in asdict(self.setup).items()}
         setup["loraTargets"] = list(self.setup.lora_targets)
         return {
             "perGPUBytes": self.per_gpu_bytes,
@@ -239,12 +241,6 @@ class VramEstimate:
             "totalParams": self.total_params,
             "setup": setup,
         }
-
-
-def _camel(name: str) -> str:
-    """`micro_batch` → `microBatch`, `cpu_offload` → `cpuOffload` (the API's spelling)."""
-    head, *rest = name.split("_")
-    return head + "".join(part.upper() if part in ("cpu", "gpu") else part.title() for part in rest)
 
 
 # --------------------------------------------------------------------------- validation
