@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP_FLAGS ?= -q --disable-pip-version-check
 PY_PATHS := $(wildcard operator trainer_image tests hack benchmarks)
 
-.PHONY: setup test lint unit trainer integration e2e crds demo plan-examples
+.PHONY: setup test lint unit trainer integration e2e crds docs demo plan-examples
 
 setup: $(VENV)/.installed
 
@@ -47,6 +47,11 @@ test: lint
 crds: setup
 	$(VENV)/bin/kubetune crds --out crds/
 	$(PY) tests/unit/test_chart.py  # the chart's copies of crds/
+
+# The chart README's values table, from the `# --` comments in charts/kubetune/values.yaml
+# (tests/unit/test_values_table.py fails when it is stale or a value is undocumented).
+docs: setup
+	$(PY) hack/values_table.py --write charts/kubetune/README.md
 
 demo: setup
 	$(VENV)/bin/kubetune demo
