@@ -9,6 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+"""The node label GPU feature discovery (alone, or in NVIDIA's GPU operator) sets to the
+node's GPU product; a GPUPool without a nodeSelector selects the nodes labelled with its own."""
+
 
 @dataclass(frozen=True)
 class GPUFacts:
@@ -35,7 +39,16 @@ KNOWN_GPUS: dict[str, GPUFacts] = {
     "NVIDIA-H100-PCIe": GPUFacts(80, 756, 2000, "pcie", 64),
     "NVIDIA-A100-SXM4-80GB": GPUFacts(80, 312, 2039, "nvlink", 300),
     "NVIDIA-A100-SXM4-40GB": GPUFacts(40, 312, 1555, "nvlink", 300),
+    # The PCIe A100 80GB has less bandwidth than the SXM4 one (datasheet: 1,935 GB/s).
+    "NVIDIA-A100-80GB-PCIe": GPUFacts(80, 312, 1935, "pcie", 32),
+    "NVIDIA-A100-PCIE-40GB": GPUFacts(40, 312, 1555, "pcie", 32),
     "NVIDIA-L40S": GPUFacts(48, 362, 864, "pcie", 32),
+    "NVIDIA-A40": GPUFacts(48, 149.7, 696, "pcie", 32),
+    "NVIDIA-A10": GPUFacts(24, 125, 600, "pcie", 32),
+    # AWS g5. The A10's memory and bandwidth, but not its tensor-core rate: NVIDIA publishes
+    # no A10G datasheet, and published A10-vs-A10G comparisons give 70 dense bf16 TFLOPS
+    # (125 is the A10's datasheet figure).
+    "NVIDIA-A10G": GPUFacts(24, 70, 600, "pcie", 32),
     "NVIDIA-L4": GPUFacts(24, 121, 300, "pcie", 32),
     "NVIDIA-GeForce-RTX-4090": GPUFacts(24, 165, 1008, "pcie", 32),
 }

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from kubetune.api.gpus import KNOWN_GPUS
+from kubetune.api.gpus import GPU_PRODUCT_LABEL, KNOWN_GPUS
 from kubetune.api.vocabulary import Phase, PlanReason, RecoveryReason
 from kubetune_trainer.contract import DatasetFormat, Method, Optimizer, Precision, Sharding
 
@@ -681,8 +681,8 @@ GPU_FACT_KEYS = ("memoryGiB", "bf16TFLOPS")
 
 class GPUSpec(_Model):
     """The GPU of a pool. For a product in `kubetune.api.gpus.KNOWN_GPUS` (H100, H200, A100,
-    L40S, L4, RTX 4090) every number may be left out: the datasheet's is used, and any
-    number given overrides it."""
+    L40S, A40, A10, A10G, L4, RTX 4090) every number may be left out: the datasheet's is
+    used, and any number given overrides it."""
 
     model_config = ConfigDict(json_schema_extra=_facts_optional_for_known_products)
 
@@ -740,7 +740,10 @@ class GPUPoolSpec(_Model):
     """A set of identical GPU nodes the planner may place jobs on."""
 
     node_selector: dict[str, str] = Field(
-        default_factory=dict, description="Labels that select this pool's nodes."
+        default_factory=dict,
+        description="Labels that select this pool's nodes; default (key left out): "
+        f"{{{GPU_PRODUCT_LABEL}: <gpu.product>}}, the label GPU feature discovery puts on "
+        "GPU nodes. {} selects every node.",
     )
     tolerations: list[Toleration] = Field(
         default_factory=list, description="Tolerations trainer pods need on these nodes."
@@ -755,6 +758,23 @@ class GPUPoolSpec(_Model):
     network_gbps: float = Field(
         default=100, gt=0, alias="networkGbps", description="Inter-node bandwidth (Gbit/s)."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _select_the_products_nodes(cls, data: Any) -> Any:
+        """A pool that leaves `nodeSelector` out selects the nodes GPU feature discovery
+        labels with its product. The operator fills this in, not the CRD: a schema default
+        would be stored, and could not follow a later change of `gpu.product`. An explicit
+        `nodeSelector: {}` stays empty (every node)."""
+        if not isinstance(data, Mapping) or "nodeSelector" in data or "node_selector" in data:
+            return data
+        gpu = data.get("gpu")
+        product = gpu.product if isinstance(gpu, GPUSpec) else None
+        if isinstance(gpu, Mapping):
+            product = gpu.get("product")
+        if not isinstance(product, str) or not product:
+            return data  # the gpu field's own validation says what is wrong
+        return {**data, "nodeSelector": {GPU_PRODUCT_LABEL: product}}
 
 
 class GPUPoolStatus(_Model):
