@@ -88,6 +88,8 @@ def test_per_job_series_follow_the_status_and_vanish_on_forget(m: OperatorMetric
     assert value(
         m, "kubetune_finetunejob_estimated_gpu_memory_bytes", **k, pool="l40s", method="lora"
     ) == pytest.approx(20.5 * GIB)
+    # The planned GPU's memory: the ceiling the estimate and the trainer's peak are drawn under.
+    assert value(m, "kubetune_finetunejob_gpu_memory_capacity_bytes", **k, pool="l40s") == 48 * GIB
     assert value(m, "kubetune_finetunejob_accrued_cost_usd", **k) == pytest.approx(0.12)
     assert value(m, "kubetune_finetunejob_estimated_cost_usd", **k) == pytest.approx(0.5)
     assert value(m, "kubetune_finetunejob_cost_rate_usd_per_hour", **k) == pytest.approx(1.58)

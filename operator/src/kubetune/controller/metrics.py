@@ -140,6 +140,7 @@ class _Job:
     gpu_product: str = ""
     spot: bool = False
     gpus: int = 0
+    gpu_memory_bytes: float | None = None
     estimated_gpu_memory_bytes: float | None = None
     estimated_cost_usd: float | None = None
     estimated_tokens_per_second: float | None = None
@@ -214,6 +215,11 @@ def _job_families(jobs: Mapping[tuple[str, str], _Job]) -> Iterator[Metric]:
     gpus = GaugeMetricFamily(
         "kubetune_finetunejob_gpus", "GPUs of the current plan", labels=[*key, "pool"]
     )
+    capacity = GaugeMetricFamily(
+        "kubetune_finetunejob_gpu_memory_capacity_bytes",
+        "Memory of one GPU of the plan's pool (status.plan.gpuMemoryGiB)",
+        labels=[*key, "pool"],
+    )
     memory = GaugeMetricFamily(
         "kubetune_finetunejob_estimated_gpu_memory_bytes",
         "Planned peak memory per GPU (the estimator's figure, safety factor not included)",
@@ -276,6 +282,8 @@ def _job_families(jobs: Mapping[tuple[str, str], _Job]) -> Iterator[Metric]:
         )
         if job.pool:
             gpus.add_metric([*k, job.pool], job.gpus)
+        if job.gpu_memory_bytes is not None:
+            capacity.add_metric([*k, job.pool], job.gpu_memory_bytes)
         if job.estimated_gpu_memory_bytes is not None:
             memory.add_metric([*k, job.pool, job.method], job.estimated_gpu_memory_bytes)
         if job.estimated_cost_usd is not None:
@@ -301,7 +309,7 @@ def _job_families(jobs: Mapping[tuple[str, str], _Job]) -> Iterator[Metric]:
         restarts.add_metric(k, job.restarts)
         for reason, n in sorted(job.recoveries.items()):
             recoveries.add_metric([*k, reason], n)
-    yield from (info, gpus, memory, est_cost, est_tps, accrued, rate, budget, step, total)
+    yield from (info, gpus, capacity, memory, est_cost, est_tps, accrued, rate, budget, step, total)
     yield from (ratio, eta)
     yield from (progressed, ckpt_step, ckpt_time, restarts, recoveries)
 
@@ -588,6 +596,7 @@ def _distill(
         else:
             last_progress = now
     per_gpu_gib = _float(plan.get("perGPUMemoryGiB"))
+    gpu_gib = _float(plan.get("gpuMemoryGiB"))
     recoveries = _recoveries(status)
     if old is not None:
         # Counters never go down, even if the status list is trimmed.
@@ -600,6 +609,7 @@ def _distill(
         gpu_product=str(plan.get("gpuProduct") or ""),
         spot=bool(plan.get("spot", False)),
         gpus=int(plan.get("totalGPUs") or 0),
+        gpu_memory_bytes=gpu_gib * GIB if gpu_gib is not None else None,
         estimated_gpu_memory_bytes=per_gpu_gib * GIB if per_gpu_gib is not None else None,
         estimated_cost_usd=_float(cost.get("estimatedUSD", plan.get("estimatedCostUSD"))),
         estimated_tokens_per_second=_float(plan.get("estimatedTokensPerSecond")),
