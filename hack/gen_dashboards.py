@@ -8,8 +8,13 @@ Two dashboards, both with a templated Prometheus datasource and a `namespace` va
 * "kubetune / Jobs overview": phases, queue, GPUs in use by pool, cost, failures,
   recoveries, estimator error, operator health (reconcile p50/p95/p99, errors).
 * "kubetune / Training run": one job (`finetunejob` variable): loss and eval loss,
-  tokens/s against the plan, MFU, GPU memory estimated against the trainer's peak,
-  progress and ETA, cost against estimate and budget, checkpoints, restarts.
+  tokens/s against the plan, MFU, GPU memory estimated against the trainer's peak and the
+  GPU's capacity, GPU utilisation and memory per GPU (DCGM exporter) and pod memory
+  (cAdvisor), progress and ETA, cost against estimate and budget, checkpoints, restarts.
+
+Both mark recoveries (and the run, checkpoints) with annotations, give every number a unit,
+and link to each other; the overview's tables have one row per job, the job's name linking
+to its Training run.
 
 Operator series (`kubetune_*`) carry `namespace` and `finetunejob` labels; trainer series
 (`kubetune_trainer_*`) get the same labels from the chart's PodMonitor. docs/observability.md
@@ -29,6 +34,7 @@ from grafana_foundation_sdk.builders import stat, table, timeseries
 from grafana_foundation_sdk.builders.common import ReduceDataOptions
 from grafana_foundation_sdk.builders.dashboard import (
     Dashboard,
+    DashboardLink,
     DatasourceVariable,
     QueryVariable,
     Row,
@@ -38,7 +44,10 @@ from grafana_foundation_sdk.builders.prometheus import Dataquery
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models.common import BigValueTextMode, GraphDrawStyle
 from grafana_foundation_sdk.models.dashboard import (
+    DashboardLinkType,
     DataSourceRef,
+    DataTransformerConfig,
+    DynamicConfigValue,
     Threshold,
     ThresholdsMode,
     VariableHide,
@@ -52,6 +61,19 @@ DS = DataSourceRef(type_val="prometheus", uid="${datasource}")
 NS = 'namespace=~"$namespace"'
 JOB = 'namespace="$namespace", finetunejob="$finetunejob"'
 RATE = "$__rate_interval"
+OVERVIEW_UID = "kubetune-jobs-overview"
+RUN_UID = "kubetune-training-run"
+# The trainer pods of a job, every rank and attempt: the Indexed Job `<job>-a<attempt>` names
+# them `<job>-a<attempt>-<index>-<random>` (control/builders.py child_names); the random
+# suffix has no dash, so another job's pods never match.
+PODS = 'namespace="$namespace", pod=~"$finetunejob-a[0-9]+-[0-9]+-[a-z0-9]+"'
+EXTERNAL = {
+    "DCGM_FI_DEV_GPU_UTIL": "DCGM exporter",
+    "DCGM_FI_DEV_FB_USED": "DCGM exporter",
+    "container_memory_working_set_bytes": "cAdvisor (the kubelet)",
+}
+"""Metrics of other exporters that some panels use: their descriptions name the exporter,
+and they show "No data" where it is not installed."""
 
 
 @dataclass(frozen=True)
@@ -76,8 +98,19 @@ def _with_targets(panel: Any, queries: list[Query]) -> Any:
     return panel
 
 
+Override = tuple[str, list[DynamicConfigValue]]
+"""(refId of a query, the field settings that differ for its series)."""
+
+
 def ts(
-    title: str, description: str, unit: str, *queries: Query, span: int = 12, height: int = 8
+    title: str,
+    description: str,
+    unit: str,
+    *queries: Query,
+    span: int = 12,
+    height: int = 8,
+    overrides: list[Override] | None = None,
+    bounds: tuple[float, float] | None = None,
 ) -> timeseries.Panel:
     panel = (
         timeseries.Panel()
@@ -90,7 +123,24 @@ def ts(
         .draw_style(GraphDrawStyle.LINE)
         .fill_opacity(10)
     )
+    if bounds is not None:
+        panel = panel.min(bounds[0]).max(bounds[1])
+    for ref, properties in overrides or []:
+        panel = panel.override_by_query(ref, properties)
     return _with_targets(panel, list(queries))
+
+
+def ceiling_line() -> list[DynamicConfigValue]:
+    """A limit drawn as a dashed red line without fill."""
+    return [
+        DynamicConfigValue("color", {"mode": "fixed", "fixedColor": "red"}),
+        DynamicConfigValue("custom.lineStyle", {"fill": "dash", "dash": [10, 10]}),
+        DynamicConfigValue("custom.fillOpacity", 0),
+    ]
+
+
+def right_axis(unit: str) -> list[DynamicConfigValue]:
+    return [DynamicConfigValue("unit", unit), DynamicConfigValue("custom.axisPlacement", "right")]
 
 
 def single(
@@ -123,9 +173,131 @@ def single(
     return _with_targets(panel, [query])
 
 
-def tab(title: str, description: str, *queries: Query, span: int = 24) -> table.Panel:
-    panel = table.Panel().title(title).description(description).datasource(DS).span(span)
-    return _with_targets(panel.height(8), list(queries))
+def tab(
+    title: str,
+    description: str,
+    columns: dict[str, Query],
+    *,
+    unit: str,
+    units: dict[str, str] | None = None,
+    hide: tuple[str, ...] = (),
+    span: int = 24,
+) -> table.Panel:
+    """One row per job: each query is an instant query in table format, one value column per
+    query (named by the keys of `columns`), merged on their labels."""
+    panel = (
+        table.Panel()
+        .title(title)
+        .description(description)
+        .datasource(DS)
+        .span(span)
+        .height(8)
+        .unit(unit)
+        .show_header(True)
+    )
+    names = list(columns)
+    # One query gives a column `Value`, several give `Value #A`, `Value #B`, ...
+    values = (
+        {"Value": names[0]}
+        if len(names) == 1
+        else {f"Value #{chr(ord('A') + i)}": n for i, n in enumerate(names)}
+    )
+    excluded = {"Time": True, **{v: True for v, n in values.items() if n in hide}}
+    renamed = {v: n for v, n in values.items() if n not in hide}
+    # Organize orders and renames by the fields' names before renaming.
+    order = ["namespace", "finetunejob", *renamed]
+    panel = (
+        panel.with_transformation(DataTransformerConfig(id_val="merge", options={}))
+        .with_transformation(
+            DataTransformerConfig(
+                id_val="organize",
+                options={
+                    "excludeByName": excluded,
+                    "renameByName": renamed,
+                    "indexByName": {n: i for i, n in enumerate(order)},
+                },
+            )
+        )
+        .override_by_name("finetunejob", [job_link()])
+    )
+    for name, column_unit in (units or {}).items():
+        panel = panel.override_by_name(name, [DynamicConfigValue("unit", column_unit)])
+    return _with_targets(panel, [Query(q.expr, instant=True) for q in columns.values()])
+
+
+def job_link() -> DynamicConfigValue:
+    """A data link from a job's name to the Training run dashboard, same data source and
+    time range."""
+    url = (
+        f"/d/{RUN_UID}/kubetune-training-run?${{datasource:queryparam}}"
+        "&var-namespace=${__data.fields.namespace}&var-finetunejob=${__value.raw}"
+        "&${__url_time_range}"
+    )
+    return DynamicConfigValue("links", [{"title": "Training run of ${__value.raw}", "url": url}])
+
+
+def other_dashboards() -> DashboardLink:
+    """The other kubetune dashboards, in the top bar, with this time range and variables."""
+    return (
+        DashboardLink("kubetune")
+        .type(DashboardLinkType.DASHBOARDS)
+        .tags(["kubetune"])
+        .as_dropdown(False)
+        .keep_time(True)
+        .include_vars(True)
+    )
+
+
+def annotation(name: str, color: str, expr: str, title: str, tags: str) -> dict[str, Any]:
+    """A Prometheus annotation: a marker wherever `expr` (`changes(...) > 0` over 2m,
+    evaluated every minute, so no change falls between two windows) has a value."""
+    return {
+        "datasource": {"type": DS.type_val, "uid": DS.uid},
+        "enable": True,
+        "hide": False,
+        "iconColor": color,
+        "name": name,
+        "expr": expr,
+        "step": "1m",
+        "titleFormat": title,
+        "textFormat": "",
+        "tagKeys": tags,
+        "useValueForTime": False,
+    }
+
+
+def builtin_annotation() -> dict[str, Any]:
+    """Grafana's own annotations and alerts, as a new dashboard has them."""
+    return {
+        "builtIn": 1,
+        "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+        "enable": True,
+        "hide": True,
+        "iconColor": "rgba(0, 211, 255, 1)",
+        "name": "Annotations & Alerts",
+        "type": "dashboard",
+    }
+
+
+def recoveries_annotation(selector: str, title: str) -> dict[str, Any]:
+    return annotation(
+        "Recoveries",
+        "red",
+        "sum by (namespace, finetunejob, reason) "
+        f"(changes(kubetune_finetunejob_recoveries_total{{{selector}}}[2m])) > 0",
+        title,
+        "reason",
+    )
+
+
+def checkpoints_annotation() -> dict[str, Any]:
+    return annotation(
+        "Checkpoints",
+        "blue",
+        f"changes(kubetune_finetunejob_checkpoint_step{{{JOB}}}[2m]) > 0",
+        "Checkpoint written",
+        "finetunejob",
+    )
 
 
 def datasource_var() -> DatasourceVariable:
@@ -149,6 +321,11 @@ def namespace_var(multi: bool) -> QueryVariable:
 # --------------------------------------------------------------------------- overview
 
 
+def _per_job(metric: str, agg: str = "sum") -> str:
+    """One series per job, without the scrape's `job`/`instance` labels (table columns)."""
+    return f"{agg} by (namespace, finetunejob) ({metric}{{{NS}}})"
+
+
 def jobs_overview() -> Dashboard:
     running_gpus = (
         f"kubetune_finetunejob_gpus{{{NS}}} * on (namespace, finetunejob) group_left () "
@@ -159,12 +336,13 @@ def jobs_overview() -> Dashboard:
     )
     return (
         Dashboard("kubetune / Jobs overview")
-        .uid("kubetune-jobs-overview")
+        .uid(OVERVIEW_UID)
         .description("FineTuneJobs across namespaces: phases, queue, GPUs, cost, recoveries.")
         .tags(["kubetune"])
         .refresh("30s")
         .time("now-6h", "now")
         .timezone("browser")
+        .links([other_dashboards()])
         .with_variable(datasource_var())
         .with_variable(namespace_var(multi=True))
         .with_row(Row("Jobs"))
@@ -250,8 +428,16 @@ def jobs_overview() -> Dashboard:
         .with_panel(
             tab(
                 "Jobs",
-                "One row per FineTuneJob: phase and plan.",
-                Query(f"kubetune_finetunejob_info{{{NS}}}", instant=True),
+                "One row per FineTuneJob: phase and plan. A job's name opens its Training run "
+                "dashboard.",
+                {
+                    "info": Query(
+                        "sum by (namespace, finetunejob, phase, pool, method, gpu_product, spot) "
+                        f"(kubetune_finetunejob_info{{{NS}}})"
+                    )
+                },
+                unit="none",
+                hide=("info",),
             )
         )
         .with_row(Row("GPUs and capacity"))
@@ -320,10 +506,20 @@ def jobs_overview() -> Dashboard:
         .with_panel(
             tab(
                 "Cost per job: accrued, estimated, budget",
-                "Accrued against the plan's estimate and spec.resources.maxCostUSD.",
-                Query(f"kubetune_finetunejob_accrued_cost_usd{{{NS}}}", instant=True),
-                Query(f"kubetune_finetunejob_estimated_cost_usd{{{NS}}}", instant=True),
-                Query(f"kubetune_finetunejob_budget_usd{{{NS}}}", instant=True),
+                "One row per job: accrued against the plan's estimate and "
+                "spec.resources.maxCostUSD (empty without a budget), and the share of the "
+                "budget spent. A job's name opens its Training run dashboard.",
+                {
+                    "Accrued": Query(_per_job("kubetune_finetunejob_accrued_cost_usd")),
+                    "Estimated": Query(_per_job("kubetune_finetunejob_estimated_cost_usd")),
+                    "Budget": Query(_per_job("kubetune_finetunejob_budget_usd")),
+                    "Budget spent": Query(
+                        f"{_per_job('kubetune_finetunejob_accrued_cost_usd')} "
+                        f"/ {_per_job('kubetune_finetunejob_budget_usd')}"
+                    ),
+                },
+                unit="currencyUSD",
+                units={"Budget spent": "percentunit"},
                 span=12,
             )
         )
@@ -354,15 +550,29 @@ def jobs_overview() -> Dashboard:
         .with_panel(
             tab(
                 "Estimator error: trainer peak / planned memory",
-                "Above 1: the trainer reserved more GPU memory than planned (the safety "
-                "factor absorbs some); far below 1: the plan wastes GPUs.",
-                Query(
-                    "max by (namespace, finetunejob) "
-                    f"(kubetune_trainer_memory_reserved_peak_bytes{{{NS}}}) "
-                    "/ on (namespace, finetunejob) max by (namespace, finetunejob) "
-                    f"(kubetune_finetunejob_estimated_gpu_memory_bytes{{{NS}}})",
-                    instant=True,
-                ),
+                "One row per job with a live trainer: its peak reserved GPU memory (global "
+                "rank 0), the planner's per-GPU estimate, the GPU's memory, and peak / planned. "
+                "Above 100 %: the trainer reserved more than planned (the safety factor "
+                "absorbs some); far below: the plan wastes GPUs. A job's name opens its "
+                "Training run dashboard.",
+                {
+                    "Peak / planned": Query(
+                        f"{_per_job('kubetune_trainer_memory_reserved_peak_bytes', 'max')} "
+                        "/ on (namespace, finetunejob) "
+                        f"{_per_job('kubetune_finetunejob_estimated_gpu_memory_bytes', 'max')}"
+                    ),
+                    "Peak reserved": Query(
+                        _per_job("kubetune_trainer_memory_reserved_peak_bytes", "max")
+                    ),
+                    "Planned": Query(
+                        _per_job("kubetune_finetunejob_estimated_gpu_memory_bytes", "max")
+                    ),
+                    "GPU memory": Query(
+                        _per_job("kubetune_finetunejob_gpu_memory_capacity_bytes", "max")
+                    ),
+                },
+                unit="bytes",
+                units={"Peak / planned": "percentunit"},
             )
         )
         .with_row(Row("Operator"))
@@ -427,12 +637,13 @@ def training_run() -> Dashboard:
     trainer = f"{{{JOB}}}"
     return (
         Dashboard("kubetune / Training run")
-        .uid("kubetune-training-run")
+        .uid(RUN_UID)
         .description("One FineTuneJob: loss, throughput, MFU, memory, progress, cost.")
         .tags(["kubetune"])
         .refresh("30s")
         .time("now-3h", "now")
         .timezone("browser")
+        .links([other_dashboards()])
         .with_variable(datasource_var())
         .with_variable(namespace_var(multi=False))
         .with_variable(job_var)
@@ -494,7 +705,7 @@ def training_run() -> Dashboard:
             ts(
                 "Throughput: measured and planned",
                 "Trained tokens per second over all ranks, against the planner's estimate.",
-                "none",
+                "suffix: tok/s",
                 Query(f"max(kubetune_trainer_tokens_per_second{trainer})", "measured"),
                 Query(f"max(kubetune_finetunejob_estimated_tokens_per_second{trainer})", "planned"),
             )
@@ -511,7 +722,7 @@ def training_run() -> Dashboard:
             ts(
                 "Learning rate",
                 "Learning rate of the last optimizer step.",
-                "none",
+                "sci",
                 Query(f"max(kubetune_trainer_learning_rate{trainer})", "lr"),
             )
         )
@@ -519,28 +730,84 @@ def training_run() -> Dashboard:
         .with_panel(
             ts(
                 "GPU memory: planned and actual",
-                "The planner's per-GPU estimate against the trainer's peak reserved and "
-                "allocated memory.",
+                "Per GPU: the memory of the planned GPU (dashed red, the ceiling), the "
+                "planner's estimate, and the trainer's peak reserved and allocated memory. "
+                "The peaks are global rank 0's only: only rank 0 serves metrics and the "
+                "chart's PodMonitor scrapes only the pod with completion index 0. The memory "
+                "every GPU of every rank uses is in GPU memory used per GPU (DCGM).",
                 "bytes",
+                Query(
+                    f"max(kubetune_finetunejob_gpu_memory_capacity_bytes{trainer})", "GPU memory"
+                ),
                 Query(f"max(kubetune_finetunejob_estimated_gpu_memory_bytes{trainer})", "planned"),
                 Query(
-                    f"max(kubetune_trainer_memory_reserved_peak_bytes{trainer})", "peak reserved"
+                    f"max(kubetune_trainer_memory_reserved_peak_bytes{trainer})",
+                    "rank 0 peak reserved",
                 ),
                 Query(
-                    f"max(kubetune_trainer_memory_allocated_peak_bytes{trainer})", "peak allocated"
+                    f"max(kubetune_trainer_memory_allocated_peak_bytes{trainer})",
+                    "rank 0 peak allocated",
                 ),
+                overrides=[("A", ceiling_line())],
             )
         )
         .with_panel(
             ts(
                 "Estimator error",
-                "Peak reserved / planned. Above 1 the estimate was low.",
-                "none",
+                "Rank 0's peak reserved memory / the planner's estimate. Above 100 % the "
+                "estimate was low.",
+                "percentunit",
                 Query(
                     f"max(kubetune_trainer_memory_reserved_peak_bytes{trainer}) "
                     f"/ max(kubetune_finetunejob_estimated_gpu_memory_bytes{trainer})",
                     "peak / planned",
                 ),
+            )
+        )
+        .with_row(Row("GPUs and pods (DCGM exporter, cAdvisor)"))
+        .with_panel(
+            ts(
+                "GPU utilisation per GPU (DCGM)",
+                "Every GPU of every pod of this job (all ranks and attempts), from NVIDIA's "
+                "DCGM exporter (DCGM_FI_DEV_GPU_UTIL) run with its Kubernetes pod mapping and "
+                "scraped with its pod and namespace labels kept (honorLabels). No data without "
+                "the DCGM exporter.",
+                "percent",
+                Query(f"DCGM_FI_DEV_GPU_UTIL{{{PODS}}}", "{{pod}} GPU {{gpu}}"),
+                span=8,
+                bounds=(0, 100),
+            )
+        )
+        .with_panel(
+            ts(
+                "GPU memory used per GPU (DCGM)",
+                "Memory in use on every GPU of every pod of this job (all ranks and attempts), "
+                "from NVIDIA's DCGM exporter (DCGM_FI_DEV_FB_USED, MiB, shown in bytes), under "
+                "the planned GPU's memory (dashed red). No data without the DCGM exporter; the "
+                "line of the GPU's memory comes from the operator.",
+                "bytes",
+                Query(
+                    f"max(kubetune_finetunejob_gpu_memory_capacity_bytes{trainer})", "GPU memory"
+                ),
+                Query(f"DCGM_FI_DEV_FB_USED{{{PODS}}} * 1048576", "{{pod}} GPU {{gpu}}"),
+                span=8,
+                overrides=[("A", ceiling_line())],
+            )
+        )
+        .with_panel(
+            ts(
+                "Trainer pod memory (cAdvisor)",
+                "Host memory (working set, /dev/shm included) of the trainer container of every "
+                "pod of this job, from cAdvisor in the kubelet "
+                "(container_memory_working_set_bytes). No data where Prometheus does not scrape "
+                "the kubelet's cAdvisor endpoint.",
+                "bytes",
+                Query(
+                    "sum by (pod) "
+                    f'(container_memory_working_set_bytes{{{PODS}, container="trainer"}})',
+                    "{{pod}}",
+                ),
+                span=8,
             )
         )
         .with_row(Row("Progress and cost"))
@@ -567,10 +834,12 @@ def training_run() -> Dashboard:
         .with_panel(
             ts(
                 "Checkpoints",
-                "Step of the newest complete checkpoint, and how long the last one took.",
+                "Step of the newest complete checkpoint (left axis), and how long the last "
+                "one took to write (right axis).",
                 "short",
                 Query(f"max(kubetune_finetunejob_checkpoint_step{trainer})", "checkpoint step"),
-                Query(f"max(kubetune_trainer_checkpoint_save_seconds{trainer})", "save seconds"),
+                Query(f"max(kubetune_trainer_checkpoint_save_seconds{trainer})", "save time"),
+                overrides=[("B", right_axis("s"))],
             )
         )
         .with_panel(
@@ -588,6 +857,17 @@ def training_run() -> Dashboard:
 
 
 DASHBOARDS = {"jobs-overview": jobs_overview, "training-run": training_run}
+ANNOTATIONS = {
+    "jobs-overview": lambda: [
+        builtin_annotation(),
+        recoveries_annotation(NS, "Recovery of {{namespace}}/{{finetunejob}}: {{reason}}"),
+    ],
+    "training-run": lambda: [
+        builtin_annotation(),
+        recoveries_annotation(JOB, "Recovery: {{reason}}"),
+        checkpoints_annotation(),
+    ],
+}
 
 
 def render() -> dict[str, str]:
@@ -595,6 +875,9 @@ def render() -> dict[str, str]:
     out = {}
     for name, build in DASHBOARDS.items():
         model = json.loads(json.dumps(build().build(), cls=JSONEncoder))
+        # Prometheus annotation queries carry fields (step, titleFormat, tagKeys) the SDK's
+        # model does not have.
+        model["annotations"] = {"list": ANNOTATIONS[name]()}
         # Panel ids must be unique within a dashboard (links and alerts refer to them).
         for i, panel in enumerate(model["panels"], start=1):
             panel["id"] = i

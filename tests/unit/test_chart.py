@@ -159,14 +159,39 @@ def test_crd_templates_match_crds_folder() -> None:
 
 DASHBOARDS = CHART / "dashboards"
 METRIC = re.compile(r"\b((?:kubetune|process)_[a-z0-9_]+)\b")
+SELECTOR = re.compile(r"\b([a-zA-Z_:][a-zA-Z0-9_:]*)\{")
+"""A metric name in front of a label selector, whatever exports it."""
+EXTERNAL = {
+    "DCGM_FI_DEV_GPU_UTIL": "DCGM",
+    "DCGM_FI_DEV_FB_USED": "DCGM",
+    "container_memory_working_set_bytes": "cAdvisor",
+}
+"""The only metrics of other exporters the dashboards may use (GPU utilisation and memory
+per GPU from NVIDIA's DCGM exporter, pod memory from the kubelet's cAdvisor), and the
+exporter each panel's description must name."""
+EXTERNAL_PANELS = {
+    "GPU utilisation per GPU (DCGM)",
+    "GPU memory used per GPU (DCGM)",
+    "Trainer pod memory (cAdvisor)",
+}
+UNITLESS = {"Phase", "Loss"}
+"""Panels whose numbers have no unit (a text stat, a loss); every other one names its unit."""
+RUN_UID = "kubetune-training-run"
+
+
+def panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every panel, those inside collapsed rows included."""
+    return [sub for panel in dashboard["panels"] for sub in [panel, *panel.get("panels", [])]]
 
 
 def dashboard_queries(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
     found = []
-    for panel in dashboard["panels"]:
-        for sub in [panel, *panel.get("panels", [])]:
-            for target in sub.get("targets") or []:
-                found.append((str(sub.get("title")), str(target["expr"])))
+    for panel in panels(dashboard):
+        for target in panel.get("targets") or []:
+            found.append((str(panel.get("title")), str(target["expr"])))
+    for annotation in dashboard["annotations"]["list"]:
+        if "expr" in annotation:
+            found.append((f"annotation {annotation['name']}", str(annotation["expr"])))
     return found
 
 
@@ -186,6 +211,7 @@ def exported_metric_names() -> set[str]:
             "plan": {
                 "pool": "p",
                 "totalGPUs": 1,
+                "gpuMemoryGiB": 1,
                 "perGPUMemoryGiB": 1,
                 "estimatedTokensPerSecond": 1,
             },
@@ -238,9 +264,12 @@ def test_dashboard_is_templated_and_uses_only_exported_metrics(path: Path) -> No
             assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
             assert panel.get("description"), panel["title"]
     for title, expr in queries:
-        used = set(METRIC.findall(expr))
+        used = set(METRIC.findall(expr)) | set(SELECTOR.findall(expr))
         assert used, f"{title}: {expr}"
-        assert used <= exported, f"{title}: {sorted(used - exported)} are not exported"
+        external = used - exported
+        # Other exporters' metrics only on the panels made for them, by name.
+        allowed = set(EXTERNAL) if title in EXTERNAL_PANELS else set()
+        assert external <= allowed, f"{title}: {sorted(external - allowed)} are not exported"
         assert (
             "$namespace" in expr
             or "kubetune_gpupool" in expr
@@ -250,12 +279,109 @@ def test_dashboard_is_templated_and_uses_only_exported_metrics(path: Path) -> No
         ), f"{title}: not filtered by namespace: {expr}"
 
 
+def test_panels_of_other_exporters_say_which_exporter_feeds_them() -> None:
+    found = set()
+    for path in sorted(DASHBOARDS.glob("*.json")):
+        for panel in panels(json.loads(path.read_text())):
+            exprs = [str(t["expr"]) for t in panel.get("targets") or []]
+            used = {m for e in exprs for m in SELECTOR.findall(e) if m in EXTERNAL}
+            if used:
+                found.add(panel["title"])
+                for metric in used:
+                    assert metric in panel["description"], (panel["title"], metric)
+                    assert EXTERNAL[metric] in panel["description"], (panel["title"], metric)
+                assert "No data" in panel["description"], panel["title"]
+                # Joined to this job's pods (every rank and attempt) by the pod label.
+                for expr in exprs:
+                    if any(m in expr for m in EXTERNAL):
+                        assert 'namespace="$namespace", pod=~"$finetunejob-a' in expr, expr
+    assert found == EXTERNAL_PANELS
+
+
+@pytest.mark.parametrize("path", sorted(DASHBOARDS.glob("*.json")), ids=lambda p: p.stem)
+def test_every_number_has_a_unit(path: Path) -> None:
+    for panel in panels(json.loads(path.read_text())):
+        if panel["type"] not in ("timeseries", "stat", "gauge", "bargauge", "table"):
+            continue
+        unit = panel["fieldConfig"]["defaults"].get("unit")
+        assert unit, f"{panel['title']} has no unit"
+        if unit == "none":
+            assert panel["title"] in UNITLESS or panel["type"] == "table", panel["title"]
+        for override in panel["fieldConfig"]["overrides"]:
+            for prop in override["properties"]:
+                if prop["id"] == "unit":
+                    assert prop["value"], panel["title"]
+
+
+@pytest.mark.parametrize("path", sorted(DASHBOARDS.glob("*.json")), ids=lambda p: p.stem)
+def test_tables_have_one_row_per_job(path: Path) -> None:
+    """Instant queries in table format, merged into one frame (one row per job, one column
+    per query) and organised; the job's name links to its Training run dashboard."""
+    tables = [p for p in panels(json.loads(path.read_text())) if p["type"] == "table"]
+    for panel in tables:
+        for target in panel["targets"]:
+            assert target["format"] == "table" and target["instant"] is True, panel["title"]
+            # By job only: the scrape's job/instance labels would become columns.
+            by_job = ("sum by (namespace, finetunejob", "max by (namespace, finetunejob")
+            assert target["expr"].startswith(by_job), panel["title"]
+        ids = [t["id"] for t in panel["transformations"]]
+        assert ids[:2] == ["merge", "organize"], panel["title"]
+        organize = panel["transformations"][1]["options"]
+        assert organize["excludeByName"]["Time"] is True
+        values = {"Value"} if len(panel["targets"]) == 1 else {
+            f"Value #{t['refId']}" for t in panel["targets"]
+        }  # fmt: skip
+        # Every value column is renamed or hidden, and ordered by its name before renaming.
+        assert values <= set(organize["renameByName"]) | set(organize["excludeByName"])
+        assert set(organize["indexByName"]) <= values | {"namespace", "finetunejob"}
+        (link,) = [
+            o for o in panel["fieldConfig"]["overrides"] if o["matcher"]["options"] == "finetunejob"
+        ]
+        (prop,) = link["properties"]
+        (url,) = [x["url"] for x in prop["value"]]
+        assert url.startswith(f"/d/{RUN_UID}/")
+        assert "var-namespace=${__data.fields.namespace}" in url
+        assert "var-finetunejob=${__value.raw}" in url
+    if path.stem == "jobs-overview":
+        assert len(tables) >= 3
+
+
+def test_links_go_to_the_training_run_dashboard_and_its_variables() -> None:
+    run = json.loads((DASHBOARDS / "training-run.json").read_text())
+    assert run["uid"] == RUN_UID
+    names = {v["name"] for v in run["templating"]["list"]}
+    assert {"datasource", "namespace", "finetunejob"} <= names
+    overview = (DASHBOARDS / "jobs-overview.json").read_text()
+    for var in re.findall(r"var-(\w+)=", overview):
+        assert var in names, var
+    for path in sorted(DASHBOARDS.glob("*.json")):
+        (link,) = json.loads(path.read_text())["links"]
+        assert link["type"] == "dashboards" and link["tags"] == ["kubetune"]
+        assert link["keepTime"] and link["includeVars"]
+
+
+def test_annotations_mark_recoveries_and_checkpoints() -> None:
+    for path in sorted(DASHBOARDS.glob("*.json")):
+        dashboard = json.loads(path.read_text())
+        queries = {a["name"]: a for a in dashboard["annotations"]["list"] if "expr" in a}
+        wanted = {"Recoveries", "Checkpoints"} if path.stem == "training-run" else {"Recoveries"}
+        assert set(queries) == wanted, path.stem
+        for a in queries.values():
+            assert a["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+            assert a["enable"] is True and a["titleFormat"]
+            # Windows overlap the step, so a change between two scrapes is never missed.
+            assert a["step"] == "1m" and "[2m])" in a["expr"] and a["expr"].endswith(" > 0")
+        assert "kubetune_finetunejob_recoveries_total" in queries["Recoveries"]["expr"]
+        if "Checkpoints" in queries:
+            assert "kubetune_finetunejob_checkpoint_step" in queries["Checkpoints"]["expr"]
+
+
 def test_every_panel_is_described_in_the_docs() -> None:
     docs = (ROOT / "docs/observability.md").read_text()
     for path in sorted(DASHBOARDS.glob("*.json")):
         dashboard = json.loads(path.read_text())
         assert dashboard["title"] in docs
-        for panel in dashboard["panels"]:
+        for panel in panels(dashboard):
             if panel["type"] != "row":
                 assert f"**{panel['title']}**" in docs, f"{panel['title']} is not in the docs"
 
