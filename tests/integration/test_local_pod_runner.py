@@ -61,6 +61,8 @@ def start_runner(local: LocalCluster, root: Path, node: str, *extra: str) -> Run
                 "--gpus=1",
                 "--labels=kubetune.io/test=podrunner",
                 f"--taints={TAINT_KEY}=true:NoSchedule",
+                f"--tls-cert={local.pki.serving_cert}",
+                f"--tls-key={local.pki.serving_key}",
                 *extra,
             ],
             stdout=out,
@@ -238,6 +240,38 @@ def test_bare_pod_runs_locally_with_volumes_env_and_exit_code(
     # The mount points made on the host for the pod are gone again.
     made = [p for p in (Path("/etc/cfg"), Path("/data")) if p not in existing]
     wait_for("mount points removed", lambda: not any(p.exists() for p in made), timeout=10)
+
+
+def test_kubectl_logs_reads_and_follows_a_container(
+    local_cluster: LocalCluster, cluster: Cluster, runner: Runner, namespace: str
+) -> None:
+    """`kubectl logs` goes API server → the runner's log endpoint, as to a kubelet."""
+    script = "for i in 1 2 3 4 5; do echo line-$i; sleep 0.4; done"
+    apply(
+        cluster,
+        namespace,
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "talker"},
+            "spec": {
+                **placement(runner.node),
+                "restartPolicy": "Never",
+                "containers": [{"name": "main", "image": "x", "command": ["sh", "-c", script]}],
+            },
+        },
+    )
+    wait_pod_phase(cluster, runner, "talker", namespace, "Running", "Succeeded")
+    # Follow from the start: every line, and the stream ends when the container exits.
+    followed = local_cluster.kubectl("logs", "-f", "talker", "-n", namespace, timeout=30)
+    assert followed.stdout.split() == [f"line-{i}" for i in range(1, 6)], followed.stderr
+    wait_pod_phase(cluster, runner, "talker", namespace, "Succeeded")
+    tail = local_cluster.kubectl("logs", "talker", "-n", namespace, "--tail=2")
+    assert tail.stdout.split() == ["line-4", "line-5"]
+    limited = local_cluster.kubectl("logs", "talker", "-n", namespace, "--limit-bytes=6")
+    assert limited.stdout == "line-1"
+    previous = local_cluster.kubectl("logs", "talker", "-n", namespace, "-p", check=False)
+    assert previous.returncode != 0 and "previous terminated container" in previous.stderr
 
 
 def test_pod_sees_its_environment_like_in_a_cluster(

@@ -317,6 +317,8 @@ class LocalCluster:
             "--requestheader-group-headers=X-Remote-Group",
             "--requestheader-extra-headers-prefix=X-Remote-Extra-",
             "--authorization-mode=Node,RBAC",
+            # Nodes are reached at their InternalIP: a pod runner's Hostname resolves nowhere.
+            "--kubelet-preferred-address-types=InternalIP",
             "--enable-admission-plugins=NodeRestriction",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={p.sa_pub}",
@@ -593,6 +595,9 @@ class LocalCluster:
             f"--gpus={gpus}",
             f"--cpu={cpu}",
             f"--memory={memory}",
+            # Container logs over TLS, so that `kubectl logs` reaches this node's pods.
+            f"--tls-cert={self.pki.serving_cert}",
+            f"--tls-key={self.pki.serving_key}",
         ]
         if pod_ip_base:
             argv.append(f"--pod-ip-base={pod_ip_base}")

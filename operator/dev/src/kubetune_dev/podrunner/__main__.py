@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kubetune_dev.podrunner.api import Api
+from kubetune_dev.podrunner.logserver import LogServer
 from kubetune_dev.podrunner.node import default_capacity, parse_labels, parse_taints
 from kubetune_dev.podrunner.podspec import CLUSTER_DOMAIN, DEFAULT_HOST_IP
 from kubetune_dev.podrunner.runner import (
@@ -65,6 +66,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--poll-seconds", type=float, default=POLL_SECONDS)
     p.add_argument("--heartbeat-seconds", type=float, default=HEARTBEAT_SECONDS)
     p.add_argument("--cluster-domain", default=CLUSTER_DOMAIN)
+    p.add_argument(
+        "--log-port",
+        type=int,
+        default=0,
+        help="port of the container-log endpoint on --host-ip (0: a free one); -1: none",
+    )
+    p.add_argument("--tls-cert", type=Path, help="serving certificate of the log endpoint")
+    p.add_argument("--tls-key", type=Path, help="its key (without both: plain HTTP)")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
@@ -95,6 +104,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
     volumes_root = (args.volumes_root or work / "pv").resolve()
+    logs = None
+    if args.log_port >= 0:
+        logs = LogServer(work, args.host_ip, args.log_port, args.tls_cert, args.tls_key)
+        logs.start()
+        log.info("container logs served on %s:%d", args.host_ip, logs.port)
     config = RunnerConfig(
         node=args.node,
         work=work,
@@ -109,6 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         poll_seconds=args.poll_seconds,
         heartbeat_seconds=args.heartbeat_seconds,
         cluster_domain=args.cluster_domain,
+        kubelet_port=logs.port if logs is not None else 0,
     )
     stop = False
 
@@ -123,6 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         PodRunner(api, config).run(lambda: stop)
     finally:
         api.close()
+        if logs is not None:
+            logs.stop()
     return 0
 
 

@@ -102,8 +102,16 @@ def node_manifest(
 
 
 def node_status(
-    capacity: Mapping[str, str], *, host_ip: str, name: str, now: str, since: str
+    capacity: Mapping[str, str],
+    *,
+    host_ip: str,
+    name: str,
+    now: str,
+    since: str,
+    kubelet_port: int = 0,
 ) -> dict[str, Any]:
+    """`kubelet_port`: where the runner serves container logs (0: nowhere)."""
+
     def cond(kind: str, status: str, reason: str, message: str) -> dict[str, Any]:
         return {
             "type": kind,
@@ -127,7 +135,7 @@ def node_status(
             {"type": "InternalIP", "address": host_ip},
             {"type": "Hostname", "address": name},
         ],
-        "daemonEndpoints": {"kubeletEndpoint": {"Port": 0}},
+        "daemonEndpoints": {"kubeletEndpoint": {"Port": kubelet_port}},
         "nodeInfo": {
             "machineID": "",
             "systemUUID": "",

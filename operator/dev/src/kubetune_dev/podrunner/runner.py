@@ -23,6 +23,7 @@ from typing import Any
 from urllib.parse import quote, urlparse
 
 from kubetune_dev.podrunner.api import Api, ApiError, ApiLookup, ns_path
+from kubetune_dev.podrunner.logserver import PRIVATE_DIR, exited_marker
 from kubetune_dev.podrunner.node import lease_manifest, micro_time, node_manifest, node_status
 from kubetune_dev.podrunner.podspec import (
     CLUSTER_DOMAIN,
@@ -62,7 +63,6 @@ HEARTBEAT_SECONDS = 10.0
 POLL_SECONDS = 0.5
 RETRY_SECONDS = 1.0
 CONTAINER_ID_PREFIX = "podrunner://"
-PRIVATE_DIR = ".podrunner"
 
 
 def _oom_kills() -> int | None:
@@ -137,6 +137,7 @@ class RunnerConfig:
     heartbeat_seconds: float = HEARTBEAT_SECONDS
     lease_seconds: int = LEASE_SECONDS
     cluster_domain: str = CLUSTER_DOMAIN
+    kubelet_port: int = 0  # where container logs are served (logserver.py); 0: nowhere
 
 
 class PodRunner:
@@ -184,7 +185,12 @@ class PodRunner:
             return
         cfg = self.config
         status = node_status(
-            cfg.capacity, host_ip=cfg.host_ip, name=cfg.node, now=rfc3339(), since=self.node_since
+            cfg.capacity,
+            host_ip=cfg.host_ip,
+            name=cfg.node,
+            now=rfc3339(),
+            since=self.node_since,
+            kubelet_port=cfg.kubelet_port,
         )
         for key in self.stale_resources:
             status["capacity"][key] = status["allocatable"][key] = None
@@ -491,6 +497,9 @@ class PodRunner:
                 policy=str(cp.spec.get("terminationMessagePolicy") or "File"),
                 exit_code=run.exit_code,
             )
+        # Tells a follower of the container's log (logserver.py) that no more output comes.
+        with contextlib.suppress(OSError):
+            exited_marker(rec.dir, run.name).write_text(str(run.exit_code))
         created = rec.private / f"{run.name}.created.json"
         with contextlib.suppress(OSError, ValueError):
             self.created_paths.update(json.loads(created.read_text() or "[]"))
