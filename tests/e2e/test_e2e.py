@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import random
 import re
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,6 +35,7 @@ from support.e2e_targets import (
     POOL_B_NAME,
     REPORT,
     Target,
+    say,
 )
 from support.waiting import wait_for
 
@@ -369,6 +373,81 @@ def test_happy_path(target: Target, baseline: dict[str, Any]) -> None:
         "at a 1 s poll interval"
     )
     assert per_minute <= 2 * 60, f"{per_minute:.0f} writes/min at a 1 s poll"
+
+
+LONG_NAME = "a-fine-tune-job-whose-name-is-longer-than-any-kubernetes-label-value"
+
+
+def kubetune(target: Target, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """The installed `kubetune` command, through the target's kubeconfig."""
+    argv = [str(Path(sys.executable).parent / "kubetune"), *args, *target.kubectl_argv()[1:]]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_cli_follows_a_long_named_two_rank_job(target: Target) -> None:
+    """`kubetune watch` follows a job to its end, `kubetune logs` reads each rank of it
+    (names over 63 characters too), and `kubectl kubetune` is the same CLI as a plugin."""
+    name = LONG_NAME
+    assert len(name) > 63
+    target.apply(job_doc(name, steps=6, interval=3, resources={"gpus": 2}))
+    watch = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "kubetune"), "watch", name, "-n", NAMESPACE,
+            "--interval", "0.5", "--timeout", "300", *target.kubectl_argv()[1:],
+        ],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    out, err = watch.communicate(timeout=330)
+    assert watch.returncode == 0, out + err
+    lines = out.splitlines()
+    assert lines[0].startswith("plan r1: lora on 2×"), out
+    assert any(re.search(r"Running .*step [1-5]/6", line) for line in lines), out
+    assert lines[-1].startswith(f"{name} Succeeded"), out
+    say("kubetune watch:\n" + out)
+
+    everything = kubetune(target, "logs", name, "-n", NAMESPACE)
+    assert everything.returncode == 0, everything.stderr
+    assert " rank0 " in everything.stdout, everything.stdout[-2000:]
+    ranks: dict[int, str] = {}
+    for rank in (0, 1):
+        one = kubetune(target, "logs", name, "-n", NAMESPACE, "--rank", str(rank))
+        assert one.returncode == 0, one.stderr
+        ranks[rank] = one.stdout
+        assert f" rank{1 - rank} " not in one.stdout, one.stdout[-2000:]
+    assert " rank0 " in ranks[0]
+    tail = kubetune(target, "logs", name, "-n", NAMESPACE, "--tail", "3")
+    assert tail.stdout.splitlines() == everything.stdout.splitlines()[-3:]
+    missing = kubetune(target, "logs", name, "-n", NAMESPACE, "--attempt", "2")
+    assert missing.returncode == 1 and "has attempts 1 to 1, not 2" in missing.stderr
+    no_rank = kubetune(target, "logs", name, "-n", NAMESPACE, "--rank", "2")
+    assert no_rank.returncode == 1 and "no pod of attempt 1 runs rank 2" in no_rank.stderr
+
+    # The same CLI through kubectl's plugin mechanism (kubectl finds kubectl-kubetune on PATH).
+    kubectl, kubeconfig = target.kubectl_argv()[0], target.kubectl_argv()[1].split("=", 1)[1]
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        "KUBECONFIG": kubeconfig,
+    }
+    plugin = subprocess.run(
+        [kubectl, "kubetune", "get", "-n", NAMESPACE],
+        capture_output=True, text=True, env=env, timeout=60,
+    )  # fmt: skip
+    assert plugin.returncode == 0, plugin.stderr
+    (row,) = [line for line in plugin.stdout.splitlines() if line.startswith(name)]
+    assert row.split()[1:4] == ["Succeeded", "local-cpu", "2"], plugin.stdout
+    described = subprocess.run(
+        [kubectl, "kubetune", "describe", name, "-n", NAMESPACE],
+        capture_output=True, text=True, env=env, timeout=60,
+    )  # fmt: skip
+    assert described.returncode == 0 and f"Name:        {name}" in described.stdout
+    say(
+        "kubectl kubetune get:\n"
+        + plugin.stdout
+        + "kubectl kubetune describe:\n"
+        + described.stdout
+    )
+    delete_job(target, name)
 
 
 def test_preemption_resumes_at_the_same_step(target: Target, baseline: dict[str, Any]) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kubetune.views import age, describe_job, job_table, pool_table
+from kubetune.views import Watcher, age, describe_job, job_table, log_sources, outcome, pool_table
 
 pytestmark = pytest.mark.unit
 
@@ -163,3 +163,86 @@ def test_events_of_the_same_second_keep_the_order_they_were_stored_in() -> None:
     lines = describe_job(job("x"), events, now=NOW).splitlines()
     shown = lines[lines.index("Events:") + 2 :]
     assert [ln.split()[1] for ln in shown] == ["PlanReady", "Launched", "Training"]
+
+
+# ---------------------------------------------------------------------- logs and watch
+
+
+def trainer_pod(
+    name: str, index: int, gpus: int = 2, created: str = "2026-11-24T10:00:00Z"
+) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": name,
+            "creationTimestamp": created,
+            "annotations": {"batch.kubernetes.io/job-completion-index": str(index)},
+        },
+        "spec": {
+            "containers": [
+                {"name": "trainer", "resources": {"limits": {"nvidia.com/gpu": str(gpus)}}}
+            ]
+        },
+    }
+
+
+def test_logs_of_several_nodes_come_in_node_order_with_prefixes() -> None:
+    pods = [trainer_pod("j-a2-1-x", 1), trainer_pod("j-a2-0-y", 0)]
+    sources = log_sources(pods, attempt=2)
+    assert [(s.pod, s.prefix) for s in sources] == [
+        ("j-a2-0-y", "[a2/node0] "),
+        ("j-a2-1-x", "[a2/node1] "),
+    ]
+    (alone,) = log_sources(pods[:1], attempt=2)
+    assert alone.prefix == ""  # one pod: its lines as they are
+
+
+def test_a_rank_selects_the_pod_that_runs_it_and_its_lines() -> None:
+    pods = [trainer_pod("node0", 0), trainer_pod("node1", 1)]  # two ranks per node
+    (source,) = log_sources(pods, attempt=1, rank=3)
+    assert source.pod == "node1" and source.rank == 3
+    assert source.keep("2026-11-24 10:00:01,000 rank3 WARNING kubetune_trainer: slow")
+    assert not source.keep("2026-11-24 10:00:01,000 rank2 INFO kubetune_trainer: step 4")
+    assert source.keep("[W1124 torchrun] rendezvous done")  # names no rank: kept
+    with pytest.raises(ValueError, match="no pod of attempt 1 runs rank 4"):
+        log_sources(pods, attempt=1, rank=4)
+
+
+def running(step: int, revision: int = 1, **extra: Any) -> dict[str, Any]:
+    plan = {
+        "revision": revision, "method": "lora", "totalGPUs": 2, "gpuProduct": "NVIDIA-L4",
+        "pool": "l4", "perGPUMemoryGiB": 9.5, "totalSteps": 20, "microBatchSize": 2,
+        "gradientAccumulation": 4, "estimatedDurationSeconds": 600, "estimatedCostUSD": 0.2,
+    }  # fmt: skip
+    return {
+        "metadata": {"name": "j"},
+        "status": {
+            "phase": "Running", "attempt": revision, "plan": plan,
+            "progress": {"step": step, "totalSteps": 20, "loss": 1.25, "eta": "4m"},
+            "cost": {"accruedUSD": 0.01}, **extra,
+        },
+    }  # fmt: skip
+
+
+def test_watch_prints_each_plan_once_and_progress_when_it_changes() -> None:
+    watcher = Watcher()
+    first = watcher.job(running(3))
+    assert len(first) == 2 and first[0].startswith("plan r1: lora on 2× NVIDIA-L4 (pool l4)")
+    assert "step 3/20" in first[1] and "loss 1.2500" in first[1] and "ETA 4m" in first[1]
+    assert watcher.job(running(3)) == []  # nothing new: nothing printed
+    assert [line.split()[4] for line in watcher.job(running(4))] == ["4/20"]
+    replanned = watcher.job(running(4, revision=2))
+    assert replanned[0].startswith("plan r2:") and "attempt 2" in replanned[1]
+    done = running(20, revision=2, checkpoint={"latestStep": 20})
+    done["status"].update(phase="Succeeded", message="trained 20 steps")
+    assert outcome(done) == "Succeeded" and outcome(running(5)) is None
+    (last,) = watcher.job(done)
+    assert last.startswith("Succeeded") and "checkpoint step 20" in last
+    assert last.endswith("- trained 20 steps")
+
+
+def test_watch_prints_each_event_once_and_again_when_it_repeats() -> None:
+    watcher = Watcher()
+    event = {"metadata": {"uid": "e1"}, "type": "Normal", "reason": "Launched", "message": "a1"}
+    assert watcher.events([event]) == ["event Normal Launched: a1"]
+    assert watcher.events([event]) == []
+    assert watcher.events([{**event, "count": 2}]) == ["event Normal Launched: a1"]

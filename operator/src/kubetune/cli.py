@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from kubetune.planning.estimator import (
 )
 from kubetune.planning.planner import Plan, PlannerSettings, plan_job
 from kubetune.sources import load_arch
-from kubetune.views import describe_job, hours, job_table, pool_table
+from kubetune.views import describe_job, hours, job_table, log_sources, outcome, pool_table
 from kubetune_trainer.contract import (
     METHODS,
     OPTIMIZERS,
@@ -438,19 +439,29 @@ def _print_objects(objects: list[dict[str, Any]], output: str, as_table: str) ->
         _dump({"apiVersion": "v1", "kind": "List", "items": objects}, output)
 
 
-def _cluster_options(fn: Any) -> Any:
-    fn = click.option(
-        "--output", "-o", type=click.Choice(["table", "json", "yaml"]), default="table",
-        show_default=True,
-    )(fn)  # fmt: skip
+def _namespace_option(fn: Any) -> Any:
+    return click.option(
+        "--namespace", "-n", default=None, help="Namespace (default: the context's)."
+    )(fn)
+
+
+def _connection_options(fn: Any) -> Any:
     fn = click.option("--context", default=None, help="Kubeconfig context (default: current).")(fn)
     return click.option("--kubeconfig", default=None, help="Kubeconfig file (default: the usual).")(
         fn
     )
 
 
+def _cluster_options(fn: Any) -> Any:
+    fn = click.option(
+        "--output", "-o", type=click.Choice(["table", "json", "yaml"]), default="table",
+        show_default=True,
+    )(fn)  # fmt: skip
+    return _connection_options(fn)
+
+
 @main.command(name="get")
-@click.option("--namespace", "-n", default=None, help="Namespace (default: the context's).")
+@_namespace_option
 @click.option("--all-namespaces", "-A", is_flag=True, help="Jobs of every namespace.")
 @_cluster_options
 def get_jobs(
@@ -472,7 +483,7 @@ def get_jobs(
 
 @main.command()
 @click.argument("name")
-@click.option("--namespace", "-n", default=None, help="Namespace (default: the context's).")
+@_namespace_option
 @_cluster_options
 def describe(
     name: str, namespace: str | None, kubeconfig: str | None, context: str | None, output: str
@@ -493,6 +504,122 @@ def describe(
         click.echo(describe_job(job, events))
     else:
         _dump(job, output)
+
+
+@main.command()
+@click.argument("name")
+@_namespace_option
+@click.option(
+    "--interval", default=2.0, show_default=True, help="Seconds between looks at the job."
+)
+@click.option(
+    "--timeout", type=float, default=None, help="Give up after this many seconds (exit 2)."
+)
+@_connection_options
+def watch(
+    name: str,
+    namespace: str | None,
+    interval: float,
+    timeout: float | None,
+    kubeconfig: str | None,
+    context: str | None,
+) -> None:
+    """Follow a FineTuneJob until it ends: its plan, progress, checkpoints, cost and Events
+    as they change. Exits 0 when it succeeds, 1 when it fails, 2 on --timeout."""
+    from lightkube.core.exceptions import ApiError
+
+    from kubetune.controller.readers import client, watch_job
+
+    deadline = time.monotonic() + timeout if timeout is not None else None
+    try:
+        with client(10.0, kubeconfig, context) as api:
+            where = namespace or api.namespace or "default"
+            job = watch_job(api, name, where, click.echo, interval, deadline)
+    except ApiError as exc:
+        raise Abort(f"cannot read FineTuneJob {name}: {exc.status.message}") from exc
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as exc:  # no kubeconfig, unreachable
+        raise Abort(f"cannot read FineTuneJob {name}: {exc}") from exc
+    if job is None:
+        click.echo(f"still not finished after {timeout:g}s", err=True)
+        sys.exit(2)
+    status = job.get("status") or {}
+    message = f": {status['message']}" if status.get("message") else ""
+    click.echo(f"{name} {status['phase']}{message}")
+    sys.exit(0 if status["phase"] == "Succeeded" else 1)
+
+
+@main.command()
+@click.argument("name")
+@_namespace_option
+@click.option(
+    "--attempt", type=int, default=None, help="Which launch of the trainer (default: the latest)."
+)
+@click.option(
+    "--rank",
+    type=int,
+    default=None,
+    help="Only this global rank: the pod that runs it, its own lines and those that name no "
+    "rank (default: every pod, each line prefixed with attempt and node).",
+)
+@click.option("--follow", "-f", is_flag=True, help="Keep printing new lines until the pods end.")
+@click.option("--tail", type=int, default=None, help="Only the last N lines of each pod.")
+@_connection_options
+def logs(
+    name: str,
+    namespace: str | None,
+    attempt: int | None,
+    rank: int | None,
+    follow: bool,
+    tail: int | None,
+    kubeconfig: str | None,
+    context: str | None,
+) -> None:
+    """Print the trainer's log of a FineTuneJob: one attempt, every node or one rank."""
+    from lightkube.core.exceptions import ApiError
+
+    from kubetune.controller.kube import FineTuneJobResource
+    from kubetune.controller.readers import client, stream_logs, trainer_pods
+
+    try:
+        with client(10.0, kubeconfig, context) as api:
+            where = namespace or api.namespace or "default"
+            job = api.get(FineTuneJobResource, name, namespace=where).to_dict()  # type: ignore[no-untyped-call]
+            status = job.get("status") or {}
+            latest = int(status.get("attempt") or 0)
+            if latest == 0:
+                raise Abort(
+                    f"FineTuneJob {name} has not launched a trainer yet (phase "
+                    f"{status.get('phase') or 'Pending'}): `kubetune watch {name}` follows it"
+                )
+            wanted = attempt if attempt is not None else latest
+            if not 1 <= wanted <= latest:
+                raise Abort(f"FineTuneJob {name} has attempts 1 to {latest}, not {wanted}")
+            pods = trainer_pods(api, name, where, wanted)
+            if not pods:
+                raise Abort(
+                    f"attempt {wanted} of {name} has no pods "
+                    + ("yet" if wanted == latest and not outcome(job) else "left")
+                    + ": the operator deletes an attempt's batch Job (and its pods) when it "
+                    "stops or replaces it; the trainer's own record of every attempt is "
+                    "train-log.jsonl on the checkpoint volume"
+                )
+            try:
+                sources = log_sources(pods, wanted, rank)
+            except ValueError as exc:
+                raise Abort(str(exc)) from exc
+            problems = stream_logs(api, where, sources, click.echo, follow, tail)
+    except ApiError as exc:
+        raise Abort(f"cannot read FineTuneJob {name}: {exc.status.message}") from exc
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Abort:
+        raise
+    except Exception as exc:  # no kubeconfig, unreachable
+        raise Abort(f"cannot read the logs of {name}: {exc}") from exc
+    if problems:
+        raise Abort("\n".join(problems))
 
 
 @main.command()
@@ -595,6 +722,13 @@ def operator(
         raise Abort(str(exc)) from exc
     configure_logging(log_format, log_level or "normal")
     sys.exit(run_operator(namespace, liveness, settings))
+
+
+def kubectl_plugin() -> None:
+    """`kubectl kubetune ...`: kubectl runs the `kubectl-kubetune` executable it finds on
+    PATH with the words after `kubetune` (its own flags before it are not passed on: the
+    kubeconfig comes from $KUBECONFIG, or --kubeconfig after the verb)."""
+    main(prog_name="kubectl kubetune")
 
 
 if __name__ == "__main__":

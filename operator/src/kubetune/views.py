@@ -1,4 +1,6 @@
-"""Tables of FineTuneJobs and GPUPools for the CLI (`kubetune get`, `kubetune pools`).
+"""What the CLI shows of a cluster's objects: tables of FineTuneJobs and GPUPools (`kubetune
+get`, `pools`), one job in full (`describe`), its live lines (`watch`), and which trainer
+pods' logs to print (`logs`).
 
 Pure: objects in (as the API server returns them), text out. Columns are as wide as their
 widest cell, so no value runs into the next one.
@@ -6,13 +8,17 @@ widest cell, so no value runs into the next one.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import ValidationError
 
 from kubetune.api.v1alpha1 import GPUPool
+from kubetune.api.vocabulary import TERMINAL_PHASES
+from kubetune.control.builders import COMPLETION_INDEX_ANNOTATION, CONTAINER_NAME, GPU_RESOURCE
 
 NONE = "-"
 
@@ -258,3 +264,158 @@ def _event_order(event: Mapping[str, Any]) -> tuple[str, int]:
     """By time, then (same second) by when the API server stored it."""
     version = str((event.get("metadata") or {}).get("resourceVersion") or "")
     return _event_time(event), int(version) if version.isdigit() else 0
+
+
+# ---------------------------------------------------------------------- logs
+
+_RANK_TAG = re.compile(r" rank(\d+) ")
+"""How the trainer's log lines name their rank (`<time> rank3 INFO ...`, its logging format)."""
+
+
+@dataclass(frozen=True)
+class LogSource:
+    """One trainer pod whose log `kubetune logs` prints: the pod, the prefix its lines get
+    when several pods are printed, and the rank whose lines are kept (None: all)."""
+
+    pod: str
+    prefix: str
+    rank: int | None = None
+
+    def keep(self, line: str) -> bool:
+        """A line of this source's rank, or one that names no rank (torchrun's, Python's)."""
+        if self.rank is None:
+            return True
+        tag = _RANK_TAG.search(line)
+        return tag is None or int(tag.group(1)) == self.rank
+
+
+def pod_index(pod: Mapping[str, Any]) -> int:
+    """A trainer pod's node rank: its Indexed Job completion index."""
+    meta = pod.get("metadata") or {}
+    value = (meta.get("annotations") or {}).get(COMPLETION_INDEX_ANNOTATION) or (
+        meta.get("labels") or {}
+    ).get(COMPLETION_INDEX_ANNOTATION, "0")
+    return int(value) if str(value).isdigit() else 0
+
+
+def pod_gpus(pod: Mapping[str, Any]) -> int:
+    """Processes (ranks) a trainer pod runs: the GPUs its trainer container asks for."""
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        if container.get("name") == CONTAINER_NAME:
+            resources = container.get("resources") or {}
+            wanted = (resources.get("limits") or resources.get("requests") or {}).get(
+                GPU_RESOURCE, 1
+            )
+            return max(1, int(wanted))
+    return 1
+
+
+def log_sources(
+    pods: Iterable[Mapping[str, Any]], attempt: int, rank: int | None = None
+) -> list[LogSource]:
+    """The pods of one attempt to print, in node order (several of one index: oldest first);
+    with `rank`, only the pod that runs it, keeping its lines. Raises ValueError when no pod
+    runs `rank`."""
+    ordered = sorted(
+        pods,
+        key=lambda p: (pod_index(p), str((p.get("metadata") or {}).get("creationTimestamp"))),
+    )
+    if rank is not None:
+        ordered = [
+            p
+            for p in ordered
+            if pod_index(p) * pod_gpus(p) <= rank < (pod_index(p) + 1) * pod_gpus(p)
+        ]
+        if not ordered:
+            raise ValueError(f"no pod of attempt {attempt} runs rank {rank}")
+    several = len(ordered) > 1
+    return [
+        LogSource(
+            pod=str(p["metadata"]["name"]),
+            prefix=f"[a{attempt}/node{pod_index(p)}] " if several else "",
+            rank=rank,
+        )
+        for p in ordered
+    ]
+
+
+# ---------------------------------------------------------------------- watch
+
+
+def plan_line(plan: Mapping[str, Any]) -> str:
+    """A job's plan in one line, as `kubetune watch` prints it when it appears or changes."""
+    return (
+        f"plan r{plan.get('revision', 1)}: {plan['method']} on {plan['totalGPUs']}× "
+        f"{plan['gpuProduct']} (pool {plan['pool']}), ~{plan['perGPUMemoryGiB']:.1f} GiB/GPU, "
+        f"{plan['totalSteps']} steps, micro-batch {plan['microBatchSize']} × accumulation "
+        f"{plan['gradientAccumulation']}, ~{hours(plan.get('estimatedDurationSeconds'))}, "
+        f"~{_usd(plan.get('estimatedCostUSD'))}"
+    )
+
+
+def progress_line(job: Mapping[str, Any]) -> str:
+    """A job's state in one line: phase, step, loss, ETA, checkpoint, cost so far."""
+    status = job.get("status") or {}
+    progress = status.get("progress") or {}
+    parts = [f"{status.get('phase') or 'Pending':<9}"]
+    if status.get("attempt"):
+        parts.append(f"attempt {status['attempt']}")
+    if progress.get("totalSteps"):
+        parts.append(f"step {progress.get('step', 0)}/{progress['totalSteps']}")
+        if progress.get("loss") is not None:
+            parts.append(f"loss {progress['loss']:.4f}")
+        if progress.get("eta"):
+            parts.append(f"ETA {progress['eta']}")
+    checkpoint = status.get("checkpoint") or {}
+    if checkpoint:
+        parts.append(f"checkpoint step {checkpoint.get('latestStep')}")
+    cost = (status.get("cost") or {}).get("accruedUSD")
+    if cost is not None:
+        parts.append(f"cost ${float(cost):.4f}")
+    if status.get("message") and status.get("phase") not in ("Running",):
+        parts.append(f"- {status['message']}")
+    return "  ".join(parts)
+
+
+class Watcher:
+    """What `kubetune watch` prints as a job changes: its plan whenever a new revision
+    appears, a progress line whenever it differs from the last, and the job's new Events.
+    Feed it each version of the job (and its Events); it returns the lines to print."""
+
+    def __init__(self) -> None:
+        self._revision: int | None = None
+        self._last = ""
+        self._events: set[str] = set()
+
+    def job(self, job: Mapping[str, Any]) -> list[str]:
+        status = job.get("status") or {}
+        lines = []
+        plan = status.get("plan")
+        if plan and plan.get("revision", 1) != self._revision:
+            self._revision = plan.get("revision", 1)
+            lines.append(plan_line(plan))
+        line = progress_line(job)
+        if line != self._last:
+            self._last = line
+            lines.append(line)
+        return lines
+
+    def events(self, events: Iterable[Mapping[str, Any]]) -> list[str]:
+        lines = []
+        for event in sorted(events, key=_event_order):
+            key = str((event.get("metadata") or {}).get("uid") or id(event))
+            count = str(event.get("count") or "")
+            if key + count in self._events:
+                continue
+            self._events.add(key + count)
+            lines.append(
+                f"event {event.get('type', '')} {event.get('reason', '')}: "
+                f"{event.get('message', '')}"
+            )
+        return lines
+
+
+def outcome(job: Mapping[str, Any]) -> str | None:
+    """The phase of a finished job (Succeeded or Failed), else None."""
+    phase = (job.get("status") or {}).get("phase")
+    return str(phase) if phase in TERMINAL_PHASES else None

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from kubetune.api.crdgen import render_all
+from kubetune.views import Watcher, outcome
 from kubetune_dev.binaries import ensure_binaries
 from kubetune_dev.cluster import ClusterError, LocalCluster
 
@@ -98,45 +99,15 @@ def claim_path(cluster: LocalCluster, namespace: str, claim: str) -> str | None:
     return (((pv or {}).get("spec") or {}).get("hostPath") or {}).get("path")
 
 
-def _line(obj: dict[str, Any]) -> str:
-    s = obj.get("status") or {}
-    p = s.get("progress") or {}
-    cost = (s.get("cost") or {}).get("accruedUSD", 0.0)
-    parts = [f"phase {s.get('phase', 'Pending'):<9}"]
-    if p:
-        parts.append(f"step {p.get('step', 0)}/{p.get('totalSteps', 0)}")
-        if p.get("loss") is not None:
-            parts.append(f"loss {p['loss']:.4f}")
-        if p.get("eta"):
-            parts.append(f"ETA {p['eta']}")
-    ckpt = s.get("checkpoint") or {}
-    if ckpt:
-        parts.append(f"checkpoint step {ckpt.get('latestStep')}")
-    parts.append(f"cost ${cost:.4f}")
-    return "  ".join(parts)
-
-
 def follow(cluster: LocalCluster, say: Say, timeout: float) -> dict[str, Any]:
-    last = ""
-    plan_shown = False
+    """What `kubetune watch` prints, until the demo job ends."""
+    watcher = Watcher()
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         obj = _get(cluster, "finetunejob", DEMO_JOB, "-n", "default") or {}
-        status = obj.get("status") or {}
-        plan = status.get("plan")
-        if plan and not plan_shown:
-            plan_shown = True
-            say(
-                f"plan: {plan['method']} on {plan['totalGPUs']}× {plan['gpuProduct']} "
-                f"(pool {plan['pool']}), ~{plan['perGPUMemoryGiB']} GiB/GPU, "
-                f"{plan['totalSteps']} steps, micro-batch {plan['microBatchSize']} × "
-                f"accumulation {plan['gradientAccumulation']}"
-            )
-        line = _line(obj)
-        if line != last:
+        for line in watcher.job(obj):
             say(line)
-            last = line
-        if status.get("phase") in ("Succeeded", "Failed"):
+        if outcome(obj):
             return obj
         time.sleep(1.0)
     raise ClusterError(f"the demo job did not finish within {timeout:.0f}s")
@@ -161,7 +132,10 @@ def run_demo(root: Path, keep: bool, say: Say, timeout: float = 900.0) -> int:
             }
         )
         cluster.apply([_example_job()])
-        say(f"applied examples/{DEMO_JOB}.yaml; following it (kubectl get ftj shows the same)")
+        say(
+            f"applied examples/{DEMO_JOB}.yaml; following it as `kubetune watch {DEMO_JOB}` "
+            "does (`kubetune get` and `kubectl get ftj` show the same)"
+        )
         obj = follow(cluster, say, timeout)
         phase = obj["status"]["phase"]
         say(f"{phase} in {time.monotonic() - t0:.0f}s: {obj['status'].get('message', '')}")

@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 from kubetune.api.errors import SpecError
 from kubetune.api.v1alpha1 import API_VERSION, FineTuneJob, GPUPool, PlanStatus
+from kubetune.control.pods import TRAINER_CONTAINER
 from kubetune_trainer.contract import (
     EXIT_CONFIG_ERROR,
     EXIT_OOM,
@@ -48,7 +49,7 @@ from kubetune_trainer.contract import (
 
 GIB = 1024**3
 
-CONTAINER_NAME = "trainer"
+CONTAINER_NAME = TRAINER_CONTAINER  # the one pods.py reads statuses of
 CONFIG_DIR = "/etc/kubetune"
 CONFIG_KEY = "config.json"
 CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"

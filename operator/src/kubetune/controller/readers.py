@@ -1,5 +1,6 @@
 """What the CLI reads from a cluster, through the user's kubeconfig: the jobs and pools of
-`kubetune get`, `describe`, `pools` and `plan --from-cluster`, and `kubetune check`.
+`kubetune get`, `describe`, `pools` and `plan --from-cluster`, a job followed by `watch`,
+the trainer pods' logs of `logs`, and `kubetune check`.
 
 `kubetune check` is what the chart's `helm test` pod runs (and what a platform engineer
 runs by hand): the CRDs are served (Established), and the operator answers on its metrics
@@ -9,18 +10,32 @@ to look at.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import httpx2
-from lightkube import Client, KubeConfig
+from lightkube import ApiError, Client, KubeConfig
 from lightkube.resources.apiextensions_v1 import CustomResourceDefinition
-from lightkube.resources.core_v1 import Event
+from lightkube.resources.core_v1 import Event, Pod
 from pydantic import ValidationError
 
 from kubetune.api.v1alpha1 import GROUP, GPUPool
+from kubetune.control.builders import (
+    CONTAINER_NAME,
+    LABEL_ATTEMPT,
+    LABEL_JOB,
+    child_names,
+    label_value,
+)
 from kubetune.controller.kube import FineTuneJobResource, GPUPoolResource
+from kubetune.views import LogSource, Watcher, outcome
+
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+"""The label the Job controller puts on a batch Job's pods."""
 
 CRDS = (f"finetunejobs.{GROUP}", f"gpupools.{GROUP}")
 OPERATOR_METRIC = "kubetune_operator_info"
@@ -134,12 +149,7 @@ def job_with_events(
     with client(timeout, kubeconfig, context) as api:
         where = namespace or api.namespace or "default"
         job = api.get(FineTuneJobResource, name, namespace=where).to_dict()  # type: ignore[no-untyped-call]
-        selector: dict[str, Any] = {
-            "involvedObject.name": name,
-            "involvedObject.kind": "FineTuneJob",
-        }
-        events = [e.to_dict() for e in api.list(Event, namespace=where, fields=selector)]
-        return job, events
+        return job, events_about(api, name, where)
 
 
 def run_checks(operator_url: str | None, timeout: float) -> list[Finding]:
@@ -152,3 +162,101 @@ def run_checks(operator_url: str | None, timeout: float) -> list[Finding]:
         with httpx2.Client(timeout=timeout) as http:
             findings.append(check_operator(operator_url, http.get))
     return findings
+
+
+def events_about(api: Client, name: str, namespace: str) -> list[dict[str, Any]]:
+    """The Events about one FineTuneJob."""
+    selector: dict[str, Any] = {"involvedObject.name": name, "involvedObject.kind": "FineTuneJob"}
+    return [e.to_dict() for e in api.list(Event, namespace=namespace, fields=selector)]
+
+
+def watch_job(
+    api: Client,
+    name: str,
+    namespace: str,
+    emit: Callable[[str], None],
+    interval: float,
+    deadline: float | None = None,
+) -> dict[str, Any] | None:
+    """Print (`emit`) a job's plan, progress and Events as they change, looking every
+    `interval` seconds, until it finishes; returns it then, or None when `deadline`
+    (monotonic) passes first."""
+    watcher = Watcher()
+    while True:
+        job = api.get(FineTuneJobResource, name, namespace=namespace).to_dict()  # type: ignore[no-untyped-call]
+        for line in watcher.events(events_about(api, name, namespace)) + watcher.job(job):
+            emit(line)
+        if outcome(job) is not None:
+            return dict(job)
+        if deadline is not None and time.monotonic() >= deadline:
+            return None
+        time.sleep(interval)
+
+
+def trainer_pods(api: Client, name: str, namespace: str, attempt: int) -> list[dict[str, Any]]:
+    """The trainer pods of one attempt of a FineTuneJob (selected by the labels the operator
+    puts on them, which stay under 63 characters for long job names)."""
+    selector: dict[str, Any] = {LABEL_JOB: label_value(name), LABEL_ATTEMPT: str(attempt)}
+    batch_job = child_names(name, attempt).job
+    pods = [p.to_dict() for p in api.list(Pod, namespace=namespace, labels=selector)]
+    # A shortened label value could be shared by two long names: the batch Job tells.
+    return [p for p in pods if _batch_job_of(p) == batch_job]
+
+
+def _batch_job_of(pod: Mapping[str, Any]) -> str | None:
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    return labels.get(JOB_NAME_LABEL) or labels.get("job-name")  # the older label
+
+
+def stream_logs(
+    api: Client,
+    namespace: str,
+    sources: Sequence[LogSource],
+    emit: Callable[[str], None],
+    follow: bool = False,
+    tail: int | None = None,
+) -> list[str]:
+    """Print (`emit`) the trainer's log lines of each source: one pod after the other, or,
+    when following, all at once as lines arrive. Returns a line for each pod whose log could
+    not be read."""
+    problems: list[str] = []
+
+    def read(source: LogSource, sink: Callable[[str], None]) -> None:
+        try:
+            for line in api.log(
+                source.pod,
+                namespace=namespace,
+                container=CONTAINER_NAME,
+                follow=follow,
+                tail_lines=tail,
+                newlines=False,
+            ):
+                if source.keep(line):
+                    sink(source.prefix + line)
+        except ApiError as exc:
+            problems.append(f"pod {source.pod}: {exc.status.message}")
+        except httpx2.HTTPError as exc:
+            problems.append(f"pod {source.pod}: {exc}")
+
+    if not follow:
+        for source in sources:
+            read(source, emit)
+        return problems
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def follow_one(source: LogSource) -> None:
+        try:
+            read(source, lines.put)
+        finally:
+            lines.put(None)  # this pod's log ended
+
+    for source in sources:
+        threading.Thread(target=follow_one, args=(source,), daemon=True).start()
+    open_logs = len(sources)
+    while open_logs:
+        item = lines.get()
+        if item is None:
+            open_logs -= 1
+        else:
+            emit(item)
+    return problems
