@@ -400,9 +400,13 @@ def test_the_cli_follows_a_long_named_two_rank_job(target: Target) -> None:
     out, err = watch.communicate(timeout=330)
     assert watch.returncode == 0, out + err
     lines = out.splitlines()
-    assert lines[0].startswith("plan r1: lora on 2×"), out
+    (plan,) = [line for line in lines if line.startswith("plan ")]
+    assert plan.startswith("plan r1: lora on 2× local-cpu (pool local-cpu)"), out
     assert any(re.search(r"Running .*step [1-5]/6", line) for line in lines), out
+    assert any(line.startswith("event Normal Launched: Attempt 1") for line in lines), out
     assert lines[-1].startswith(f"{name} Succeeded"), out
+    progress = [line for line in lines if line.startswith("Running")]
+    assert len(progress) == len(set(progress)), out  # a line per change, not per look
     say("kubetune watch:\n" + out)
 
     everything = kubetune(target, "logs", name, "-n", NAMESPACE)

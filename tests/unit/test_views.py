@@ -225,24 +225,30 @@ def running(step: int, revision: int = 1, **extra: Any) -> dict[str, Any]:
 
 def test_watch_prints_each_plan_once_and_progress_when_it_changes() -> None:
     watcher = Watcher()
-    first = watcher.job(running(3))
+    assert watcher.update({"metadata": {"name": "j"}}) == ["Pending"]  # not seen yet
+    first = watcher.update(running(3))
     assert len(first) == 2 and first[0].startswith("plan r1: lora on 2× NVIDIA-L4 (pool l4)")
     assert "step 3/20" in first[1] and "loss 1.2500" in first[1] and "ETA 4m" in first[1]
-    assert watcher.job(running(3)) == []  # nothing new: nothing printed
-    assert [line.split()[4] for line in watcher.job(running(4))] == ["4/20"]
-    replanned = watcher.job(running(4, revision=2))
+    assert watcher.update(running(3)) == []  # nothing new: nothing printed
+    costlier = running(3)
+    costlier["status"]["cost"] = {"accruedUSD": 0.02}
+    assert watcher.update(costlier) == []  # the cost alone is no news
+    assert [line.split()[4] for line in watcher.update(running(4))] == ["4/20"]
+    replanned = watcher.update(running(4, revision=2))
     assert replanned[0].startswith("plan r2:") and "attempt 2" in replanned[1]
     done = running(20, revision=2, checkpoint={"latestStep": 20})
     done["status"].update(phase="Succeeded", message="trained 20 steps")
     assert outcome(done) == "Succeeded" and outcome(running(5)) is None
-    (last,) = watcher.job(done)
+    (last,) = watcher.update(done)
     assert last.startswith("Succeeded") and "checkpoint step 20" in last
-    assert last.endswith("- trained 20 steps")
+    assert last.endswith("cost $0.0100  - trained 20 steps")
 
 
-def test_watch_prints_each_event_once_and_again_when_it_repeats() -> None:
+def test_watch_prints_events_between_the_plan_and_the_progress_once_each() -> None:
     watcher = Watcher()
     event = {"metadata": {"uid": "e1"}, "type": "Normal", "reason": "Launched", "message": "a1"}
-    assert watcher.events([event]) == ["event Normal Launched: a1"]
-    assert watcher.events([event]) == []
-    assert watcher.events([{**event, "count": 2}]) == ["event Normal Launched: a1"]
+    lines = watcher.update(running(1), [event])
+    assert lines[0].startswith("plan r1") and lines[1] == "event Normal Launched: a1"
+    assert lines[2].startswith("Running")
+    assert watcher.update(running(1), [event]) == []
+    assert watcher.update(running(1), [{**event, "count": 2}]) == ["event Normal Launched: a1"]

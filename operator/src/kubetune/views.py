@@ -353,61 +353,73 @@ def plan_line(plan: Mapping[str, Any]) -> str:
     )
 
 
-def progress_line(job: Mapping[str, Any]) -> str:
-    """A job's state in one line: phase, step, loss, ETA, checkpoint, cost so far."""
+def _progress_parts(job: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+    """The parts of a job's progress line: those whose change is news (phase, attempt, step,
+    checkpoint, message), and those that only move along with them (loss, ETA, cost)."""
     status = job.get("status") or {}
     progress = status.get("progress") or {}
-    parts = [f"{status.get('phase') or 'Pending':<9}"]
+    news = [f"{status.get('phase') or 'Pending':<9}"]
+    extra: list[str] = []
     if status.get("attempt"):
-        parts.append(f"attempt {status['attempt']}")
+        news.append(f"attempt {status['attempt']}")
     if progress.get("totalSteps"):
-        parts.append(f"step {progress.get('step', 0)}/{progress['totalSteps']}")
+        news.append(f"step {progress.get('step', 0)}/{progress['totalSteps']}")
         if progress.get("loss") is not None:
-            parts.append(f"loss {progress['loss']:.4f}")
+            extra.append(f"loss {progress['loss']:.4f}")
         if progress.get("eta"):
-            parts.append(f"ETA {progress['eta']}")
+            extra.append(f"ETA {progress['eta']}")
     checkpoint = status.get("checkpoint") or {}
     if checkpoint:
-        parts.append(f"checkpoint step {checkpoint.get('latestStep')}")
+        news.append(f"checkpoint step {checkpoint.get('latestStep')}")
     cost = (status.get("cost") or {}).get("accruedUSD")
     if cost is not None:
-        parts.append(f"cost ${float(cost):.4f}")
-    if status.get("message") and status.get("phase") not in ("Running",):
-        parts.append(f"- {status['message']}")
-    return "  ".join(parts)
+        extra.append(f"cost ${float(cost):.4f}")
+    if status.get("message") and status.get("phase") != "Running":
+        news.append(f"- {status['message']}")
+    return news, extra
+
+
+def progress_line(job: Mapping[str, Any]) -> str:
+    """A job's state in one line: phase, attempt, step, loss, ETA, checkpoint, cost so far,
+    and the status message of a job that is not running."""
+    news, extra = _progress_parts(job)
+    message = [p for p in news if p.startswith("- ")]
+    rest = [p for p in news if not p.startswith("- ")]
+    return "  ".join([*rest, *extra, *message]).rstrip()
 
 
 class Watcher:
     """What `kubetune watch` prints as a job changes: its plan whenever a new revision
-    appears, a progress line whenever it differs from the last, and the job's new Events.
-    Feed it each version of the job (and its Events); it returns the lines to print."""
+    appears, the job's new Events, and a progress line whenever the phase, attempt, step,
+    checkpoint or message moved (not for the cost alone). Feed it each look at the job and
+    its Events; it returns the lines to print."""
 
     def __init__(self) -> None:
         self._revision: int | None = None
-        self._last = ""
+        self._news: list[str] = []
         self._events: set[str] = set()
 
-    def job(self, job: Mapping[str, Any]) -> list[str]:
+    def update(self, job: Mapping[str, Any], events: Iterable[Mapping[str, Any]] = ()) -> list[str]:
         status = job.get("status") or {}
         lines = []
         plan = status.get("plan")
         if plan and plan.get("revision", 1) != self._revision:
             self._revision = plan.get("revision", 1)
             lines.append(plan_line(plan))
-        line = progress_line(job)
-        if line != self._last:
-            self._last = line
-            lines.append(line)
+        lines += self._new_events(events)
+        news, _ = _progress_parts(job)
+        if news != self._news:
+            self._news = news
+            lines.append(progress_line(job))
         return lines
 
-    def events(self, events: Iterable[Mapping[str, Any]]) -> list[str]:
+    def _new_events(self, events: Iterable[Mapping[str, Any]]) -> list[str]:
         lines = []
         for event in sorted(events, key=_event_order):
-            key = str((event.get("metadata") or {}).get("uid") or id(event))
-            count = str(event.get("count") or "")
-            if key + count in self._events:
+            key = f"{(event.get('metadata') or {}).get('uid') or id(event)}/{event.get('count')}"
+            if key in self._events:
                 continue
-            self._events.add(key + count)
+            self._events.add(key)
             lines.append(
                 f"event {event.get('type', '')} {event.get('reason', '')}: "
                 f"{event.get('message', '')}"

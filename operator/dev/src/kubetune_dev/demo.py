@@ -105,7 +105,7 @@ def follow(cluster: LocalCluster, say: Say, timeout: float) -> dict[str, Any]:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         obj = _get(cluster, "finetunejob", DEMO_JOB, "-n", "default") or {}
-        for line in watcher.job(obj):
+        for line in watcher.update(obj):
             say(line)
         if outcome(obj):
             return obj

@@ -184,7 +184,7 @@ def watch_job(
     watcher = Watcher()
     while True:
         job = api.get(FineTuneJobResource, name, namespace=namespace).to_dict()  # type: ignore[no-untyped-call]
-        for line in watcher.events(events_about(api, name, namespace)) + watcher.job(job):
+        for line in watcher.update(job, events_about(api, name, namespace)):
             emit(line)
         if outcome(job) is not None:
             return dict(job)
