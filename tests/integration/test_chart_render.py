@@ -441,6 +441,8 @@ def test_rbac_rules_are_the_documented_set(helm: Helm) -> None:
             for v in ("get", "create")
         ),
         ("", "events", "create"),
+        ("networking.k8s.io", "networkpolicies", "get"),
+        ("networking.k8s.io", "networkpolicies", "create"),
         ("", "nodes", "list"),
         ("", "nodes", "watch"),
         ("", "pods", "list"),

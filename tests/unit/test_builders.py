@@ -32,6 +32,7 @@ from kubetune.control.builders import (
     build_config_map,
     build_headless_service,
     build_indexed_job,
+    build_network_policy,
     build_trainer_config,
     checkpoint_size,
     child_names,
@@ -223,6 +224,7 @@ BUILDERS: dict[str, Callable[[Case], Any]] = {
     ),
     "configmap": lambda c: build_config_map(c[0], c[1], SETTINGS, c[3]),
     "service": lambda c: build_headless_service(c[0], SETTINGS),
+    "networkpolicy": lambda c: build_network_policy(c[0], SETTINGS),
     "job": lambda c: build_indexed_job(c[0], c[1], c[2], SETTINGS, c[3]),
 }
 
@@ -271,6 +273,7 @@ def test_children_in_apply_order(case: str) -> None:
         "PersistentVolumeClaim",
         "ConfigMap",
         "Service",
+        "NetworkPolicy",
         "Job",
     ]
     namespace = job.metadata["namespace"]

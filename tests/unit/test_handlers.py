@@ -74,6 +74,7 @@ JOBS = "batch/v1/jobs"
 PVCS = "v1/persistentvolumeclaims"
 CONFIGMAPS = "v1/configmaps"
 SERVICES = "v1/services"
+NETWORKPOLICIES = "networking.k8s.io/v1/networkpolicies"
 EVENTS = "v1/events"
 STATUS_PATH = f"/apis/kubetune.io/v1alpha1/namespaces/{NAMESPACE}/finetunejobs/tiny-cpu-lora/status"
 
@@ -824,7 +825,8 @@ async def test_the_plan_is_written_before_the_batch_job_is_created(
     batch_job = served.index(("POST", kmock.resource(JOBS), False))
     assert status_write < batch_job
     assert {r for r in served[:batch_job] if r[0] == "POST"} == {
-        ("POST", kmock.resource(resource), False) for resource in (PVCS, CONFIGMAPS, SERVICES)
+        ("POST", kmock.resource(resource), False)
+        for resource in (PVCS, CONFIGMAPS, SERVICES, NETWORKPOLICIES)
     }
 
 

@@ -44,7 +44,7 @@ def test_new_job_is_planned_and_launched() -> None:
     assert s is not None and s.plan is not None
     assert s.phase == "Running"
     assert s.attempt == 1
-    assert kinds(d) == ["PersistentVolumeClaim", "ConfigMap", "Service", "Job"]
+    assert kinds(d) == ["PersistentVolumeClaim", "ConfigMap", "Service", "NetworkPolicy", "Job"]
     assert d.create[-1]["metadata"]["name"] == "demo-a1"
     assert c.is_true(s.conditions, ConditionType.PLANNED)
     assert [e.reason for e in d.events] == [Reason.PLAN_READY, Reason.LAUNCHED]

@@ -1,12 +1,15 @@
 """Manifests for one training attempt, as plain dicts (pure: no cluster, no kopf).
 
-A FineTuneJob owns four children, applied in this order:
+A FineTuneJob owns five children, applied in this order:
 
 1. the checkpoint PersistentVolumeClaim (one per FineTuneJob, it outlives attempts),
 2. a ConfigMap with the trainer's `config.json` (one per attempt: a re-plan changes it),
 3. a headless Service that gives the trainer pods stable DNS names for rendezvous
    (one per FineTuneJob),
-4. an Indexed `batch/v1` Job with one pod per node that runs `torchrun` (one per attempt).
+4. a NetworkPolicy that admits to the trainer pods only their own job's pods, and on the
+   metrics port the operator and the metrics scrapers (one per FineTuneJob; left out when
+   the `network_policy` setting is off),
+5. an Indexed `batch/v1` Job with one pod per node that runs `torchrun` (one per attempt).
 
 Names are deterministic so that re-running a handler finds what an earlier run created.
 An *attempt* is one launch of the batch Job: it starts at 1 and increases on every
@@ -101,6 +104,18 @@ class BuildSettings:
     metrics_port: int = 9400
     rendezvous_port: int = 29400
     backoff_limit: int = 3
+    network_policy: bool = True
+    """Create a NetworkPolicy with each job's children (`build_network_policy`)."""
+    operator_namespace: str | None = None
+    """Namespace of the operator's pods, which scrape the trainers' metrics port; None (the
+    operator runs outside the cluster): the NetworkPolicy names no operator peer."""
+    operator_pod_labels: tuple[tuple[str, str], ...] = ()
+    """Labels that select the operator's pods in `operator_namespace`."""
+    metrics_from: tuple[dict[str, Any], ...] = (
+        {"namespaceSelector": {"matchLabels": {"kubetune.io/metrics-scraper": "true"}}},
+    )
+    """NetworkPolicyPeers (podSelector / namespaceSelector / ipBlock) besides the operator
+    that may reach the trainers' metrics port, e.g. Prometheus; empty: none."""
     shm_size: str = "8Gi"
     """Size of the memory-backed /dev/shm (NCCL and data loader workers use it)."""
     tmp_size: str = "10Gi"
@@ -122,6 +137,7 @@ class ChildNames:
     pvc: str
     config_map: str
     service: str
+    network_policy: str
     job: str
 
 
@@ -170,9 +186,10 @@ def child_names(job_name: str, attempt: int) -> ChildNames:
         pvc=f"{base}-ckpt",
         config_map=f"{base}-a{attempt}",
         service=base,
+        network_policy=base,
         job=f"{base}-a{attempt}",
     )
-    for name in (names.pvc, names.config_map, names.service, names.job):
+    for name in (names.pvc, names.config_map, names.service, names.network_policy, names.job):
         if len(name) > 63 or not _DNS_LABEL.match(name):
             raise ValueError(f"child name {name!r} of {job_name!r} is not a DNS label")
     return names
@@ -512,6 +529,53 @@ def build_headless_service(job: FineTuneJob, settings: BuildSettings) -> dict[st
     }
 
 
+# --------------------------------------------------------------------------- network policy
+
+METRICS_SCRAPER_LABEL = "kubetune.io/metrics-scraper"
+"""The namespace label the default `metrics_from` admits (value `"true"`)."""
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+"""The label Kubernetes puts on every namespace, its name: selects one namespace by name."""
+
+
+def build_network_policy(job: FineTuneJob, settings: BuildSettings) -> dict[str, Any]:
+    """Ingress of the job's trainer pods (every attempt's): from pods of the same job on any
+    port (the rendezvous port and the ephemeral ports of NCCL/gloo collectives), and on the
+    metrics port from the operator's pods and the `metrics_from` peers. Everything else is
+    refused where the CNI enforces NetworkPolicies. Egress is left open: trainers download
+    models and data (hub, S3) and resolve names; see docs/trainer-pods.md."""
+    name, _, _ = _metadata(job)
+    same_job = {"podSelector": {"matchLabels": {LABEL_JOB: label_value(name)}}}
+    scrapers: list[dict[str, Any]] = []
+    if settings.operator_namespace:
+        scrapers.append(
+            {
+                "namespaceSelector": {
+                    "matchLabels": {NAMESPACE_NAME_LABEL: settings.operator_namespace}
+                },
+                "podSelector": {"matchLabels": dict(settings.operator_pod_labels)},
+            }
+        )
+    scrapers.extend(json.loads(json.dumps(peer)) for peer in settings.metrics_from)
+    ingress: list[dict[str, Any]] = [{"from": [same_job]}]
+    if scrapers:
+        ingress.append(
+            {
+                "from": scrapers,
+                "ports": [{"protocol": "TCP", "port": settings.metrics_port}],
+            }
+        )
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _object_meta(job, child_names(name, 1).network_policy),
+        "spec": {
+            "podSelector": {"matchLabels": {LABEL_JOB: label_value(name)}},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        },
+    }
+
+
 # --------------------------------------------------------------------------- batch Job
 
 
@@ -733,10 +797,14 @@ def build_children(
     settings: BuildSettings,
     attempt: int,
 ) -> list[dict[str, Any]]:
-    """Every child in apply order: volume, config, DNS, then the pods that need them."""
-    return [
+    """Every child in apply order: volume, config, DNS, network policy, then the pods that
+    need them (the policy exists before any trainer pod does)."""
+    children = [
         build_checkpoint_pvc(job, plan, settings),
         build_config_map(job, plan, settings, attempt),
         build_headless_service(job, settings),
-        build_indexed_job(job, plan, pool, settings, attempt),
     ]
+    if settings.network_policy:
+        children.append(build_network_policy(job, settings))
+    children.append(build_indexed_job(job, plan, pool, settings, attempt))
+    return children

@@ -23,6 +23,7 @@ from lightkube.core.exceptions import ApiError
 from lightkube.generic_resource import create_global_resource, create_namespaced_resource
 from lightkube.resources.batch_v1 import Job
 from lightkube.resources.core_v1 import ConfigMap, PersistentVolumeClaim, Service
+from lightkube.resources.networking_v1 import NetworkPolicy
 from lightkube.types import CascadeType, PatchType
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -40,6 +41,7 @@ _KINDS: dict[str, Any] = {
     "Service": Service,
     "ConfigMap": ConfigMap,
     "PersistentVolumeClaim": PersistentVolumeClaim,
+    "NetworkPolicy": NetworkPolicy,
 }
 
 TRANSIENT_CODES = frozenset({429, 500, 502, 503, 504})

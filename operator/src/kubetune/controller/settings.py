@@ -18,16 +18,23 @@ KUBETUNE_PLANNER_WORKERS            threads that run reconciles off the event lo
 KUBETUNE_SCRAPE_CONCURRENCY         trainer metrics endpoints read at once (16)
 KUBETUNE_ALLOW_NETWORK              fetch config.json of unknown hub models (false)
 KUBETUNE_METRICS_PORT               operator /metrics port (8000; read by controller.metrics)
+KUBETUNE_NETWORK_POLICIES           create a NetworkPolicy for each job's trainer pods (true)
+KUBETUNE_OPERATOR_NAMESPACE         the operator's namespace, admitted to the trainers' metrics
+                                    port (POD_NAMESPACE; unset: none)
+KUBETUNE_OPERATOR_POD_LABELS        JSON object: labels of the operator's pods ({})
+KUBETUNE_METRICS_FROM               JSON list of NetworkPolicyPeers that may scrape trainers
+                                    (namespaces labelled kubetune.io/metrics-scraper=true)
 
 docs/configuration.md lists the same with the Helm values that set them.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from decimal import Decimal
-from typing import get_args
+from typing import Any, get_args
 
 from kubetune.api.v1alpha1 import Objective
 from kubetune.control.builders import QUANTITY, BuildSettings
@@ -84,6 +91,66 @@ def _objective(env: Mapping[str, str], name: str, default: Objective) -> Objecti
     )
 
 
+def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    if raw.lower() in _TRUE:
+        return True
+    if raw.lower() in {"0", "false", "no", "off"}:
+        return False
+    raise ValueError(
+        f"{name}={raw!r} is not true or false; to fix: set true or false, or unset it for "
+        f"{str(default).lower()}"
+    )
+
+
+def _json(env: Mapping[str, str], name: str, expected: type, example: str) -> Any:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(
+            f"{name}={raw!r} is not JSON ({exc}); to fix: set it to JSON such as {example}"
+        ) from None
+    if not isinstance(value, expected):
+        raise ValueError(
+            f"{name}={raw!r} is not a JSON {expected.__name__}; to fix: set it to JSON such "
+            f"as {example}"
+        )
+    return value
+
+
+_PEER_KEYS = {"podSelector", "namespaceSelector", "ipBlock"}
+
+
+def _operator_pod_labels(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    name = "KUBETUNE_OPERATOR_POD_LABELS"
+    value = _json(env, name, dict, '{"app.kubernetes.io/name": "kubetune"}') or {}
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise ValueError(
+            f"{name}={env.get(name)!r}: label keys and values must be strings; to fix: quote "
+            "every value"
+        )
+    return tuple(sorted(value.items()))
+
+
+def _metrics_from(env: Mapping[str, str]) -> tuple[dict[str, Any], ...]:
+    name = "KUBETUNE_METRICS_FROM"
+    value = _json(env, name, list, '[{"namespaceSelector": {"matchLabels": {"team": "obs"}}}]')
+    if value is None:
+        return BuildSettings.metrics_from
+    for peer in value:
+        if not isinstance(peer, dict) or not peer or set(peer) - _PEER_KEYS:
+            raise ValueError(
+                f"{name}: {peer!r} is not a NetworkPolicyPeer; to fix: give each item one or "
+                "more of podSelector, namespaceSelector (label selectors) or ipBlock"
+            )
+    return tuple(value)
+
+
 def settings_from_env(env: Mapping[str, str] | None = None) -> ControllerSettings:
     env = os.environ if env is None else env
     build = BuildSettings(
@@ -99,6 +166,12 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> ControllerSetting
         memory_per_gpu=_quantity(
             env, "KUBETUNE_TRAINER_MEMORY_PER_GPU", BuildSettings.memory_per_gpu
         ),
+        network_policy=_bool(env, "KUBETUNE_NETWORK_POLICIES", BuildSettings.network_policy),
+        operator_namespace=(
+            env.get("KUBETUNE_OPERATOR_NAMESPACE") or env.get("POD_NAMESPACE") or None
+        ),
+        operator_pod_labels=_operator_pod_labels(env),
+        metrics_from=_metrics_from(env),
     )
     planner = PlannerSettings(
         safety_factor=_float(env, "KUBETUNE_SAFETY_FACTOR", PlannerSettings.safety_factor),
