@@ -83,6 +83,20 @@ def rules(docs: list[dict]) -> Iterator[tuple[dict, dict]]:
                 yield d, rule
 
 
+def operator_rules(docs: list[dict]) -> Iterator[tuple[dict, dict]]:
+    """The rules of the (Cluster)Roles bound to the operator's ServiceAccount."""
+    bound = {
+        (b["roleRef"]["kind"], b["roleRef"]["name"], b["metadata"].get("namespace"))
+        for b in docs
+        if b["kind"] in ("ClusterRoleBinding", "RoleBinding")
+        and any(s["kind"] == "ServiceAccount" for s in b["subjects"])
+    }
+    for role, rule in rules(docs):
+        meta = role["metadata"]
+        if (role["kind"], meta["name"], meta.get("namespace")) in bound:
+            yield role, rule
+
+
 ALL_ON = {
     "replicaCount": 2,
     "watch": {"namespaces": ["team-a", "team-b"]},
@@ -212,7 +226,7 @@ def test_non_default_values(helm: Helm, tmp_path: Path) -> None:
     assert len(find(docs, "RoleBinding", "rel-kubetune")) == 2
     (lease_role,) = find(docs, "Role", "rel-kubetune-leader-election")
     assert lease_role["metadata"]["namespace"] == "kubetune-system"
-    (cluster_role,) = find(docs, "ClusterRole")
+    (cluster_role,) = find(docs, "ClusterRole", "rel-kubetune-cluster")
     cluster_resources = {r for rule in cluster_role["rules"] for r in rule["resources"]}
     assert "finetunejobs" not in cluster_resources and "jobs" not in cluster_resources
     assert {"gpupools", "nodes", "customresourcedefinitions"} <= cluster_resources
@@ -334,6 +348,7 @@ def test_toggles_turn_objects_off(helm: Helm) -> None:
         "serviceAccount.create=false",
         "serviceAccount.name=existing",
         "metrics.enabled=false",
+        "tenantRoles.enabled=false",
     )
     assert sorted(d["kind"] for d in docs) == ["Deployment", "Pod"]
     (deploy,) = find(docs, "Deployment")
@@ -389,6 +404,8 @@ def test_gpu_pool_catalog_example_in_values_is_valid(helm: Helm, tmp_path: Path)
         (["leaderElection.leaseDurationSeconds=7.5"], "leaseDurationSeconds"),
         (["leaderElection.renewDeadlineSeconds=0"], "renewDeadlineSeconds"),
         (["leaderElection.leaseName=Bad_Name"], "leaseName"),
+        (["tenantRoles.enabled=maybe"], "enabled"),
+        (["tenantRoles.poolReaderGroups=everyone"], "poolReaderGroups"),
     ],
 )
 def test_schema_rejects_bad_values(helm: Helm, sets: list[str], message: str) -> None:
@@ -420,7 +437,7 @@ def test_rbac_rules_are_the_documented_set(helm: Helm) -> None:
     """The granted rules, flattened; a change here must be deliberate (and documented)."""
     granted = {
         (g, r, v)
-        for _, rule in rules(render(helm))
+        for _, rule in operator_rules(render(helm))
         for g in rule["apiGroups"]
         for r in rule["resources"]
         for v in rule["verbs"]
@@ -453,7 +470,7 @@ def test_rbac_rules_are_the_documented_set(helm: Helm) -> None:
     assert granted == expected
     with_lease = {
         (g, r, v)
-        for _, rule in rules(render(helm, "replicaCount=2"))
+        for _, rule in operator_rules(render(helm, "replicaCount=2"))
         for g in rule["apiGroups"]
         for r in rule["resources"]
         for v in rule["verbs"]
@@ -463,6 +480,90 @@ def test_rbac_rules_are_the_documented_set(helm: Helm) -> None:
     readme = (CHART / "README.md").read_text()
     for _, resource, _ in expected | lease:
         assert f"`{resource}`" in readme, f"README.md does not explain {resource}"
+
+
+def granted_by(role: dict) -> set[tuple[str, str, str]]:
+    return {
+        (g, r, v)
+        for rule in role["rules"]
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
+
+
+TENANT_EDIT = {
+    *(
+        ("kubetune.io", "finetunejobs", v)
+        for v in ("get", "list", "watch", "create", "update", "patch", "delete")
+    ),
+    ("kubetune.io", "finetunejobs/status", "get"),
+    *(("kubetune.io", "gpupools", v) for v in ("get", "list", "watch")),
+}
+TENANT_VIEW = {
+    *(
+        ("kubetune.io", r, v)
+        for r in ("finetunejobs", "gpupools")
+        for v in ("get", "list", "watch")
+    ),
+    ("kubetune.io", "finetunejobs/status", "get"),
+}
+POOL_READER = {("kubetune.io", "gpupools", v) for v in ("get", "list", "watch")}
+
+
+def test_tenant_roles_aggregate_into_admin_edit_and_view(helm: Helm, tmp_path: Path) -> None:
+    """Users bound to admin/edit manage FineTuneJobs, view reads them; GPUPools, which a
+    namespace's RoleBinding cannot grant, are read through the pool-reader binding; no tenant
+    role writes a job's status or a pool. tests/integration/test_helm.py checks what a user
+    with these roles may do in a real API server."""
+    aggregate = "rbac.authorization.k8s.io/aggregate-to-"
+    for docs in (render(helm), render(helm, values=ALL_ON, tmp=tmp_path)):
+        (edit,) = find(docs, "ClusterRole", "rel-kubetune-tenant-edit")
+        (view,) = find(docs, "ClusterRole", "rel-kubetune-tenant-view")
+        (reader,) = find(docs, "ClusterRole", "rel-kubetune-pool-reader")
+        aggregates = {
+            name: {k for k, v in role["metadata"]["labels"].items() if k.startswith(aggregate)}
+            for name, role in (("edit", edit), ("view", view), ("reader", reader))
+        }
+        assert aggregates == {
+            "edit": {f"{aggregate}admin", f"{aggregate}edit"},
+            "view": {f"{aggregate}view"},
+            "reader": set(),
+        }
+        assert all(edit["metadata"]["labels"][k] == "true" for k in aggregates["edit"])
+        assert view["metadata"]["labels"][f"{aggregate}view"] == "true"
+        assert (granted_by(edit), granted_by(view), granted_by(reader)) == (
+            TENANT_EDIT,
+            TENANT_VIEW,
+            POOL_READER,
+        )
+        (binding,) = find(docs, "ClusterRoleBinding", "rel-kubetune-pool-reader")
+        assert binding["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "ClusterRole",
+            "name": "rel-kubetune-pool-reader",
+        }
+        assert binding["subjects"] == [
+            {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "Group",
+                "name": "system:authenticated",
+            }
+        ]
+    # Other groups; none (the ClusterRole stays, to bind by hand); no tenant roles at all.
+    docs = render(
+        helm, values={"tenantRoles": {"poolReaderGroups": ["ml-team", "data"]}}, tmp=tmp_path
+    )
+    (binding,) = find(docs, "ClusterRoleBinding", "rel-kubetune-pool-reader")
+    assert [s["name"] for s in binding["subjects"]] == ["ml-team", "data"]
+    docs = render(helm, values={"tenantRoles": {"poolReaderGroups": []}}, tmp=tmp_path)
+    assert find(docs, "ClusterRole", "rel-kubetune-pool-reader")
+    assert not find(docs, "ClusterRoleBinding", "rel-kubetune-pool-reader")
+    docs = render(helm, "tenantRoles.enabled=false")
+    assert not [d for d in docs if "tenant" in d["metadata"]["name"]]
+    assert not [d for d in docs if "pool-reader" in d["metadata"]["name"]]
+    # The operator's own RBAC does not depend on them.
+    assert find(docs, "ClusterRole", "rel-kubetune")
 
 
 def test_installed_crds_are_the_crds_folder(helm: Helm) -> None:
