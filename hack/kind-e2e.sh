@@ -176,7 +176,11 @@ kind load docker-image --name "$CLUSTER" --nodes "$CLUSTER-worker,$CLUSTER-worke
 kind load docker-image --name "$CLUSTER" "$OPERATOR_IMAGE"
 
 stamp "helm install"
-helm install kubetune charts/kubetune --namespace kubetune-system --create-namespace --wait \
+# The release namespace enforces the restricted Pod Security Standard, as the e2e namespace
+# does (tests/support/e2e_targets.py): the operator's pod and the `helm test` pod must pass it.
+kubectl create namespace kubetune-system
+kubectl label namespace kubetune-system pod-security.kubernetes.io/enforce=restricted
+helm install kubetune charts/kubetune --namespace kubetune-system --wait \
   --set image.repository="${OPERATOR_IMAGE%:*}" --set image.tag="${OPERATOR_IMAGE##*:}" \
   --set image.pullPolicy=Never \
   --set operator.trainerImage="$TRAINER_IMAGE" --set operator.trainerImagePullPolicy=Never \

@@ -2,8 +2,9 @@
 
 The cluster (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok with
 simulated GPU pools, a hostPath provisioner) starts once per session; every test gets a
-fresh namespace. The operator runs as a separate `kopf run` process, as users run it.
-Component and operator logs are printed when a test fails.
+fresh namespace, which enforces the `restricted` Pod Security Standard. The operator runs as
+a separate `kopf run` process, as users run it. Component and operator logs are printed when
+a test fails.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kubetune_dev.binaries import Binaries
 from kubetune_dev.cli import simulated_pool_docs
 from kubetune_dev.cluster import LocalCluster
 from support.cluster import FAST_OPERATOR, Cluster, start_operator
+from support.podsecurity import restricted_namespace
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,8 +60,10 @@ def operator(local_cluster: LocalCluster) -> Iterator[Path]:
 
 @pytest.fixture
 def namespace(cluster: Cluster) -> Iterator[str]:
+    """A fresh namespace that enforces the `restricted` Pod Security Standard: trainer pods
+    and the tests' own pods there must be restricted-compliant (support/podsecurity.py)."""
     name = f"t-{uuid.uuid4().hex[:8]}"
-    cluster.kubectl("create", "namespace", name)
+    cluster.kubectl("create", "-f", "-", input=yaml.safe_dump(restricted_namespace(name)))
     yield name
     cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
 

@@ -30,6 +30,7 @@ from kubetune_dev.binaries import Binaries
 from kubetune_dev.cluster import LocalCluster, free_port
 from support.cluster import Cluster, job_doc, operators_paused, wait_phase
 from support.helm import Helm
+from support.podsecurity import ENFORCE, REFUSED, RESTRICTED_LABELS, restricted_namespace
 from support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
@@ -224,6 +225,9 @@ def release(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Itera
     local = cluster.local
     name = "kt"
     values = {**base_values(), "gpuPools": [CHART_POOL]}
+    # The release namespace enforces the restricted Pod Security Standard, as hack/kind-e2e.sh
+    # installs it (test_chart_pods_pass_the_restricted_pod_security_standard).
+    assert cluster.apply(restricted_namespace(RELEASE_NS)).returncode == 0
     install(local, name, values, tmp_path_factory.mktemp("helm"))
     yield name
     helm(local, "uninstall", name, "-n", RELEASE_NS, "--wait", check=False)
@@ -355,6 +359,246 @@ def helm_test_check(
         check=False,
     )
     return done, url
+
+
+# ---------------------------------------------------------------------- pod security
+
+
+def pod_from_template(deploy: dict[str, Any]) -> dict[str, Any]:
+    template = deploy["spec"]["template"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": f"{deploy['metadata']['name']}-template"},
+        "spec": template["spec"],
+    }
+
+
+def server_dry_run(cluster: Cluster, pod: dict[str, Any], namespace: str, *as_user: str) -> str:
+    """Create `pod` with `--dry-run=server`, through every admission plugin (PodSecurity
+    included) without keeping it; the error output, empty when it was admitted."""
+    out = cluster.kubectl(
+        "create",
+        "--dry-run=server",
+        "-n",
+        namespace,
+        "-f",
+        "-",
+        *as_user,
+        input=yaml.safe_dump(pod),
+        check=False,
+    )
+    return "" if out.returncode == 0 else out.stderr.strip()
+
+
+def test_chart_pods_pass_the_restricted_pod_security_standard(
+    cluster: Cluster, release: str
+) -> None:
+    """The operator's pod and the `helm test` pod are admitted where `restricted` is enforced
+    (hack/kind-e2e.sh runs both there); a pod without the chart's securityContext is not,
+    so the API server does enforce it."""
+    labels = cluster.get("namespace", RELEASE_NS)["metadata"]["labels"]  # type: ignore[index]
+    assert labels[ENFORCE] == "restricted"
+    (deploy,) = [d for d in manifest(cluster.local, release) if d["kind"] == "Deployment"]
+    hooks = helm(cluster.local, "get", "hooks", release, "-n", RELEASE_NS).stdout
+    (check,) = [d for d in yaml.safe_load_all(hooks) if d and d["kind"] == "Pod"]
+    operator_pod = pod_from_template(deploy)
+    for pod in (operator_pod, check):
+        assert server_dry_run(cluster, pod, RELEASE_NS) == "", pod["metadata"]["name"]
+    bare = pod_from_template(deploy)
+    bare["spec"] = {k: v for k, v in bare["spec"].items() if k != "securityContext"}
+    bare["spec"]["containers"] = [
+        {k: v for k, v in c.items() if k != "securityContext"} for c in bare["spec"]["containers"]
+    ]
+    refused = server_dry_run(cluster, bare, RELEASE_NS)
+    assert REFUSED in refused, refused
+
+
+# ---------------------------------------------------------------------- tenant roles
+
+TENANT_GROUP = "ml-team"
+
+
+def as_user(user: str) -> tuple[str, ...]:
+    """kubectl impersonating a signed-in user of a team (the API server adds
+    system:authenticated to an impersonated user's groups, as to a real one's)."""
+    return (f"--as={user}", f"--as-group={TENANT_GROUP}")
+
+
+def user_can_i(cluster: Cluster, user: str, *args: str) -> str:
+    out = cluster.kubectl("auth", "can-i", *args, *as_user(user), check=False)
+    return out.stdout.strip()
+
+
+def tenant_answers(cluster: Cluster, user: str, namespace: str) -> dict[str, str]:
+    ftj, pools = "finetunejobs.kubetune.io", "gpupools.kubetune.io"
+    checks = {
+        f"create {ftj} -n NS": ("create", ftj, "-n", namespace),
+        f"get {ftj} -n NS": ("get", ftj, "-n", namespace),
+        f"list {ftj} -n NS": ("list", ftj, "-n", namespace),
+        f"watch {ftj} -n NS": ("watch", ftj, "-n", namespace),
+        f"update {ftj} -n NS": ("update", ftj, "-n", namespace),
+        f"patch {ftj} -n NS": ("patch", ftj, "-n", namespace),
+        f"delete {ftj} -n NS": ("delete", ftj, "-n", namespace),
+        f"get {ftj}/status -n NS": ("get", ftj, "--subresource=status", "-n", namespace),
+        f"patch {ftj}/status -n NS": ("patch", ftj, "--subresource=status", "-n", namespace),
+        f"create {ftj} -n default": ("create", ftj, "-n", "default"),
+        f"delete {ftj} -n default": ("delete", ftj, "-n", "default"),
+        f"list {ftj} -A": ("list", ftj, "-A"),
+        f"get {pools}": ("get", pools),
+        f"list {pools}": ("list", pools),
+        f"watch {pools}": ("watch", pools),
+        f"create {pools}": ("create", pools),
+        f"patch {pools}": ("patch", pools),
+        f"delete {pools}": ("delete", pools),
+        f"patch {pools}/status": ("patch", pools, "--subresource=status"),
+    }
+    return {what: user_can_i(cluster, user, *args) for what, args in checks.items()}
+
+
+YES_EDIT = {
+    *(f"{v} finetunejobs.kubetune.io -n NS" for v in ("create", "get", "list", "watch")),
+    *(f"{v} finetunejobs.kubetune.io -n NS" for v in ("update", "patch", "delete")),
+    "get finetunejobs.kubetune.io/status -n NS",
+    "get gpupools.kubetune.io",
+    "list gpupools.kubetune.io",
+    "watch gpupools.kubetune.io",
+}
+YES_VIEW = {
+    *(f"{v} finetunejobs.kubetune.io -n NS" for v in ("get", "list", "watch")),
+    "get finetunejobs.kubetune.io/status -n NS",
+    "get gpupools.kubetune.io",
+    "list gpupools.kubetune.io",
+    "watch gpupools.kubetune.io",
+}
+YES_NO_BINDING = {
+    "get gpupools.kubetune.io",
+    "list gpupools.kubetune.io",
+    "watch gpupools.kubetune.io",
+}
+
+
+def test_tenant_roles_give_namespace_users_jobs_there_and_pools_to_read(
+    cluster: Cluster, namespace: str, release: str
+) -> None:
+    """`edit` or `view` bound in one namespace (a RoleBinding, as a cluster admin hands out
+    namespaces): jobs there and nowhere else, every pool to read, no pool or job status to
+    write. A user without any binding still reads pools (the pool-reader binding)."""
+    cluster.kubectl(
+        "create", "rolebinding", "alice-edit", "--clusterrole=edit", "--user=alice", "-n", namespace
+    )
+    cluster.kubectl(
+        "create", "rolebinding", "bob-view", "--clusterrole=view", "--user=bob", "-n", namespace
+    )
+    # The aggregation controller adds the chart's rules to edit and view.
+    wait_for(
+        "edit and view to aggregate the tenant rules",
+        lambda: (
+            user_can_i(cluster, "alice", "create", "finetunejobs.kubetune.io", "-n", namespace)
+            == "yes"
+            and user_can_i(cluster, "bob", "list", "finetunejobs.kubetune.io", "-n", namespace)
+            == "yes"
+        ),
+        30,
+    )
+    for user, yes in (("alice", YES_EDIT), ("bob", YES_VIEW), ("carol", YES_NO_BINDING)):
+        answers = tenant_answers(cluster, user, namespace)
+        expected = {what: "yes" if what in yes else "no" for what in answers}
+        assert answers == expected, user
+    # What a refused user sees.
+    job = yaml.safe_dump(job_doc("elsewhere"))
+    out = cluster.kubectl(
+        "create", "-n", "default", "-f", "-", *as_user("alice"), input=job, check=False
+    )
+    assert out.returncode != 0
+    assert (
+        'User "alice" cannot create resource "finetunejobs" in API group "kubetune.io" in the '
+        'namespace "default"'
+    ) in out.stderr, out.stderr
+    pool = {"apiVersion": "kubetune.io/v1alpha1", "kind": "GPUPool", **CHART_POOL}
+    pool["metadata"] = {"name": pool.pop("name")}
+    out = cluster.kubectl(
+        "create", "-f", "-", *as_user("alice"), input=yaml.safe_dump(pool), check=False
+    )
+    assert out.returncode != 0
+    assert (
+        'User "alice" cannot create resource "gpupools" in API group "kubetune.io" at the '
+        "cluster scope"
+    ) in out.stderr, out.stderr
+    listed = cluster.kubectl("get", "gpupools", "-o", "name", *as_user("carol"))
+    assert f"gpupool.kubetune.io/{CHART_POOL['name']}" in listed.stdout.split()
+
+
+def test_tenant_runs_a_job_to_success_in_a_restricted_namespace(
+    cluster: Cluster, namespace: str, release: str, tmp_path: Path
+) -> None:
+    """A user with `edit` in the namespace applies, follows and deletes a job; the operator
+    runs with only the chart's RBAC; the namespace enforces the `restricted` Pod Security
+    Standard, and the trainer pods were admitted there."""
+    labels = cluster.get("namespace", namespace)["metadata"]["labels"]  # type: ignore[index]
+    assert {k: labels.get(k) for k in RESTRICTED_LABELS} == RESTRICTED_LABELS
+    cluster.kubectl(
+        "create", "rolebinding", "alice-edit", "--clusterrole=edit", "--user=alice", "-n", namespace
+    )
+    alice = as_user("alice")
+    wait_for(
+        "edit to aggregate the tenant rules",
+        lambda: (
+            user_can_i(cluster, "alice", "create", "finetunejobs.kubetune.io", "-n", namespace)
+            == "yes"
+        ),
+        30,
+    )
+    local = cluster.local
+    sa = f"{release}-kubetune"
+    docs = manifest(local, release)
+    kubeconfig = service_account_kubeconfig(cluster, sa, tmp_path / "sa.kubeconfig")
+    log = local.logs / "chart-operator-tenant.log"
+    name = "by-tenant"
+    with operators_paused(local), chart_operator(cluster, docs, kubeconfig, log):
+        job = yaml.safe_dump(job_doc(name, resources={"pools": ["l40s"]}))
+        cluster.kubectl("create", "-n", namespace, "-f", "-", *alice, input=job)
+
+        def phase() -> str:
+            out = cluster.kubectl(
+                "get", "ftj", name, "-n", namespace, "-o", "jsonpath={.status.phase}", *alice
+            )
+            return out.stdout if out.stdout in ("Succeeded", "Failed") else ""
+
+        assert wait_for(f"{name} to finish", phase, 120) == "Succeeded"
+        batch = cluster.get("job.batch", f"{name}-a1", namespace)
+        assert batch is not None
+        assert batch["spec"]["template"]["spec"]["containers"][0]["image"] == TRAINER_IMAGE
+        events = cluster.list("events", namespace)
+        reasons = {
+            e["reason"]
+            for e in events
+            if e["involvedObject"]["kind"] == "Job"
+            and e["involvedObject"]["name"] == batch["metadata"]["name"]
+        }
+        # The Job controller's pods passed PodSecurity admission (a refused pod is a
+        # FailedCreate Event of the Job, with the violations in its message).
+        assert "SuccessfulCreate" in reasons and "FailedCreate" not in reasons, reasons
+        # A pod of the same template without its securityContext would not have been.
+        template = batch["spec"]["template"]
+        bare = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "trainer-without-security-context"},
+            "spec": {
+                **{k: v for k, v in template["spec"].items() if k != "securityContext"},
+                "containers": [
+                    {k: v for k, v in c.items() if k != "securityContext"}
+                    for c in template["spec"]["containers"]
+                ],
+            },
+        }
+        refused = server_dry_run(cluster, bare, namespace)
+        assert REFUSED in refused, refused
+        cluster.kubectl(
+            "delete", "ftj", name, "-n", namespace, "--wait=true", "--timeout=60s", *alice
+        )
+    assert not forbidden_lines(log), "\n".join(forbidden_lines(log)[-20:])
 
 
 # ---------------------------------------------------------------------- namespaced mode

@@ -113,6 +113,18 @@ def runner(
         assert code == 0, run.log.read_text()[-3000:]
 
 
+@pytest.fixture
+def namespace(cluster: Cluster) -> Iterator[str]:
+    """A namespace without the tier's `restricted` Pod Security label: the runner's own tests
+    run pods as a kubelet's tests would (hostPath volumes, no securityContext); no
+    FineTuneJob runs here (the e2e tier runs trainer pods through the runner in a restricted
+    namespace)."""
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    cluster.kubectl("create", "namespace", name)
+    yield name
+    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
 def placement(node: str) -> dict[str, Any]:
     """Scheduled by the real scheduler onto the runner's node."""
     return {

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from support.cluster import Cluster, job_doc, wait_phase
+from support.podsecurity import RESTRICTED_CONTAINER
 from support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
@@ -297,6 +298,7 @@ def test_queued_until_gpus_free_up(cluster: Cluster, namespace: str, operator: P
                             "name": "hog",
                             "image": "busybox",
                             "resources": {"limits": {"nvidia.com/gpu": "8"}},
+                            "securityContext": RESTRICTED_CONTAINER,
                         }
                     ],
                 },

@@ -19,6 +19,7 @@ import pytest
 
 from kubetune_dev.cluster import simulated_nodes
 from support.cluster import Cluster, job_doc
+from support.podsecurity import RESTRICTED_CONTAINER
 from support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
@@ -66,6 +67,7 @@ def hog(i: int) -> dict[str, Any]:
                     "name": "hog",
                     "image": "busybox",
                     "resources": {"limits": {"nvidia.com/gpu": "8"}},
+                    "securityContext": RESTRICTED_CONTAINER,
                 }
             ],
         },

@@ -9,6 +9,8 @@ test modules and conftests of any tier import from here; nothing in the product 
 - `cluster`: kubectl helpers and FineTuneJob helpers for the local control plane.
 - `apiserver`: `Api`, plain HTTPS to a local kube-apiserver.
 - `e2e_targets`: where the e2e tier runs (the local control plane or a kind cluster).
+- `podsecurity`: the `restricted` Pod Security Standard of the namespaces jobs run in: the
+  namespace, a compliant container securityContext, a checker for pod specs.
 - `trainer`: trainer configs and logs, the environment of trainer processes.
 - `reconcile`: a job, what the cluster shows, and one step of the control loop, for the
   reconcile and lifecycle unit tests.

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from support.podsecurity import RESTRICTED_CONTAINER, RESTRICTED_LABELS, restricted_namespace
 from support.waiting import WaitTimeout, wait_for
 
 if TYPE_CHECKING:
@@ -178,7 +179,8 @@ class LocalTarget(Target):
         try:
             self.cluster.apply([yaml.safe_load(text) for text in render_all().values()])
             self.kubectl("wait", "--for=condition=Established", "crd", "--all", "--timeout=30s")
-            self.kubectl("create", "namespace", NAMESPACE)
+            # As a careful admin would have it: the `restricted` Pod Security Standard.
+            self.kubectl("create", "-f", "-", input=yaml.safe_dump(restricted_namespace(NAMESPACE)))
             self.cluster.add_local_pool(POOL, node=NODE_A)
             self.cluster.add_local_pool(POOL_B, node=NODE_B, pod_ip_base="127.0.101.")
             prepare_data(self.cluster, say, namespace=NAMESPACE, claim=DATA_CLAIM)
@@ -270,6 +272,15 @@ class KindTarget(Target):
         self.image = trainer_image
         self.kubectl_bin = shutil.which("kubectl") or "kubectl"
         self.kubectl("create", "namespace", NAMESPACE, check=False)
+        # Trainer pods and this target's data and volume-reader pods run under the
+        # `restricted` Pod Security Standard.
+        self.kubectl(
+            "label",
+            "namespace",
+            NAMESPACE,
+            "--overwrite",
+            *(f"{k}={v}" for k, v in RESTRICTED_LABELS.items()),
+        )
         self.kubectl("apply", "-f", "-", input=yaml.safe_dump(POOL))
         self.kubectl("apply", "-f", "-", input=yaml.safe_dump(POOL_B))
         self.apply(
@@ -320,6 +331,9 @@ class KindTarget(Target):
     ) -> str:
         """Run a one-off pod of the trainer image with `claim` at /data; its output.
 
+        It runs as the trainer pods do, as a non-root user under the `restricted` Pod
+        Security Standard of NAMESPACE.
+
         It runs where the trainer image is, on a pool node (it tolerates the pools' taint):
         `node` if given, else wherever the claim's volume is.
         """
@@ -351,6 +365,10 @@ class KindTarget(Target):
                             "image": self.image,
                             "imagePullPolicy": "Never",
                             "command": command,
+                            # The trainer's own user; its caches go to /tmp, not to a HOME
+                            # it cannot write.
+                            "env": [{"name": "HOME", "value": "/tmp"}],
+                            "securityContext": RESTRICTED_CONTAINER,
                             "volumeMounts": [{"name": "data", "mountPath": "/data"}],
                         }
                     ],

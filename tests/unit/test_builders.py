@@ -46,6 +46,7 @@ from kubetune_trainer.contract import (
     EXIT_STOPPED,
     TrainerConfig,
 )
+from support.podsecurity import restricted_violations
 
 pytestmark = pytest.mark.unit
 
@@ -611,6 +612,29 @@ def test_restricted_pod_security() -> None:
     assert {"/tmp", "/dev/shm", "/checkpoints", "/etc/kubetune"} <= mounts
     for volume in _pod_spec(built)["volumes"]:
         assert "hostPath" not in volume
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_trainer_pods_meet_the_restricted_pod_security_standard(case: str) -> None:
+    """Trainer pods run in namespaces that enforce `restricted` (the integration and e2e
+    tiers label theirs so): every check of that standard passes, and the checker does see
+    what the builders would lose."""
+    job, plan, pool, attempt = CASES[case]()
+    pod = _pod_spec(build_indexed_job(job, plan, pool, SETTINGS, attempt))
+    assert restricted_violations(pod) == []
+    loose = json.loads(json.dumps(pod))
+    del loose["securityContext"]["seccompProfile"]
+    del loose["securityContext"]["runAsNonRoot"]
+    loose["containers"][0]["securityContext"] = {"capabilities": {"add": ["SYS_ADMIN"]}}
+    loose["volumes"].append({"name": "host", "hostPath": {"path": "/"}})
+    assert restricted_violations(loose) == [
+        "volume host of type ['hostPath']",
+        "trainer: allowPrivilegeEscalation != false",
+        "trainer: capabilities do not drop ALL",
+        "trainer: adds capabilities ['SYS_ADMIN']",
+        "trainer: runAsNonRoot != true",
+        "trainer: seccompProfile None",
+    ]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
