@@ -187,7 +187,8 @@ helm install kubetune charts/kubetune --namespace kubetune-system --wait \
   --set operator.pollSeconds=1 --set operator.queueRetrySeconds=2 \
   --set operator.progressWriteSeconds=1 \
   --set operator.terminationGraceSeconds=60 --set operator.rescheduleSeconds=5 \
-  --set operator.trainerCPUPerGPU=250m --set operator.trainerMemoryPerGPU=1Gi
+  --set operator.trainerCPUPerGPU=250m --set operator.trainerMemoryPerGPU=1Gi \
+  --set operator.allowTestFaults=true
 
 stamp "helm test"
 helm test kubetune --namespace kubetune-system --logs --timeout 3m

@@ -466,6 +466,9 @@ def test_rbac_rules_are_the_documented_set(helm: Helm) -> None:
         ("", "pods", "watch"),
         ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
         ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
+        # What each namespace allows its jobs (pools by label, Secrets by annotation).
+        ("", "namespaces", "list"),
+        ("", "namespaces", "watch"),
     }
     assert granted == expected
     with_lease = {

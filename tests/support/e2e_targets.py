@@ -79,6 +79,8 @@ OPERATOR_SETTINGS = {
     "KUBETUNE_TERMINATION_GRACE_SECONDS": "60",
     "KUBETUNE_RESCHEDULE_SECONDS": "5",
     "KUBETUNE_TRAINER_IMAGE": "kubetune/trainer:e2e",
+    # The scenarios inject their faults (out of memory, slow steps) through the annotation.
+    "KUBETUNE_ALLOW_TEST_FAULTS": "true",
 }
 
 

@@ -2,7 +2,10 @@
 
 `ApiServerEmulator` closes two gaps between KMock 0.8's `KubernetesEmulator` and a real
 kube-apiserver (tests/unit/test_handlers.py shows both on the stock emulator);
-`declare_resources` serves the built-in resources and kubetune's CRDs.
+`declare_resources` serves the built-in resources and kubetune's CRDs. A third gap is in
+KMock's request parsing, shared by every emulator: it reads `/api/v1/namespaces` (the list of
+Namespaces) as a namespace prefix with no namespace and fails with a 500; importing this
+module makes it parse Namespace paths as kube-apiserver does (`_parse_namespace_paths`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 import aiohttp.web
 import kmock
 import yaml
+from kmock._internal import parsing
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -104,6 +108,30 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         return aiohttp.web.Response(
             body=response.body, status=response.status, content_type="application/json"
         )
+
+
+_stock_parse_path = parsing.parse_path
+
+
+def _parse_namespace_paths(path: str) -> parsing.ParsedPath:
+    """`/api/v1/namespaces[/NAME[/status|finalize]]` is the cluster-scoped Namespace
+    resource; every other path as KMock parses it."""
+    parts = path.split("?", 1)[0].strip("/").split("/")
+    if parts[:3] == ["api", "v1", "namespaces"] and (
+        len(parts) <= 4 or (len(parts) == 5 and parts[4] in ("status", "finalize"))
+    ):
+        rest = parts[3:]
+        return parsing.ParsedPath(
+            group="",
+            version="v1",
+            plural="namespaces",
+            name=rest[0] if rest else None,
+            subresource=rest[1] if len(rest) > 1 else None,
+        )
+    return _stock_parse_path(path)
+
+
+parsing.parse_path = _parse_namespace_paths
 
 
 def register_crds(emulator: kmock.KubernetesEmulator) -> None:

@@ -41,9 +41,10 @@ def run(
     observed: Observed | None = None,
     now: datetime = T0,
     pools: list[GPUPool] | None = None,
+    settings: ControllerSettings = SETTINGS,
 ) -> tuple[FineTuneJob, Decision]:
     obs = observed or Observed(pools=pools if pools is not None else default_pools())
-    d = reconcile(job, obs, SETTINGS, now=now, load_arch=load_arch)
+    d = reconcile(job, obs, settings, now=now, load_arch=load_arch)
     status = FineTuneJobStatus.model_validate(d.status.to_wire())
     return job.model_copy(update={"status": status}), d
 

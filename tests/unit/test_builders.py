@@ -54,6 +54,8 @@ FIXTURES = Path(__file__).parent / "fixtures" / "builders"
 UPDATE = os.environ.get("KUBETUNE_UPDATE_FIXTURES") == "1"
 DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 SETTINGS = BuildSettings()
+FAULTS_ON = BuildSettings(allow_test_faults=True)
+"""A test cluster's operator: it obeys the kubetune.io/test-faults annotation."""
 
 
 # --------------------------------------------------------------------------- reference jobs
@@ -481,20 +483,22 @@ def test_fault_annotation_reaches_the_listed_attempts(
 ) -> None:
     job = tiny_lora_job()
     job.metadata["annotations"] = {"kubetune.io/test-faults": annotation}
-    assert build_trainer_config(job, tiny_lora_plan(), SETTINGS, attempt).faults.oom_at_step == step
+    assert (
+        build_trainer_config(job, tiny_lora_plan(), FAULTS_ON, attempt).faults.oom_at_step == step
+    )
 
 
 def test_step_seconds_annotation_slows_every_attempt() -> None:
     job = tiny_lora_job()
     job.metadata["annotations"] = {"kubetune.io/test-faults": '{"stepSeconds": 0.25}'}
     for attempt in (1, 2):
-        faults = build_trainer_config(job, tiny_lora_plan(), SETTINGS, attempt).faults
+        faults = build_trainer_config(job, tiny_lora_plan(), FAULTS_ON, attempt).faults
         assert faults.min_step_seconds == 0.25 and faults.oom_at_step is None
     job.metadata["annotations"] = {
         "kubetune.io/test-faults": '{"stepSeconds": 1, "oomAtStep": 4, "attempts": [2]}'
     }
-    assert build_trainer_config(job, tiny_lora_plan(), SETTINGS, 1).faults.min_step_seconds is None
-    faults = build_trainer_config(job, tiny_lora_plan(), SETTINGS, 2).faults
+    assert build_trainer_config(job, tiny_lora_plan(), FAULTS_ON, 1).faults.min_step_seconds is None
+    faults = build_trainer_config(job, tiny_lora_plan(), FAULTS_ON, 2).faults
     assert (faults.min_step_seconds, faults.oom_at_step) == (1.0, 4)
 
 
@@ -517,8 +521,16 @@ def test_bad_fault_annotation_is_a_spec_error(annotation: str) -> None:
     job = tiny_lora_job()
     job.metadata["annotations"] = {"kubetune.io/test-faults": annotation}
     with pytest.raises(SpecError, match=r"kubetune\.io/test-faults") as info:
-        build_trainer_config(job, tiny_lora_plan(), SETTINGS, 1)
+        build_trainer_config(job, tiny_lora_plan(), FAULTS_ON, 1)
     assert "oomAtStep" in str(info.value) and "stepSeconds" in str(info.value)
+
+
+def test_fault_annotation_is_ignored_without_the_setting() -> None:
+    job = tiny_lora_job()
+    job.metadata["annotations"] = {"kubetune.io/test-faults": '{"oomAtStep": 2}'}
+    assert build_trainer_config(job, tiny_lora_plan(), SETTINGS, 1).faults.oom_at_step is None
+    job.metadata["annotations"] = {"kubetune.io/test-faults": "{oops"}  # not even read
+    assert build_trainer_config(job, tiny_lora_plan(), SETTINGS, 1).faults.oom_at_step is None
 
 
 def test_trainer_config_pvc_model_full() -> None:

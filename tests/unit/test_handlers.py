@@ -1173,6 +1173,8 @@ async def test_operator_launches_an_applied_job(
     assert status["attempt"] == 1
     assert condition(status, ConditionType.PLANNED)["status"] == "True"
     names = child_names("tiny-cpu-lora", 1)
+    # The status goes out with the first creates; the batch Job follows them.
+    await eventually(lambda: bool(children(apiserver)["job"]))
     assert children(apiserver) == {
         "pvc": [names.pvc],
         "configmap": [names.config_map],

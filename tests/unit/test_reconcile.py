@@ -7,14 +7,17 @@ play out like the real control loop.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
 import pytest
 
-from kubetune.api.v1alpha1 import FineTuneJobStatus
+from kubetune.api.tenancy import Tenant
+from kubetune.api.v1alpha1 import FineTuneJobStatus, LabelSelector
 from kubetune.api.vocabulary import ConditionType, PlanReason, Reason, RecoveryReason
 from kubetune.control import conditions as c
+from kubetune.control.builders import BuildSettings
 from kubetune.control.reconcile import Decision, Observed, reconcile
 from kubetune.planning.arch import ArchitectureError
 from kubetune.planning.catalog import default_pools
@@ -375,10 +378,13 @@ def test_failing_outside_reconcile_keeps_the_plan_and_says_why() -> None:
     assert job.status.phase == "Running"  # the original is untouched
 
 
+FAULTS_ON = replace(SETTINGS, build=BuildSettings(allow_test_faults=True))
+
+
 def test_a_bad_fault_annotation_fails_the_job_with_the_fix() -> None:
     job = make_job()
     job.metadata["annotations"] = {"kubetune.io/test-faults": "{oops"}
-    job, d = run(job)
+    job, d = run(job, settings=FAULTS_ON)
     s = job.status
     assert s is not None and s.phase == "Failed" and s.attempt == 0
     assert "kubetune.io/test-faults is not JSON" in (s.message or "")
@@ -466,3 +472,102 @@ def test_human_duration() -> None:
     assert human_duration(35) == "35s"
     assert human_duration(250) == "4m10s"
     assert human_duration(4800) == "1h20m"
+
+
+# ---------------------------------------------------------------------- what admins allow
+
+
+def test_fault_annotation_is_ignored_with_a_warning_without_the_setting() -> None:
+    job = make_job()
+    job.metadata["annotations"] = {"kubetune.io/test-faults": '{"oomAtStep": 2}'}
+    job, d = run(job)
+    assert job.status is not None and job.status.phase == "Running"
+    (ignored,) = [e for e in d.events if e.reason == Reason.TEST_FAULTS_IGNORED]
+    assert ignored.type == "Warning" and "KUBETUNE_ALLOW_TEST_FAULTS" in ignored.message
+    _, d = run(job, settings=FAULTS_ON)  # obeyed: no warning
+    assert not [e for e in d.events if e.reason == Reason.TEST_FAULTS_IGNORED]
+
+
+@pytest.mark.parametrize(
+    ("image", "allowed", "refused"),
+    [
+        ("evil.example/miner:1", (), True),
+        ("registry.example.com/ml/trainer:2", ("registry.example.com/ml/*",), False),
+        ("registry.example.com/other/trainer:2", ("registry.example.com/ml/*",), True),
+        (BuildSettings().trainer_image, (), False),  # the operator's own image
+    ],
+)
+def test_a_trainer_image_off_the_allow_list_fails_before_planning(
+    image: str, allowed: tuple[str, ...], refused: bool
+) -> None:
+    settings = replace(SETTINGS, allowed_trainer_images=allowed)
+    job, d = run(make_job(trainerImage=image), settings=settings)
+    s = job.status
+    assert s is not None
+    if not refused:
+        assert s.phase == "Running"
+        return
+    assert s.phase == "Failed" and s.plan is None and d.create == []
+    assert c.get_condition(s.conditions, ConditionType.FAILED).reason == Reason.IMAGE_NOT_ALLOWED  # type: ignore[union-attr]
+    assert f"spec.trainerImage {image!r} is not allowed on this cluster" in (s.message or "")
+    assert "To fix: remove spec.trainerImage" in (s.message or "")
+    assert "operator.allowedTrainerImages" in (s.message or "")
+
+
+def test_a_secret_the_namespace_did_not_allow_fails_before_planning() -> None:
+    job = make_job(model={"tokenSecretRef": {"name": "hf-token"}})
+    other = Tenant.of("team-a", {}, {"kubetune.io/allowed-secrets": "s3-creds"})
+    refused, d = run(job, Observed(pools=default_pools(), tenant=other))
+    s = refused.status
+    assert s is not None and s.phase == "Failed" and d.create == []
+    assert c.get_condition(s.conditions, ConditionType.FAILED).reason == Reason.SECRET_NOT_ALLOWED  # type: ignore[union-attr]
+    assert s.message == (
+        "spec.model.tokenSecretRef names Secret 'hf-token', which namespace team-a has not "
+        "allowed FineTuneJobs to use (allowed: s3-creds). To fix: a namespace admin runs "
+        "`kubectl annotate namespace team-a --overwrite "
+        "kubetune.io/allowed-secrets=hf-token,s3-creds`"
+    )
+    consenting = Tenant.of("team-a", {}, {"kubetune.io/allowed-secrets": "s3-creds, hf-token"})
+    allowed, _ = run(job, Observed(pools=default_pools(), tenant=consenting))
+    assert allowed.status is not None and allowed.status.phase == "Running"
+
+
+def test_pools_keep_to_the_namespaces_they_select() -> None:
+    pools = default_pools()
+    mine = pools[0].model_copy(
+        update={
+            "spec": pools[0].spec.model_copy(
+                update={"namespace_selector": LabelSelector(match_labels={"team": "a"})}
+            )
+        }
+    )
+    others = [
+        p.model_copy(
+            update={
+                "spec": p.spec.model_copy(
+                    update={
+                        "namespace_selector": LabelSelector.model_validate(
+                            {"matchExpressions": [{"key": "team", "operator": "In",
+                                                   "values": ["b", "c"]}]}
+                        )
+                    }
+                )
+            }
+        )
+        for p in pools[1:]
+    ]  # fmt: skip
+    team_a = Tenant.of("team-a", {"team": "a"}, {})
+    job, _ = run(make_job(), Observed(pools=[mine, *others], tenant=team_a))
+    s = job.status
+    assert s is not None and s.plan is not None and s.plan.pool == mine.name
+    reasons = {r.pool: r.reason for r in s.plan.rejected}
+    assert reasons[others[0].name] == (
+        "namespace team-a may not use it (its spec.namespaceSelector selects team in (b,c))"
+    )
+    # A namespace no pool takes: no plan, and the reason says who can change that.
+    team_z = Tenant.of("team-z", {"team": "z"}, {})
+    job, d = run(make_job(), Observed(pools=[mine, *others], tenant=team_z))
+    s = job.status
+    assert s is not None and s.plan is None and d.create == []
+    assert "namespace team-z may not use it" in (s.message or "")
+    assert "ask the cluster admin for a pool this namespace may use" in (s.message or "")

@@ -87,9 +87,13 @@ def test_pools_show_capacity_price_and_whether_the_operator_reads_them() -> None
         "9",
         "2.50",
         "no",
+        "all",
         "ok",
     ]
     assert fresh.split()[2] == "24" and fresh.endswith("not seen by the operator")
+    fenced = pool("fenced", {"product": "NVIDIA-L4"})
+    fenced["spec"]["namespaceSelector"] = {"matchLabels": {"team": "vision"}}
+    assert pool_table([fenced]).splitlines()[1].split()[8] == "team=vision"
     assert "unreadable:" in b200 and "bf16TFLOPS" in b200
 
 

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from kubetune.api.errors import KubetuneError
 from kubetune.api.hints import did_you_mean
+from kubetune.api.tenancy import Tenant
 from kubetune.api.v1alpha1 import FineTuneJob, GPUPool, Objective
 from kubetune.planning.arch import ArchitectureError, ModelArch, known_models
 from kubetune.planning.catalog import default_pools
@@ -370,13 +371,24 @@ def plan(
     if (kubeconfig or context) and not from_cluster:
         raise Abort("--kubeconfig and --context only mean something with --from-cluster")
     unreadable: list[str] = []
+    tenant: Tenant | None = None
+    tenant_note = ""
     if from_cluster:
-        from kubetune.controller.readers import cluster_pools
+        from kubetune.controller.readers import cluster_pools, cluster_tenant
 
         try:
             pools, unreadable = cluster_pools(10.0, kubeconfig, context)
         except Exception as exc:  # no kubeconfig, unreachable, forbidden
             raise Abort(f"cannot read the cluster's GPUPools: {exc}") from exc
+        namespace = job.metadata.get("namespace")
+        try:
+            tenant = cluster_tenant(10.0, kubeconfig, context, namespace)
+            tenant_note = f"; pools namespace {tenant.name} may use"
+        except Exception as exc:  # e.g. a user who may not read Namespaces
+            tenant_note = (
+                f"; namespaceSelectors not applied (cannot read namespace "
+                f"{namespace or 'of the context'}: {exc})"
+            )
         if not pools:
             raise Abort(
                 "the cluster has no GPUPool kubetune can read. To fix: create pools "
@@ -397,6 +409,7 @@ def plan(
                 default_objective=default_objective,
                 # From the cluster, the pools' status says what is free now.
                 use_live_capacity=from_cluster,
+                tenant=tenant,
             ),
             # Every pool's best, not only the three runners-up the operator records.
             alternatives=len(pools),
@@ -408,7 +421,7 @@ def plan(
         return
     click.echo(f"{job.metadata.get('name', job_file)}: {arch.name}")
     if from_cluster:
-        click.echo(f"pools: {len(pools)} from the cluster, with their free GPUs now")
+        click.echo(f"pools: {len(pools)} from the cluster, with their free GPUs now{tenant_note}")
         for line in unreadable:
             click.echo(f"  {line}")
     elif pools_file is None:

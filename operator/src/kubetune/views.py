@@ -104,13 +104,15 @@ POOL_COLUMNS = (
     "FREE GPUS",
     "$/GPU-H",
     "SPOT",
+    "NAMESPACES",
     "STATE",
 )
 
 
 def pool_table(pools: Iterable[Mapping[str, Any]]) -> str:
     """One row per GPUPool: its GPU (with the memory the planner uses), nodes ready of the
-    most a job may use, free GPUs, price, spot, and whether the operator reads it."""
+    most a job may use, free GPUs, price, spot, the namespaces whose jobs may use it (its
+    namespaceSelector, `all` without one), and whether the operator reads it."""
     rows = []
     for obj in sorted(pools, key=lambda p: p["metadata"]["name"]):
         status = obj.get("status") or {}
@@ -119,7 +121,7 @@ def pool_table(pools: Iterable[Mapping[str, Any]]) -> str:
                 {"metadata": obj["metadata"], "spec": obj.get("spec") or {}}
             ).spec
         except ValidationError as exc:
-            rows.append([obj["metadata"]["name"], NONE, NONE, NONE, NONE, NONE, NONE, NONE,
+            rows.append([obj["metadata"]["name"], NONE, NONE, NONE, NONE, NONE, NONE, NONE, NONE,
                          f"unreadable: {exc.errors()[0]['msg']}"])  # fmt: skip
             continue
         valid = next((c for c in status.get("conditions") or [] if c.get("type") == "Valid"), None)
@@ -139,6 +141,7 @@ def pool_table(pools: Iterable[Mapping[str, Any]]) -> str:
                 str(status.get("freeGPUs", 0)) if seen else NONE,
                 f"{spec.price_per_gpu_hour:,.2f}",
                 "yes" if spec.spot else "no",
+                (spec.namespace_selector.describe() if spec.namespace_selector else "") or "all",
                 state,
             ]
         )

@@ -657,6 +657,63 @@ class Toleration(_Model):
     )
 
 
+class LabelSelectorRequirement(_Model):
+    key: str = Field(description="Label key.", min_length=1, max_length=317)
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"] = Field(
+        description="How the label's value relates to `values`."
+    )
+    values: list[str] = Field(
+        default_factory=list,
+        description="Values for In and NotIn (at least one); empty for Exists and DoesNotExist.",
+    )
+
+    @model_validator(mode="after")
+    def _values_fit_the_operator(self) -> LabelSelectorRequirement:
+        if self.operator in ("In", "NotIn") and not self.values:
+            raise ValueError(f"operator {self.operator} needs at least one value")
+        if self.operator in ("Exists", "DoesNotExist") and self.values:
+            raise ValueError(f"operator {self.operator} takes no values")
+        return self
+
+    def matches(self, labels: Mapping[str, str]) -> bool:
+        present = self.key in labels
+        if self.operator == "Exists":
+            return present
+        if self.operator == "DoesNotExist":
+            return not present
+        inside = present and labels[self.key] in self.values
+        return inside if self.operator == "In" else not inside
+
+    def describe(self) -> str:
+        if self.operator == "Exists":
+            return self.key
+        if self.operator == "DoesNotExist":
+            return f"!{self.key}"
+        word = "in" if self.operator == "In" else "notin"
+        return f"{self.key} {word} ({','.join(self.values)})"
+
+
+class LabelSelector(_Model):
+    """Kubernetes' label selector: every matchLabels pair and every expression must hold."""
+
+    match_labels: dict[str, str] = Field(
+        default_factory=dict, description="Labels that must all be present with these values."
+    )
+    match_expressions: list[LabelSelectorRequirement] = Field(
+        default_factory=list, description="Requirements that must all hold."
+    )
+
+    def matches(self, labels: Mapping[str, str]) -> bool:
+        return all(labels.get(k) == v for k, v in self.match_labels.items()) and all(
+            e.matches(labels) for e in self.match_expressions
+        )
+
+    def describe(self) -> str:
+        """The selector as `kubectl get -l` takes it (empty: everything)."""
+        parts = [f"{k}={v}" for k, v in sorted(self.match_labels.items())]
+        return ",".join(parts + [e.describe() for e in self.match_expressions])
+
+
 def _facts_optional_for_known_products(schema: dict[str, Any]) -> None:
     """In the CRD, memoryGiB and bf16TFLOPS may be left out for a product kubetune knows,
     and the other numbers have no schema default: the apiserver would store it, and the
@@ -747,6 +804,12 @@ class GPUPoolSpec(_Model):
     )
     tolerations: list[Toleration] = Field(
         default_factory=list, description="Tolerations trainer pods need on these nodes."
+    )
+    namespace_selector: LabelSelector | None = Field(
+        default=None,
+        description="Namespaces whose FineTuneJobs may use this pool (their labels must "
+        "match); omitted or empty: every namespace. The planner never places a job on a pool "
+        "its namespace may not use, so only such pools' tolerations reach its pods.",
     )
     gpu: GPUSpec = Field(description="The GPU model in this pool.")
     gpus_per_node: int = Field(alias="gpusPerNode", ge=1, le=64, description="GPUs per node.")

@@ -81,6 +81,13 @@ class Reason(StrEnum):
     DEADLINE_EXCEEDED = "DeadlineExceeded"
     CHILD_CONFLICT = "ChildConflict"
     """An object the job needs (its batch Job, Service, ConfigMap) exists and is not its."""
+    # what the cluster's admins allow
+    IMAGE_NOT_ALLOWED = "ImageNotAllowed"
+    """spec.trainerImage is not on the operator's allow-list (docs/security.md)."""
+    SECRET_NOT_ALLOWED = "SecretNotAllowed"
+    """The job names a Secret its namespace has not allowed FineTuneJobs to use."""
+    TEST_FAULTS_IGNORED = "TestFaultsIgnored"
+    """The test-fault annotation is set, and this operator does not obey it."""
     # the operator itself
     STATUS_REJECTED = "StatusRejected"
     """The API server refused a status update as invalid; the job is still reconciled."""

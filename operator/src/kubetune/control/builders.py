@@ -130,6 +130,8 @@ class BuildSettings:
     for every worker failure, which would hide OOM and preemption from podFailurePolicy)."""
     rendezvous_join_timeout_seconds: int = 1800
     """How long the first pod waits for its peers to be scheduled before giving up."""
+    allow_test_faults: bool = False
+    """Obey the `kubetune.io/test-faults` annotation (test clusters only): off, it is ignored."""
 
 
 @dataclass(frozen=True)
@@ -442,7 +444,7 @@ def build_trainer_config(
             merge_adapter=spec.output.merge_adapter,
         ),
         metrics=MetricsConfig(port=settings.metrics_port, log_path=TRAIN_LOG),
-        faults=fault_injection(job, attempt),
+        faults=fault_injection(job, attempt) if settings.allow_test_faults else FaultInjection(),
     )
 
 

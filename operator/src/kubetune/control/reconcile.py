@@ -27,9 +27,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
+from fnmatch import fnmatchcase
 from typing import Any
 
 from kubetune.api.errors import InfeasibleError, SpecError
+from kubetune.api.tenancy import Tenant
 from kubetune.api.v1alpha1 import (
     INT64_MAX,
     FineTuneJob,
@@ -50,7 +52,12 @@ from kubetune.api.vocabulary import (
 )
 from kubetune.control import pods as p
 from kubetune.control import progress
-from kubetune.control.builders import BuildSettings, build_children, child_names
+from kubetune.control.builders import (
+    ANNOTATION_TEST_FAULTS,
+    BuildSettings,
+    build_children,
+    child_names,
+)
 from kubetune.control.conditions import get_condition, is_true, now_rfc3339
 from kubetune.control.lifecycle import Transitions, is_finished
 from kubetune.planning.arch import ArchitectureError, ModelArch
@@ -97,6 +104,9 @@ class ControllerSettings:
     """Every unfinished job is looked at at least this often, even without any event."""
     progress_write_seconds: float = 60.0
     """Status changes of progress and cost alone are written at most this often."""
+    allowed_trainer_images: tuple[str, ...] = ()
+    """Patterns (`fnmatch`: `registry.example.com/ml/*`) a job's spec.trainerImage must
+    match; the operator's own trainer image is always allowed."""
     stall_seconds: float = 300.0
     """Liveness fails when jobs are overdue this long and no reconcile succeeded."""
     planner_workers: int = 2
@@ -122,6 +132,9 @@ class Observed:
     between creating it and writing the status)."""
     other_attempts: Sequence[int] = ()
     """Attempts, other than `attempt`, whose batch Job exists and is not being deleted."""
+    tenant: Tenant | None = None
+    """The job's namespace: the pools it may use, the Secrets it may reference (None: not
+    known; every pool is eligible and no Secret is checked)."""
 
 
 @dataclass(frozen=True)
@@ -226,6 +239,8 @@ class _Reconciler:
             self.resume()
             return
         if self.s.plan is None or self.s.phase in (Phase.PENDING, Phase.PLANNING, Phase.QUEUED):
+            if self.refused():
+                return
             self.plan_and_launch()
             return
         self.follow()
@@ -308,6 +323,41 @@ class _Reconciler:
             if attempt < self.s.attempt or (newer_too and attempt != self.s.attempt):
                 self._delete_attempt(attempt)
 
+    # ------------------------------------------------------------------ admins' rules
+
+    def refused(self) -> bool:
+        """Fail a job that asks for what the cluster's admins do not allow (before any GPU
+        is spent): a trainer image off the allow-list, a Secret its namespace did not
+        allow. True when it failed."""
+        image = self.spec.trainer_image
+        if image is not None and not self.image_allowed(image):
+            allowed = [self.settings.build.trainer_image, *self.settings.allowed_trainer_images]
+            self.fail(
+                Reason.IMAGE_NOT_ALLOWED,
+                f"spec.trainerImage {image!r} is not allowed on this cluster (allowed: "
+                f"{', '.join(allowed)}). To fix: remove spec.trainerImage to use the "
+                "operator's trainer image, or ask the cluster admin to add the image to the "
+                "chart value operator.allowedTrainerImages",
+            )
+            return True
+        tenant = self.observed.tenant
+        token = self.spec.model.token_secret_ref
+        if tenant is not None and token is not None:
+            refusal = tenant.secret_refusal(token.name, "spec.model.tokenSecretRef")
+            if refusal is not None:
+                self.fail(Reason.SECRET_NOT_ALLOWED, refusal)
+                return True
+        return False
+
+    def image_allowed(self, image: str) -> bool:
+        if image == self.settings.build.trainer_image:
+            return True
+        return any(fnmatchcase(image, pattern) for pattern in self.settings.allowed_trainer_images)
+
+    def for_tenant(self, planner: PlannerSettings) -> PlannerSettings:
+        """Planner settings that keep the job off pools its namespace may not use."""
+        return replace(planner, tenant=self.observed.tenant)
+
     # ------------------------------------------------------------------ planning
 
     def plan_and_launch(self) -> None:
@@ -341,7 +391,7 @@ class _Reconciler:
             return None
         try:
             arch = self.load_arch(self.model_id)
-            plan = self.plan_job(self.spec, self.observed.pools, arch, planner)
+            plan = self.plan_job(self.spec, self.observed.pools, arch, self.for_tenant(planner))
         except ArchitectureError as exc:
             self._unplannable(Reason.UNKNOWN_ARCHITECTURE, str(exc))
             return None
@@ -414,6 +464,15 @@ class _Reconciler:
         self.go.launch(attempt)
         progress.start_attempt(self.s, plan, self.now)
         self.d.event(Reason.LAUNCHED, f"Attempt {attempt} on pool {plan.pool}")
+        faults = (self.job.metadata.get("annotations") or {}).get(ANNOTATION_TEST_FAULTS)
+        if faults and not self.settings.build.allow_test_faults and attempt == 1:
+            self.d.event(
+                Reason.TEST_FAULTS_IGNORED,
+                f"annotation {ANNOTATION_TEST_FAULTS} is ignored: this operator runs without "
+                "KUBETUNE_ALLOW_TEST_FAULTS (Helm value operator.allowTestFaults), as a "
+                "production operator should",
+                warning=True,
+            )
         self.d.requeue_after = self.settings.poll_seconds
 
     # ------------------------------------------------------------------ follow
@@ -547,7 +606,9 @@ class _Reconciler:
         try:
             arch = self.load_arch(self.model_id)
             # What earlier out-of-memory re-plans learned still holds on the new pool.
-            moved = self.plan_job(self.spec, elsewhere, arch, self.learned_planner(plan))
+            moved = self.plan_job(
+                self.spec, elsewhere, arch, self.for_tenant(self.learned_planner(plan))
+            )
         except (ArchitectureError, InfeasibleError):
             return False
         if moved.queued:

@@ -1,10 +1,11 @@
 """The operator's view of the cluster: watch-fed indexes instead of LIST calls.
 
 kopf watches FineTuneJobs' children (batch Jobs and pods labelled `kubetune.io/job`), all
-pods that hold GPUs, Nodes and GPUPools, and keeps one in-memory index per kind
-(`@kopf.index` in controller/handlers.py, fed by the functions below). kopf fills every
-index from its initial LIST before any other handler runs, then keeps it current from the
-watch, so a reconcile reads only memory: it makes no API call to look.
+pods that hold GPUs, Nodes, GPUPools and Namespaces (what each allows its jobs), and keeps
+one in-memory index per kind (`@kopf.index` in controller/handlers.py, fed by the functions
+below). kopf fills every index from its initial LIST before any other handler runs, then
+keeps it current from the watch, so a reconcile reads only memory: it makes no API call to
+look.
 
 Why kopf indexes rather than an informer layer of our own: they ride on the watches kopf
 already runs (one stream per kind, reconnected and resumed by kopf), and kopf's start-up
@@ -21,6 +22,7 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
+from kubetune.api.tenancy import Tenant
 from kubetune.api.v1alpha1 import FineTuneJob, GPUPool, GPUPoolStatus
 from kubetune.control.builders import LABEL_ATTEMPT, LABEL_JOB, label_value
 from kubetune.control.capacity import NodeInfo, gpus_held, pool_capacity
@@ -101,6 +103,14 @@ def gpu_usage(body: Mapping[str, Any]) -> dict[str, int] | None:
     return None if held is None else {held[0]: held[1]}
 
 
+def tenant_of(body: Mapping[str, Any]) -> Tenant:
+    """A Namespace as the reconcile reads it: its labels and the Secrets it allows."""
+    meta = body.get("metadata") or {}
+    return Tenant.of(
+        str(meta.get("name") or ""), meta.get("labels") or {}, meta.get("annotations") or {}
+    )
+
+
 def parse_pool(body: Mapping[str, Any]) -> GPUPool | str:
     """The GPUPool, or why it cannot be read (it then takes part in no plan)."""
     try:
@@ -132,12 +142,21 @@ class Caches:
         nodes: Index,
         gpu_pods: Index,
         pools: Index,
+        namespaces: Index | None = None,
     ) -> None:
         self.pods = pods
         self.batch_jobs = batch_jobs
         self.nodes = nodes
         self.gpu_pods = gpu_pods
         self.pools = pools
+        self.namespaces = namespaces
+
+    def tenant(self, namespace: str) -> Tenant | None:
+        """What `namespace` allows its jobs; a namespace missing from the index allows no
+        Secret and has no labels. None when namespaces are not indexed at all."""
+        if self.namespaces is None:
+            return None
+        return first(self.namespaces.get(namespace)) or Tenant(namespace)
 
     def valid_pools(self) -> list[GPUPool]:
         out = []
@@ -189,8 +208,9 @@ class Caches:
             for a, batch in by_attempt.items()
             if a != attempt and not (batch.get("metadata") or {}).get("deletionTimestamp")
         )
+        tenant = self.tenant(key[0])
         if not attempt:
-            return Observed(pools=pools, other_attempts=others)
+            return Observed(pools=pools, other_attempts=others, tenant=tenant)
         pods = [
             pod
             for pod in self.pods.get(key) or ()
@@ -203,6 +223,7 @@ class Caches:
             pods=sorted(pods, key=lambda pod: str(pod["metadata"].get("name"))),
             attempt=attempt,
             other_attempts=others,
+            tenant=tenant,
         )
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import kopf
 from lightkube import AsyncClient
 
+from kubetune.api.tenancy import Tenant
 from kubetune.api.v1alpha1 import GROUP, VERSION
 from kubetune.api.vocabulary import EventType, Reason
 from kubetune.control.builders import LABEL_JOB
@@ -35,6 +36,7 @@ from kubetune.controller.cache import (
     gpu_usage,
     job_key_of,
     parse_pool,
+    tenant_of,
     trimmed_batch_job,
     trimmed_pod,
 )
@@ -50,6 +52,7 @@ POOLS = (GROUP, VERSION, "gpupools")
 PODS = ("", "v1", "pods")
 BATCH_JOBS = ("batch", "v1", "jobs")
 NODES = ("", "v1", "nodes")
+NAMESPACES = ("", "v1", "namespaces")
 CHILD = {LABEL_JOB: kopf.PRESENT}
 
 
@@ -77,6 +80,7 @@ def _caches(kwargs: Mapping[str, Any]) -> Caches:
         nodes=kwargs["nodes"],
         gpu_pods=kwargs["gpu_pods"],
         pools=kwargs["pools"],
+        namespaces=kwargs["namespaces"],
     )
 
 
@@ -175,6 +179,11 @@ def nodes(body: kopf.Body, **_: Any) -> dict[str, NodeInfo]:
 @kopf.index(*POOLS)
 def pools(body: kopf.Body, **_: Any) -> dict[str, Any]:
     return {str(body.metadata.name): parse_pool(body)}
+
+
+@kopf.index(*NAMESPACES)
+def namespaces(body: kopf.Body, **_: Any) -> dict[str, Tenant]:
+    return {str(body.metadata.name): tenant_of(body)}
 
 
 # ---------------------------------------------------------------------- wake-ups

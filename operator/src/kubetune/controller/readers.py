@@ -20,9 +20,10 @@ from typing import Any
 import httpx2
 from lightkube import ApiError, Client, KubeConfig
 from lightkube.resources.apiextensions_v1 import CustomResourceDefinition
-from lightkube.resources.core_v1 import Event, Pod
+from lightkube.resources.core_v1 import Event, Namespace, Pod
 from pydantic import ValidationError
 
+from kubetune.api.tenancy import Tenant
 from kubetune.api.v1alpha1 import GROUP, GPUPool
 from kubetune.control.builders import (
     CONTAINER_NAME,
@@ -121,6 +122,20 @@ def cluster_pools(
             name = (obj.get("metadata") or {}).get("name")
             unreadable.append(f"GPUPool {name} cannot be read: {exc.errors()[0]['msg']}")
     return pools, unreadable
+
+
+def cluster_tenant(
+    timeout: float,
+    kubeconfig: str | None = None,
+    context: str | None = None,
+    namespace: str | None = None,
+) -> Tenant:
+    """What `namespace` (default: the context's, else `default`) allows its jobs: its
+    labels (which pools take it) and the Secrets its owner allowed."""
+    with client(timeout, kubeconfig, context) as api:
+        where = namespace or api.namespace or "default"
+        meta = api.get(Namespace, where).to_dict()["metadata"]
+        return Tenant.of(where, meta.get("labels") or {}, meta.get("annotations") or {})
 
 
 def cluster_jobs(

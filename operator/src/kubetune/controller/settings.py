@@ -17,6 +17,8 @@ KUBETUNE_STALL_SECONDS              liveness fails when reconciles stalled this 
 KUBETUNE_PLANNER_WORKERS            threads that run reconciles off the event loop (2)
 KUBETUNE_SCRAPE_CONCURRENCY         trainer metrics endpoints read at once (16)
 KUBETUNE_ALLOW_NETWORK              fetch config.json of unknown hub models (false)
+KUBETUNE_ALLOW_TEST_FAULTS          obey the kubetune.io/test-faults annotation (false)
+KUBETUNE_ALLOWED_TRAINER_IMAGES     other images jobs may name, comma-separated patterns ()
 KUBETUNE_METRICS_PORT               operator /metrics port (8000; read by controller.metrics)
 KUBETUNE_NETWORK_POLICIES           create a NetworkPolicy for each job's trainer pods (true)
 KUBETUNE_OPERATOR_NAMESPACE         the operator's namespace, admitted to the trainers' metrics
@@ -172,6 +174,7 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> ControllerSetting
         ),
         operator_pod_labels=_operator_pod_labels(env),
         metrics_from=_metrics_from(env),
+        allow_test_faults=(env.get("KUBETUNE_ALLOW_TEST_FAULTS", "").lower() in _TRUE),
     )
     planner = PlannerSettings(
         safety_factor=_float(env, "KUBETUNE_SAFETY_FACTOR", PlannerSettings.safety_factor),
@@ -183,6 +186,11 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> ControllerSetting
         build=build,
         planner=planner,
         allow_network=(env.get("KUBETUNE_ALLOW_NETWORK", "").lower() in _TRUE),
+        allowed_trainer_images=tuple(
+            filter(
+                None, (p.strip() for p in env.get("KUBETUNE_ALLOWED_TRAINER_IMAGES", "").split(","))
+            )
+        ),
         poll_seconds=_float(env, "KUBETUNE_POLL_SECONDS", 10.0),
         queue_retry_seconds=_float(env, "KUBETUNE_QUEUE_RETRY_SECONDS", 15.0),
         reschedule_seconds=_float(env, "KUBETUNE_RESCHEDULE_SECONDS", 120.0),

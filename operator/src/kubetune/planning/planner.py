@@ -27,6 +27,7 @@ from enum import Enum
 from typing import NamedTuple
 
 from kubetune.api.errors import InfeasibleError
+from kubetune.api.tenancy import Tenant
 from kubetune.api.v1alpha1 import (
     FineTuneJobSpec,
     GPUPool,
@@ -103,6 +104,7 @@ class Limit(Enum):
     BATCH_SPLIT = "global batch does not split"
     NODES = "too many nodes"
     NOTHING_TO_TRY = "nothing to try"
+    NAMESPACE = "namespace not allowed"
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,9 @@ class PlannerSettings:
     """Respect GPUPool status (free GPUs); off for offline `kubetune plan`."""
     min_total_gpus: int = 1
     """Re-plans after OOM may require more GPUs than before."""
+    tenant: Tenant | None = None
+    """The job's namespace: only pools whose spec.namespaceSelector takes it are eligible
+    (None: not known, e.g. offline `kubetune plan`; every pool is)."""
     forbid: frozenset[Layout] = frozenset()
     """Layouts known to run out of memory."""
 
@@ -533,12 +538,25 @@ def rank_key(c: Candidate, objective: str, spot_policy: str) -> tuple[float | in
 
 
 def _eligible_pools(
-    spec: FineTuneJobSpec, pools: Sequence[GPUPool], rejected: list[Rejection]
+    spec: FineTuneJobSpec,
+    pools: Sequence[GPUPool],
+    rejected: list[Rejection],
+    tenant: Tenant | None = None,
 ) -> list[GPUPool]:
     allowed = set(spec.resources.pools)
     out = []
     for pool in pools:
-        if allowed and pool.name not in allowed:
+        selector = pool.spec.namespace_selector
+        if tenant is not None and not tenant.may_use(selector):
+            rejected.append(
+                Rejection(
+                    pool.name,
+                    Limit.NAMESPACE,
+                    f"namespace {tenant.name} may not use it (its spec.namespaceSelector "
+                    f"selects {selector.describe() if selector else 'every namespace'})",
+                )
+            )
+        elif allowed and pool.name not in allowed:
             rejected.append(
                 Rejection(pool.name, Limit.NOT_LISTED, "not listed in spec.resources.pools")
             )
@@ -666,7 +684,7 @@ def _search(ctx: _Context, pools: Sequence[GPUPool]) -> tuple[list[Candidate], l
     forbid = ctx.settings.forbid
     safety = ctx.settings.safety_factor
     deadline, budget = ctx.deadline_s, ctx.budget
-    for pool in _eligible_pools(ctx.spec, pools, rejected):
+    for pool in _eligible_pools(ctx.spec, pools, rejected, ctx.settings.tenant):
         report = _PoolReport()
         before = len(accepted)
         memory_gib = pool.spec.gpu.memory_gib
@@ -708,7 +726,7 @@ def _reference_search(
     them; otherwise each group up to its first acceptable configuration)."""
     rejected: list[Rejection] = []
     accepted: list[Candidate] = []
-    for pool in _eligible_pools(ctx.spec, pools, rejected):
+    for pool in _eligible_pools(ctx.spec, pools, rejected, ctx.settings.tenant):
         report = _PoolReport()
         before = len(accepted)
         for method, nodes, gpn, sharding, configs, capacity in _groups(ctx, pool, report):
@@ -798,6 +816,11 @@ def _infeasible(ctx: _Context, rejected: list[Rejection]) -> InfeasibleError:
         hints.append("raise resources.maxCostUSD or allow cheaper pools (spot)")
     if limits & {Limit.NOT_LISTED, Limit.SPOT}:
         hints.append("widen resources.pools / resources.spot")
+    if Limit.NAMESPACE in limits:
+        hints.append(
+            "ask the cluster admin for a pool this namespace may use (GPUPool "
+            "spec.namespaceSelector), or to label the namespace so that one selects it"
+        )
     if Limit.BATCH_SPLIT in limits:
         hints.append(
             "make training.globalBatchSize a multiple of the GPU count (a power of two works best)"
