@@ -2,12 +2,13 @@
 get`, `pools`), one job in full (`describe`), its live lines (`watch`), and which trainer
 pods' logs to print (`logs`).
 
-Pure: objects in (as the API server returns them), text out. Columns are as wide as their
-widest cell, so no value runs into the next one.
+Pure: objects in (as the API server returns them), text out. Tables are laid out by rich,
+each column as wide as its widest cell, so no value runs into the next one.
 """
 
 from __future__ import annotations
 
+import io
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -15,6 +16,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import ValidationError
+from rich.console import Console
+from rich.table import Table
 
 from kubetune.api.v1alpha1 import GPUPool
 from kubetune.api.vocabulary import TERMINAL_PHASES
@@ -26,19 +29,24 @@ NONE = "-"
 def table(
     headers: Sequence[str], rows: Iterable[Sequence[str]], numeric: Iterable[str] = ()
 ) -> str:
-    """Left-aligned text columns, right-aligned `numeric` ones, two spaces apart."""
-    body = [list(r) for r in rows]
-    right = {i for i, h in enumerate(headers) if h in set(numeric)}
-    widths = [max([len(h), *(len(r[i]) for r in body)]) for i, h in enumerate(headers)]
+    """Left-aligned text columns, right-aligned `numeric` ones, two spaces apart, laid out
+    by rich as wide as their widest cell: never wrapped or cut to a terminal's width (the
+    output is read by people and by scripts alike), no colour, no markup in cells."""
+    right = set(numeric)
+    grid = Table(box=None, pad_edge=False, padding=(0, 1), header_style="", show_edge=False)
+    for header in headers:
+        grid.add_column(header, justify="right" if header in right else "left", no_wrap=True)
+    for row in rows:
+        grid.add_row(*row)
+    out = io.StringIO()
+    Console(
+        file=out, width=_UNBOUNDED, color_system=None, highlight=False, markup=False, emoji=False
+    ).print(grid)
+    return "\n".join(line.rstrip() for line in out.getvalue().splitlines())
 
-    def line(cells: Sequence[str]) -> str:
-        out = [
-            c.rjust(w) if i in right else c.ljust(w)
-            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-        ]
-        return "  ".join(out).rstrip()
 
-    return "\n".join([line(headers), *(line(r) for r in body)])
+_UNBOUNDED = 100_000
+"""The console width tables are laid out in: wider than any row, so none is wrapped."""
 
 
 def age(created: str | None, now: datetime) -> str:
