@@ -100,6 +100,13 @@ def test_per_job_series_follow_the_status_and_vanish_on_forget(m: OperatorMetric
     assert value(m, "kubetune_finetunejob_checkpoint_timestamp_seconds", **k) == T0 + 600
     assert value(m, "kubetune_finetunejob_restarts_total", **k) == 1
     assert value(m, "kubetune_finetunejob_recoveries_total", **k, reason="Preemption") == 1
+    # status.recoveries keeps only the latest entries of earlier attempts; the counters count.
+    trimmed = {**st, "recoveries": [{"reason": "Stalled", "time": CREATED}],
+               "recoveryCounts": {"Preemption": 40, "Stalled": 1, "NotAReason": 3}}  # fmt: skip
+    m.observe_job(body(resources={"maxCostUSD": 2.0}), trimmed)
+    assert value(m, "kubetune_finetunejob_recoveries_total", **k, reason="Preemption") == 40
+    assert value(m, "kubetune_finetunejob_recoveries_total", **k, reason="Stalled") == 1
+    assert value(m, "kubetune_finetunejob_recoveries_total", **k, reason="NotAReason") is None
 
     m.forget_job("team-a", "j1")
     text = generate_latest(m.registry).decode()

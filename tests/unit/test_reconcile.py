@@ -14,11 +14,17 @@ from typing import Any
 import pytest
 
 from kubetune.api.tenancy import Tenant
-from kubetune.api.v1alpha1 import FineTuneJobStatus, LabelSelector
+from kubetune.api.v1alpha1 import FineTuneJobStatus, LabelSelector, Recovery
 from kubetune.api.vocabulary import ConditionType, PlanReason, Reason, RecoveryReason
 from kubetune.control import conditions as c
 from kubetune.control.builders import BuildSettings
-from kubetune.control.reconcile import Decision, Observed, reconcile
+from kubetune.control.reconcile import (
+    KEEP_RECOVERIES,
+    Decision,
+    Observed,
+    reconcile,
+    trim_recoveries,
+)
 from kubetune.planning.arch import ArchitectureError
 from kubetune.planning.catalog import default_pools
 from kubetune_trainer.contract import EXIT_CONFIG_ERROR, EXIT_OOM, EXIT_PREEMPTED
@@ -571,3 +577,91 @@ def test_pools_keep_to_the_namespaces_they_select() -> None:
     assert s is not None and s.plan is None and d.create == []
     assert "namespace team-z may not use it" in (s.message or "")
     assert "ask the cluster admin for a pool this namespace may use" in (s.message or "")
+
+
+# ---------------------------------------------------------------------- bounded recovery
+
+
+def running_with(step: int, checkpoint: int = 0, pods: bool = True) -> Observed:
+    metrics = {"step": float(step), "total_steps": 100.0}
+    if checkpoint:
+        metrics["last_checkpoint_step"] = float(checkpoint)
+    return Observed(
+        pools=default_pools(),
+        batch_job=batch_job(active=1, ready=1),
+        pods=[pod("demo-a1-0")] if pods else [],
+        trainer_metrics=metrics,
+    )
+
+
+def test_a_stalled_attempt_is_relaunched_from_its_checkpoint() -> None:
+    job, _ = run(make_job(recovery={"stallTimeoutSeconds": 600}))
+    # No step reported yet (loading the model): the stall timer has not started.
+    job, d = run(job, observed(batch_job(active=1, ready=1), [pod("demo-a1-0")]),
+                 now=T0 + timedelta(hours=3))  # fmt: skip
+    assert job.status is not None and job.status.attempt == 1 and not d.delete_jobs
+    job, _ = run(job, running_with(5, checkpoint=4), now=T0 + timedelta(hours=3, minutes=1))
+    job, d = run(job, running_with(5, checkpoint=4), now=T0 + timedelta(hours=3, minutes=10))
+    assert job.status is not None and job.status.attempt == 1 and not d.delete_jobs
+    job, d = run(job, running_with(5, checkpoint=4), now=T0 + timedelta(hours=3, minutes=12))
+    s = job.status
+    assert s is not None and s.phase == "Running" and s.attempt == 2 and s.restarts == 1
+    (rec,) = s.recoveries
+    assert rec.reason == RecoveryReason.STALLED and rec.step == 4
+    assert rec.message == "no step progress for 660s (stall timeout 600s) at step 5"
+    assert d.delete_jobs == ["demo-a1"] and "Job" in [m["kind"] for m in d.create]
+    assert [e.reason for e in d.events if e.type == "Warning"] == [Reason.STALLED]
+    assert s.recovery_counts == {"Stalled": 1}
+
+
+def test_stall_detection_can_be_turned_off_and_counts_against_max_restarts() -> None:
+    off, _ = run(make_job(recovery={"stallTimeoutSeconds": 0}))
+    off, _ = run(off, running_with(5), now=T0 + timedelta(minutes=1))
+    off, d = run(off, running_with(5), now=T0 + timedelta(days=2))
+    assert off.status is not None and off.status.attempt == 1 and not d.delete_jobs
+    capped, _ = run(make_job(recovery={"stallTimeoutSeconds": 60, "maxRestarts": 0}))
+    capped, _ = run(capped, running_with(5), now=T0 + timedelta(minutes=1))
+    capped, d = run(capped, running_with(5), now=T0 + timedelta(minutes=3))
+    s = capped.status
+    assert s is not None and s.phase == "Failed"
+    assert c.get_condition(s.conditions, ConditionType.FAILED).reason == Reason.RESTART_LIMIT  # type: ignore[union-attr]
+    assert "trainer stalled (no step progress for 120s" in (s.message or "")
+
+
+def test_preemptions_without_progress_are_bounded() -> None:
+    job, _ = run(make_job(recovery={"maxPreemptionsWithoutProgress": 2}))
+    job, _ = run(job, running_with(3, checkpoint=2, pods=False))
+    for i in range(2):  # preempted twice at the same checkpoint: still within the limit
+        job, _ = run(job, observed(batch_job(active=1), [pod(f"demo-a1-0-{i}", EXIT_PREEMPTED)]))
+        assert job.status is not None and job.status.phase == "Running"
+    # A new checkpoint in between: the count starts again.
+    job, _ = run(job, running_with(9, checkpoint=8, pods=False))
+    for i in range(2, 4):
+        job, _ = run(job, observed(batch_job(active=1), [pod(f"demo-a1-0-{i}", EXIT_PREEMPTED)]))
+        assert job.status is not None and job.status.phase == "Running"
+    job, d = run(job, observed(batch_job(active=1), [pod("demo-a1-0-4", EXIT_PREEMPTED)]))
+    s = job.status
+    assert s is not None and s.phase == "Failed"
+    assert c.get_condition(s.conditions, ConditionType.FAILED).reason == Reason.PREEMPTION_LIMIT  # type: ignore[union-attr]
+    assert (s.message or "").startswith(
+        "preempted 3 times in a row without a new checkpoint in between "
+        "(spec.recovery.maxPreemptionsWithoutProgress=2). To fix:"
+    )
+    assert d.delete_jobs == ["demo-a1"]
+    assert s.recovery_counts == {"Preemption": 5}
+
+
+def test_recoveries_keep_the_current_attempt_and_the_latest_of_earlier_ones() -> None:
+    old = [
+        Recovery(reason=RecoveryReason.POD_FAILURE, time="t", attempt=a, message=str(a))
+        for a in range(1, 31)
+    ]
+    current = [
+        Recovery(reason=RecoveryReason.PREEMPTION, time="t", attempt=31, pod=f"p{i}")
+        for i in range(25)
+    ]
+    kept = trim_recoveries(old + current, attempt=31)
+    assert kept == current  # the current attempt's entries all stay, even past the cap
+    kept = trim_recoveries(old + current[:5], attempt=31)
+    assert len(kept) == KEEP_RECOVERIES and kept[-5:] == current[:5]
+    assert [r.attempt for r in kept[:15]] == list(range(16, 31))  # the latest earlier ones

@@ -337,7 +337,25 @@ class RecoverySettings(_Model):
         description="Re-plans after out-of-memory before failing.",
     )
     max_restarts: int = Field(
-        default=10, ge=0, le=1000, description="Relaunches after preemption or pod loss."
+        default=10,
+        ge=0,
+        le=1000,
+        description="Relaunches after a failed trainer, a stall or a move to another pool.",
+    )
+    max_preemptions_without_progress: int = Field(
+        default=10,
+        ge=1,
+        le=1000,
+        description="Preemptions in a row with no new checkpoint between them before the job "
+        "fails; a preemption after progress starts the count again.",
+    )
+    stall_timeout_seconds: int | None = Field(
+        default=None,
+        ge=0,
+        le=604_800,
+        description="Relaunch the attempt from its checkpoint when the step count has not "
+        "moved this long (once the attempt trained a step); 0: never; unset: the operator's "
+        "KUBETUNE_TRAINING_STALL_SECONDS or 20 planned steps, whichever is longer.",
     )
 
 
@@ -563,6 +581,10 @@ class ProgressStatus(_Model):
     eta_seconds: float | None = Field(default=None, description="Estimated seconds left.")
     eta: str | None = Field(default=None, description="ETA in human form, e.g. 1h20m.")
     updated_at: str | None = Field(default=None, description="When progress was last read.")
+    step_changed_at: str | None = Field(
+        default=None,
+        description="When this attempt's step count last moved (unset until it trains a step).",
+    )
 
 
 class CheckpointStatus(_Model):
@@ -622,7 +644,14 @@ class FineTuneJobStatus(_Model):
         default_factory=list,
         description="Layouts (pool/method/GPUs/micro-batch/checkpointing) that ran out of memory.",
     )
-    recoveries: list[Recovery] = Field(default_factory=list, description="Handled failures.")
+    recoveries: list[Recovery] = Field(
+        default_factory=list,
+        description="Handled failures: every one of the current attempt, and the latest of "
+        "earlier attempts (recoveryCounts has them all).",
+    )
+    recovery_counts: dict[str, int] = Field(
+        default_factory=dict, description="Handled failures so far, by reason."
+    )
     trainer_pods: list[str] = Field(
         default_factory=list,
         description=(

@@ -77,6 +77,10 @@ class Reason(StrEnum):
     TRAINER_CONFIG_ERROR = "TrainerConfigError"
     OOM_LIMIT = "OutOfMemoryLimitReached"
     RESTART_LIMIT = "RestartLimitReached"
+    PREEMPTION_LIMIT = "PreemptionLimitReached"
+    """Preempted again and again without a new checkpoint in between."""
+    STALLED = "Stalled"
+    """The step count stopped moving; the attempt was relaunched from the checkpoint."""
     BUDGET_EXCEEDED = "BudgetExceeded"
     DEADLINE_EXCEEDED = "DeadlineExceeded"
     CHILD_CONFLICT = "ChildConflict"
@@ -113,6 +117,8 @@ class RecoveryReason(StrEnum):
     """A trainer pod or the whole attempt failed otherwise: relaunched."""
     RESCHEDULED = "Rescheduled"
     """A trainer pod found no room in its pool: moved to another pool."""
+    STALLED = "Stalled"
+    """The step count stopped moving for the stall timeout: relaunched from the checkpoint."""
 
 
 class PlanReason(StrEnum):

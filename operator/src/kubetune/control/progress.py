@@ -45,12 +45,20 @@ def start_attempt(status: FineTuneJobStatus, plan: PlanStatus, now: datetime) ->
     progress = status.progress or ProgressStatus()
     progress.total_steps = plan.total_steps
     progress.summary = f"{progress.step}/{plan.total_steps} ({progress.percent}%)"
+    progress.step_changed_at = None  # the stall timer starts with this attempt's first step
     status.progress = progress
     cost = status.cost or CostStatus()
     cost.estimated_usd = plan.estimated_cost_usd
     cost.rate_usd_per_hour = plan.price_per_hour_usd
     cost.updated_at = now_rfc3339(now)
     status.cost = cost
+
+
+def stalled_for(status: FineTuneJobStatus, now: datetime) -> float | None:
+    """Seconds since the attempt's step count last moved; None before it reported one."""
+    progress = status.progress
+    since = parse_time(progress.step_changed_at) if progress is not None else None
+    return None if since is None else (now - since).total_seconds()
 
 
 def accrue(cost: CostStatus | None, now: datetime) -> None:
@@ -76,12 +84,16 @@ def read_metrics(
     now: datetime,
 ) -> int | None:
     """Progress, ETA and the newest checkpoint from the trainer's own metrics; returns the
-    step of a checkpoint that is new since the last look, else None."""
+    step of a checkpoint that is new since the last look, else None. The first step the
+    attempt reports, and every change after it, restart the stall timer (`step_changed_at`)."""
     m = {k: v for k, v in metrics.items() if math.isfinite(v)}  # NaN is not valid JSON
     plan = status.plan
     assert plan is not None
     progress = status.progress or ProgressStatus()
-    progress.step = int(m.get("step", progress.step))
+    step_now = int(m.get("step", progress.step))
+    if step_now != progress.step or (progress.step_changed_at is None and "step" in m):
+        progress.step_changed_at = now_rfc3339(now)
+    progress.step = step_now
     progress.total_steps = int(m.get("total_steps") or plan.total_steps)
     progress.epoch = round(float(m.get("epoch", progress.epoch)), 3)
     progress.percent = min(100, int(100 * progress.step / max(1, progress.total_steps)))

@@ -104,6 +104,10 @@ class ControllerSettings:
     """Every unfinished job is looked at at least this often, even without any event."""
     progress_write_seconds: float = 60.0
     """Status changes of progress and cost alone are written at most this often."""
+    training_stall_seconds: float = 1800.0
+    """A running attempt whose step count has not moved this long (or 20 planned steps, if
+    longer) is relaunched from its checkpoint; a job's spec.recovery.stallTimeoutSeconds
+    overrides it."""
     allowed_trainer_images: tuple[str, ...] = ()
     """Patterns (`fnmatch`: `registry.example.com/ml/*`) a job's spec.trainerImage must
     match; the operator's own trainer image is always allowed."""
@@ -493,13 +497,16 @@ class _Reconciler:
         if p.job_failed(job_status):
             self.handle_failure()
             return
-        self.record_ended_pods(job_status)
+        if self.record_ended_pods(job_status):
+            return
         if self.move_if_stuck() or self.check_limits():
             return
         if self.observed.trainer_metrics:
             step = progress.read_metrics(self.s, self.spec, self.observed.trainer_metrics, self.now)
             if step is not None:
                 self.d.event(Reason.CHECKPOINT, f"checkpoint at step {step} is complete")
+        if self.relaunch_if_stalled(plan):
+            return
         running = max(job_status.get("ready") or 0, job_status.get("active") or 0)
         if running >= plan.nodes:
             if not is_true(self.s.conditions, ConditionType.RUNNING):
@@ -551,7 +558,9 @@ class _Reconciler:
 
     def add_recovery(self, reason: RecoveryReason, message: str, pod: str | None = None) -> None:
         """Record a handled failure of the current attempt; the run resumes from the newest
-        checkpoint."""
+        checkpoint. Every reason is counted in `recoveryCounts`; the list itself keeps the
+        current attempt's entries (control/pods.py tells its pods apart by them) and the
+        latest of earlier attempts, up to KEEP_RECOVERIES in all."""
         self.s.recoveries.append(
             Recovery(
                 reason=reason,
@@ -562,10 +571,17 @@ class _Reconciler:
                 message=message,
             )
         )
+        counts = self.s.recovery_counts
+        if not counts and len(self.s.recoveries) > 1:  # a status from before the counters
+            for earlier in self.s.recoveries[:-1]:
+                counts[earlier.reason] = counts.get(earlier.reason, 0) + 1
+        counts[reason] = counts.get(reason, 0) + 1
+        self.s.recoveries = trim_recoveries(self.s.recoveries, self.s.attempt)
 
-    def record_ended_pods(self, job_status: Mapping[str, Any]) -> None:
+    def record_ended_pods(self, job_status: Mapping[str, Any]) -> bool:
         """Count each trainer pod of this attempt that ended early; the batch Job replaces
-        it (control/pods.py `ended_pods` tells preemptions from failures)."""
+        it (control/pods.py `ended_pods` tells preemptions from failures). True when the job
+        failed: preempted too often without progress."""
         look = p.ended_pods(
             self.observed.pods,
             self.s.trainer_pods,
@@ -582,6 +598,18 @@ class _Reconciler:
             else:
                 self.d.event(Reason.TRAINER_FAILED, tail, warning=True)
         self.s.trainer_pods = look.alive
+        in_a_row = preemptions_without_progress(self.s.recoveries)
+        limit = self.spec.recovery.max_preemptions_without_progress
+        if in_a_row > limit:
+            self.fail(
+                Reason.PREEMPTION_LIMIT,
+                f"preempted {in_a_row} times in a row without a new checkpoint in between "
+                f"(spec.recovery.maxPreemptionsWithoutProgress={limit}). To fix: run on "
+                "on-demand pools (spec.resources.spot: never), checkpoint more often "
+                "(spec.checkpoint.intervalSteps), or raise the limit",
+            )
+            return True
+        return False
 
     def move_if_stuck(self) -> bool:
         """Re-plan when a trainer pod cannot be scheduled (its pool has no room any more).
@@ -658,6 +686,39 @@ class _Reconciler:
         else:
             self.relaunch(end)
 
+    def stall_timeout(self, plan: PlanStatus) -> float:
+        """Seconds without step progress after which an attempt counts as stalled (0: never)."""
+        own = self.spec.recovery.stall_timeout_seconds
+        if own is not None:
+            return float(own)
+        step = plan.estimated_duration_seconds / max(1, plan.total_steps)
+        return max(self.settings.training_stall_seconds, STALL_STEPS * step)
+
+    def relaunch_if_stalled(self, plan: PlanStatus) -> bool:
+        """Relaunch an attempt whose step count stopped moving (a hung rank, a stalled
+        volume) from its checkpoint, as a restart; True when it did something."""
+        timeout = self.stall_timeout(plan)
+        stalled = progress.stalled_for(self.s, self.now)
+        if timeout <= 0 or stalled is None or stalled < timeout:
+            return False
+        step = self.s.progress.step if self.s.progress else 0
+        why = f"no step progress for {stalled:.0f}s (stall timeout {timeout:.0f}s) at step {step}"
+        limit = self.spec.recovery.max_restarts
+        if self.s.restarts >= limit:
+            self.fail(
+                Reason.RESTART_LIMIT,
+                f"trainer stalled ({why}) after {self.s.restarts} restarts "
+                f"(spec.recovery.maxRestarts={limit})",
+            )
+            return True
+        self.s.restarts += 1
+        self.add_recovery(RecoveryReason.STALLED, why)
+        self.d.event(Reason.STALLED, f"Trainer stalled: {why}; relaunching from the checkpoint",
+                     warning=True)  # fmt: skip
+        self.stop_trainer()
+        self.launch()
+        return True
+
     def relaunch(self, end: p.TrainerExit) -> None:
         limit = self.spec.recovery.max_restarts
         why = end.describe()
@@ -677,7 +738,10 @@ class _Reconciler:
     def recover_oom(self, detail: str) -> None:
         plan = self.s.plan
         assert plan is not None
-        ooms = sum(1 for r in self.s.recoveries if r.reason == RecoveryReason.OOM)
+        ooms = max(
+            self.s.recovery_counts.get(RecoveryReason.OOM, 0),
+            sum(1 for r in self.s.recoveries if r.reason == RecoveryReason.OOM),
+        )
         limit = self.spec.recovery.max_oom_replans
         if ooms >= limit:
             self.fail(
@@ -710,6 +774,41 @@ class _Reconciler:
             self.d.requeue_after = self.settings.queue_retry_seconds
             return
         self.launch()
+
+
+STALL_STEPS = 20
+"""An attempt is stalled after at least this many planned step times without progress."""
+KEEP_RECOVERIES = 20
+"""Entries of earlier attempts kept in status.recoveries (the current attempt's all stay)."""
+
+
+def trim_recoveries(recoveries: list[Recovery], attempt: int) -> list[Recovery]:
+    """At most KEEP_RECOVERIES entries, dropping the oldest of earlier attempts first; the
+    current attempt's stay, since they tell its ended pods apart."""
+    excess = len(recoveries) - KEEP_RECOVERIES
+    if excess <= 0:
+        return recoveries
+    out = []
+    for rec in recoveries:
+        if excess > 0 and rec.attempt != attempt:
+            excess -= 1
+            continue
+        out.append(rec)
+    return out
+
+
+def preemptions_without_progress(recoveries: Sequence[Recovery]) -> int:
+    """Preemptions at the end of `recoveries` with no newer checkpoint between them: a run
+    preempted before it could save again."""
+    run, step = 0, None
+    for rec in reversed(recoveries):
+        if rec.reason != RecoveryReason.PREEMPTION:
+            break
+        if step is not None and (rec.step or 0) < step:
+            break  # progress was made between this preemption and the next
+        step = rec.step or 0
+        run += 1
+    return run
 
 
 def _first_int_over(value: Any, limit: int, path: str = "plan") -> str | None:

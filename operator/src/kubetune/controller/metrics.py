@@ -127,6 +127,10 @@ def _recoveries(status: Mapping[str, Any]) -> dict[str, int]:
         reason = str(rec.get("reason"))
         if reason in counts:
             counts[reason] += 1
+    # The list keeps only the latest entries of earlier attempts; the counters keep all.
+    for reason, n in (status.get("recoveryCounts") or {}).items():
+        if reason in counts and isinstance(n, int):
+            counts[reason] = max(counts[reason], n)
     return counts
 
 

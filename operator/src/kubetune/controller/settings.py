@@ -14,6 +14,7 @@ KUBETUNE_RESCHEDULE_SECONDS         unschedulable trainer pods this long: move p
 KUBETUNE_RESYNC_SECONDS             every unfinished job is looked at at least this often (600)
 KUBETUNE_PROGRESS_WRITE_SECONDS     progress/cost-only status writes at most this often (60)
 KUBETUNE_STALL_SECONDS              liveness fails when reconciles stalled this long (300)
+KUBETUNE_TRAINING_STALL_SECONDS     relaunch an attempt whose step stopped moving this long (1800)
 KUBETUNE_PLANNER_WORKERS            threads that run reconciles off the event loop (2)
 KUBETUNE_SCRAPE_CONCURRENCY         trainer metrics endpoints read at once (16)
 KUBETUNE_ALLOW_NETWORK              fetch config.json of unknown hub models (false)
@@ -199,6 +200,9 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> ControllerSetting
             env, "KUBETUNE_PROGRESS_WRITE_SECONDS", ControllerSettings.progress_write_seconds
         ),
         stall_seconds=_positive(env, "KUBETUNE_STALL_SECONDS", ControllerSettings.stall_seconds),
+        training_stall_seconds=_positive(
+            env, "KUBETUNE_TRAINING_STALL_SECONDS", ControllerSettings.training_stall_seconds
+        ),
         planner_workers=int(
             _positive(env, "KUBETUNE_PLANNER_WORKERS", ControllerSettings.planner_workers)
         ),
