@@ -224,6 +224,8 @@ FIELD_NAMES = sorted(
         "recovery",
         "maxOOMReplans",
         "maxRestarts",
+        "maxPreemptionsWithoutProgress",
+        "stallTimeoutSeconds",
         "trainerImage",
         "suspend",
         "ttlSecondsAfterFinished",
@@ -466,7 +468,12 @@ optional_sections = _section(
         ),
         mergeAdapter=st.booleans(),
     ),
-    recovery=_section(maxOOMReplans=st.integers(0, 20), maxRestarts=st.integers(0, 1000)),
+    recovery=_section(
+        maxOOMReplans=st.integers(0, 20),
+        maxRestarts=st.integers(0, 1000),
+        maxPreemptionsWithoutProgress=st.integers(1, 1000),
+        stallTimeoutSeconds=st.one_of(st.just(0), st.integers(1, 604_800)),
+    ),
     trainerImage=image,
     suspend=st.sampled_from([False, False, False, True]),
     ttlSecondsAfterFinished=st.one_of(
