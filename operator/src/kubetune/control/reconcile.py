@@ -641,13 +641,7 @@ class _Reconciler:
             return False
         if moved.queued:
             return False
-        limit = self.spec.recovery.max_restarts
-        if self.s.restarts >= limit:
-            self.fail(
-                Reason.RESTART_LIMIT,
-                f"trainer pods found no room after {self.s.restarts} restarts "
-                f"(spec.recovery.maxRestarts={limit})",
-            )
+        if self.out_of_restarts("trainer pods found no room"):
             return True
         name, since = stuck[0]
         waited = (self.now - since).total_seconds()
@@ -686,6 +680,17 @@ class _Reconciler:
         else:
             self.relaunch(end)
 
+    def out_of_restarts(self, what: str) -> bool:
+        """Fail the job when it has used up spec.recovery.maxRestarts; `what` happened."""
+        limit = self.spec.recovery.max_restarts
+        if self.s.restarts < limit:
+            return False
+        self.fail(
+            Reason.RESTART_LIMIT,
+            f"{what} after {self.s.restarts} restarts (spec.recovery.maxRestarts={limit})",
+        )
+        return True
+
     def stall_timeout(self, plan: PlanStatus) -> float:
         """Seconds without step progress after which an attempt counts as stalled (0: never)."""
         own = self.spec.recovery.stall_timeout_seconds
@@ -703,13 +708,7 @@ class _Reconciler:
             return False
         step = self.s.progress.step if self.s.progress else 0
         why = f"no step progress for {stalled:.0f}s (stall timeout {timeout:.0f}s) at step {step}"
-        limit = self.spec.recovery.max_restarts
-        if self.s.restarts >= limit:
-            self.fail(
-                Reason.RESTART_LIMIT,
-                f"trainer stalled ({why}) after {self.s.restarts} restarts "
-                f"(spec.recovery.maxRestarts={limit})",
-            )
+        if self.out_of_restarts(f"trainer stalled ({why})"):
             return True
         self.s.restarts += 1
         self.add_recovery(RecoveryReason.STALLED, why)
@@ -720,14 +719,8 @@ class _Reconciler:
         return True
 
     def relaunch(self, end: p.TrainerExit) -> None:
-        limit = self.spec.recovery.max_restarts
         why = end.describe()
-        if self.s.restarts >= limit:
-            self.fail(
-                Reason.RESTART_LIMIT,
-                f"trainer failed ({why}: {end.detail}) after {self.s.restarts} restarts "
-                f"(spec.recovery.maxRestarts={limit})",
-            )
+        if self.out_of_restarts(f"trainer failed ({why}: {end.detail})"):
             return
         self.s.restarts += 1
         self.add_recovery(RecoveryReason.POD_FAILURE, f"{why}: {end.detail}")
