@@ -103,6 +103,8 @@ def test_plan_every_example(job: Path) -> None:
     status = json.loads(out)
     assert status["totalGPUs"] == status["nodes"] * status["gpusPerNode"]
     assert status["estimatedCostUSD"] > 0
+    assert json.loads(invoke("plan", str(job), "-o", "json")[1]) == status
+    assert yaml.safe_load(invoke("plan", str(job), "-o", "yaml")[1]) == status
 
 
 def test_plan_with_custom_pools(tmp_path: Path) -> None:

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+import yaml
 
-from kubetune.views import Watcher, age, describe_job, job_table, log_sources, outcome, pool_table
+from kubetune.views import (
+    ObjectWatcher,
+    Watcher,
+    age,
+    describe_job,
+    job_table,
+    log_sources,
+    outcome,
+    pool_table,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -256,3 +267,14 @@ def test_watch_prints_events_between_the_plan_and_the_progress_once_each() -> No
     assert lines[2].startswith("Running")
     assert watcher.update(running(1), [event]) == []
     assert watcher.update(running(1), [{**event, "count": 2}]) == ["event Normal Launched: a1"]
+
+
+def test_watch_as_objects_prints_each_version_once() -> None:
+    watcher = ObjectWatcher("json")
+    first = {"metadata": {"name": "j", "resourceVersion": "7"}, "status": {"phase": "Running"}}
+    (printed,) = watcher.update(first)
+    assert json.loads(printed) == first
+    assert watcher.update(first) == []
+    newer = {**first, "metadata": {"name": "j", "resourceVersion": "8"}}
+    (doc,) = ObjectWatcher("yaml").update(newer)
+    assert doc.startswith("---\n") and yaml.safe_load(doc) == newer

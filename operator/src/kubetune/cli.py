@@ -28,7 +28,16 @@ from kubetune.planning.estimator import (
 )
 from kubetune.planning.planner import Plan, PlannerSettings, plan_job
 from kubetune.sources import load_arch
-from kubetune.views import describe_job, hours, job_table, log_sources, outcome, pool_table
+from kubetune.views import (
+    ObjectWatcher,
+    describe_job,
+    dump,
+    hours,
+    job_table,
+    log_sources,
+    outcome,
+    pool_table,
+)
 from kubetune_trainer.contract import (
     METHODS,
     OPTIMIZERS,
@@ -352,7 +361,15 @@ def format_plan(plan: Plan, objective_defaulted: bool = False) -> str:
     "KUBETUNE_DEFAULT_OBJECTIVE).",
 )
 @click.option("--allow-network", is_flag=True, help="Fetch config.json of unknown hub models.")
-@click.option("--json", "as_json", is_flag=True, help="Print status.plan as JSON.")
+@click.option(
+    "--output",
+    "-o",
+    type=click.Choice(["table", "json", "yaml"]),
+    default="table",
+    show_default=True,
+    help="json|yaml: status.plan as the operator would write it.",
+)
+@click.option("--json", "as_json", is_flag=True, hidden=True, help="The same as -o json.")
 def plan(
     job_file: str,
     pools_file: str | None,
@@ -362,9 +379,11 @@ def plan(
     safety_factor: float,
     default_objective: Objective,
     allow_network: bool,
+    output: str,
     as_json: bool,
 ) -> None:
     """Plan a FineTuneJob offline: the chosen pool, GPUs, method, time and cost."""
+    output = "json" if as_json else output
     job = load_job(job_file)
     if from_cluster and pools_file:
         raise Abort("--from-cluster and --pools both say where pools come from: pass one")
@@ -416,8 +435,8 @@ def plan(
         )
     except (KubetuneError, ArchitectureError, EstimatorError) as exc:
         raise Abort(str(exc)) from exc
-    if as_json:
-        click.echo(json.dumps(result.to_status(pools).to_wire(), indent=2))
+    if output != "table":
+        _dump(result.to_status(pools).to_wire(), output)
         return
     click.echo(f"{job.metadata.get('name', job_file)}: {arch.name}")
     if from_cluster:
@@ -439,10 +458,7 @@ def plan(
 
 def _dump(value: dict[str, Any], output: str) -> None:
     """`value` as JSON or YAML (`output`), as kubectl prints objects."""
-    if output == "json":
-        click.echo(json.dumps(value, indent=2))
-    else:
-        click.echo(yaml.safe_dump(value, sort_keys=False), nl=False)
+    click.echo(dump(value, output))
 
 
 def _print_objects(objects: list[dict[str, Any]], output: str, as_table: str) -> None:
@@ -528,7 +544,7 @@ def describe(
 @click.option(
     "--timeout", type=float, default=None, help="Give up after this many seconds (exit 2)."
 )
-@_connection_options
+@_cluster_options
 def watch(
     name: str,
     namespace: str | None,
@@ -536,9 +552,11 @@ def watch(
     timeout: float | None,
     kubeconfig: str | None,
     context: str | None,
+    output: str,
 ) -> None:
     """Follow a FineTuneJob until it ends: its plan, progress, checkpoints, cost and Events
-    as they change. Exits 0 when it succeeds, 1 when it fails, 2 on --timeout."""
+    as they change (-o json|yaml: the object each time it changes). Exits 0 when it
+    succeeds, 1 when it fails, 2 on --timeout."""
     from lightkube.core.exceptions import ApiError
 
     from kubetune.controller.readers import client, watch_job
@@ -547,7 +565,8 @@ def watch(
     try:
         with client(10.0, kubeconfig, context) as api:
             where = namespace or api.namespace or "default"
-            job = watch_job(api, name, where, click.echo, interval, deadline)
+            watcher = None if output == "table" else ObjectWatcher(output)
+            job = watch_job(api, name, where, click.echo, interval, deadline, watcher)
     except ApiError as exc:
         raise Abort(f"cannot read FineTuneJob {name}: {exc.status.message}") from exc
     except KeyboardInterrupt:
@@ -558,8 +577,9 @@ def watch(
         click.echo(f"still not finished after {timeout:g}s", err=True)
         sys.exit(2)
     status = job.get("status") or {}
-    message = f": {status['message']}" if status.get("message") else ""
-    click.echo(f"{name} {status['phase']}{message}")
+    if output == "table":
+        message = f": {status['message']}" if status.get("message") else ""
+        click.echo(f"{name} {status['phase']}{message}")
     sys.exit(0 if status["phase"] == "Succeeded" else 1)
 
 

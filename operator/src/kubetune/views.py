@@ -9,12 +9,14 @@ each column as wide as its widest cell, so no value runs into the next one.
 from __future__ import annotations
 
 import io
+import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import yaml
 from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
@@ -436,6 +438,30 @@ class Watcher:
                 f"{event.get('message', '')}"
             )
         return lines
+
+
+class ObjectWatcher:
+    """`kubetune watch -o json|yaml`: the whole job each time it changed (its
+    resourceVersion), as `kubectl get -w -o json|yaml` prints objects."""
+
+    def __init__(self, output: str) -> None:
+        self._output = output
+        self._version: str | None = None
+
+    def update(self, job: Mapping[str, Any], events: Iterable[Mapping[str, Any]] = ()) -> list[str]:
+        version = str((job.get("metadata") or {}).get("resourceVersion"))
+        if version == self._version:
+            return []
+        self._version = version
+        # YAML documents of a stream are separated as kubectl separates them.
+        return [dump(job, self._output) if self._output == "json" else "---\n" + dump(job, "yaml")]
+
+
+def dump(value: Mapping[str, Any], output: str) -> str:
+    """`value` as JSON or YAML (`output`), as kubectl prints objects."""
+    if output == "json":
+        return json.dumps(value, indent=2)
+    return yaml.safe_dump(dict(value), sort_keys=False).rstrip("\n")
 
 
 def outcome(job: Mapping[str, Any]) -> str | None:

@@ -33,7 +33,7 @@ from kubetune.control.builders import (
     label_value,
 )
 from kubetune.controller.kube import FineTuneJobResource, GPUPoolResource
-from kubetune.views import LogSource, Watcher, outcome
+from kubetune.views import LogSource, ObjectWatcher, Watcher, outcome
 
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 """The label the Job controller puts on a batch Job's pods."""
@@ -192,11 +192,12 @@ def watch_job(
     emit: Callable[[str], None],
     interval: float,
     deadline: float | None = None,
+    watcher: Watcher | ObjectWatcher | None = None,
 ) -> dict[str, Any] | None:
-    """Print (`emit`) a job's plan, progress and Events as they change, looking every
-    `interval` seconds, until it finishes; returns it then, or None when `deadline`
-    (monotonic) passes first."""
-    watcher = Watcher()
+    """Print (`emit`) a job's plan, progress and Events as they change (or, with an
+    ObjectWatcher, the object itself), looking every `interval` seconds, until it finishes;
+    returns it then, or None when `deadline` (monotonic) passes first."""
+    watcher = watcher or Watcher()
     while True:
         job = api.get(FineTuneJobResource, name, namespace=namespace).to_dict()  # type: ignore[no-untyped-call]
         for line in watcher.update(job, events_about(api, name, namespace)):
