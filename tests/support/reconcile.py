@@ -61,15 +61,22 @@ def batch_job(*conds: str, active: int = 0, ready: int = 0) -> dict[str, Any]:
 
 
 def pod(
-    name: str, exit_code: int | None = None, disrupted: bool = False, msg: str = ""
+    name: str,
+    exit_code: int | None = None,
+    disrupted: bool = False,
+    msg: str = "",
+    reason: str | None = None,
 ) -> dict[str, Any]:
+    """A trainer pod; with `exit_code`, Failed with that code, the termination message `msg`
+    and the runtime's `reason` (`Error`, `OOMKilled`) when given."""
     status: dict[str, Any] = {"phase": "Failed" if exit_code else "Running", "conditions": []}
     if disrupted:
         status["conditions"].append({"type": "DisruptionTarget", "status": "True"})
     if exit_code is not None:
-        status["containerStatuses"] = [
-            {"name": "trainer", "state": {"terminated": {"exitCode": exit_code, "message": msg}}}
-        ]
+        terminated: dict[str, Any] = {"exitCode": exit_code, "message": msg}
+        if reason is not None:
+            terminated["reason"] = reason
+        status["containerStatuses"] = [{"name": "trainer", "state": {"terminated": terminated}}]
     return {"metadata": {"name": name}, "status": status}
 
 

@@ -788,3 +788,19 @@ def test_long_claim_names_give_valid_volume_names() -> None:
     assert len(volume["name"]) <= 63 and DNS_LABEL.match(volume["name"])
     mounts = [m for m in _trainer(built)["volumeMounts"] if m["name"] == volume["name"]]
     assert [m["mountPath"] for m in mounts] == [f"/mnt/pvc/{claim}"]
+
+
+@pytest.mark.parametrize(("grace", "shutdown"), [(120, "110"), (600, "590"), (30, "20"), (12, "5")])
+def test_the_launcher_gives_up_on_workers_before_the_kubelet_does(
+    grace: int, shutdown: str
+) -> None:
+    settings = BuildSettings(termination_grace_seconds=grace)
+    built = build_indexed_job(full_8b_job(), full_8b_plan(), h100_pool(), settings, 1)
+    env = {e["name"]: e.get("value") for e in _trainer(built)["env"]}
+    assert env["KUBETUNE_SHUTDOWN_TIMEOUT"] == shutdown
+    assert _pod_spec(built)["terminationGracePeriodSeconds"] == grace
+
+
+def test_a_trainer_that_wrote_no_message_is_explained_by_its_log() -> None:
+    built = build_indexed_job(full_8b_job(), full_8b_plan(), h100_pool(), SETTINGS, 1)
+    assert _trainer(built)["terminationMessagePolicy"] == "FallbackToLogsOnError"

@@ -19,6 +19,9 @@ from pathlib import Path
 from kubetune_trainer.contract import EXIT_CONFIG_ERROR, EXIT_OK
 
 TERMINATION_LOG = "/dev/termination-log"
+CRASH_MESSAGE_CHARS = 300
+"""A crash's message is cut to this in the termination message: the file holds every rank's
+line, and the operator shows its last 500 characters."""
 log = logging.getLogger("kubetune_trainer")
 
 
@@ -65,6 +68,27 @@ def _setup_logging() -> None:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
+def crash_message(e: BaseException) -> str:
+    """One line for an unexpected error: its type and the start of its message."""
+    text = " ".join(str(e).split())
+    if len(text) > CRASH_MESSAGE_CHARS:
+        text = text[: CRASH_MESSAGE_CHARS - 3] + "..."
+    return f"crash rank={_rank()} {type(e).__name__}: {text or '(no message)'}"
+
+
+def _report_exit(e: BaseException) -> None:
+    """The termination message of a contract exit other than OOM and config errors: a stop
+    or preemption once per pod (rank 0's), anything else from every rank it hit."""
+    from kubetune_trainer.contract import EXIT_PREEMPTED, EXIT_STOPPED
+
+    code = getattr(e, "exit_code", 1)
+    if code in (EXIT_PREEMPTED, EXIT_STOPPED):
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            write_termination_message(str(e))
+        return
+    write_termination_message(f"rank={_rank()} {e}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kubetune_trainer")
     parser.add_argument("--config", default=os.environ.get("KUBETUNE_CONFIG"))
@@ -82,6 +106,9 @@ def _run(config_path: str | None) -> int:
 
     if not config_path:
         log.error("no config: pass --config FILE or set KUBETUNE_CONFIG")
+        write_termination_message(
+            "config_error no config: pass --config FILE or set KUBETUNE_CONFIG"
+        )
         return EXIT_CONFIG_ERROR
     try:
         cfg = parse_config(Path(config_path).read_text(), config_path)
@@ -98,7 +125,9 @@ def _run(config_path: str | None) -> int:
         result = run(cfg)
     except OutOfMemory as e:
         log.error("%s", e)
-        write_termination_message(f"oom peak_gib={e.peak_gib:.3f} step={e.step} rank={_rank()} {e}")
+        write_termination_message(
+            f"oom peak_gib={e.peak_gib:.3f} step={e.step} rank={_rank()} phase={e.phase} {e}"
+        )
         return e.exit_code
     except ConfigError as e:
         log.error("%s", e)
@@ -107,9 +136,11 @@ def _run(config_path: str | None) -> int:
         return e.exit_code
     except TrainerExit as e:
         log.warning("%s", e)
+        _report_exit(e)
         return e.exit_code
-    except Exception:
+    except Exception as e:
         traceback.print_exc()
+        write_termination_message(crash_message(e))
         return 1
     log.info(
         "done: step %d/%d loss %.4f, %d tokens in %.1fs; output in %s",

@@ -63,6 +63,18 @@ EXIT_STOPPED = 44
 """A stop was requested (budget/deadline/suspend) and a checkpoint was written."""
 
 
+# Where the trainer ran out of GPU memory: `phase=<key>` in its termination message, and the
+# words for it in messages (trainer and operator).
+OOM_PHASES: dict[str, str] = {
+    "load": "loading the model",
+    "resume": "loading the checkpoint",
+    "train": "training",
+    "eval": "evaluating",
+    "save": "saving a checkpoint",
+    "export": "exporting the model",
+}
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -25,7 +26,11 @@ from typing import Any
 
 import torch
 
-from kubetune_trainer.errors import ConfigError, DataError
+from kubetune_trainer.errors import ConfigError, DataError, TrainerExit
+from kubetune_trainer.hub import hub_call
+
+HUB_TOKEN_ENV = "HF_TOKEN"
+"""The hub client reads its token from here; a hub dataset is read with it."""
 
 IGNORE_INDEX = -100
 MAX_ERRORS_SHOWN = 5
@@ -202,7 +207,16 @@ def _read_hub(source: str, revision: str | None = None) -> Iterator[Record]:
             "install it in the trainer image, or put the data on a volume as JSONL/Parquet"
         ) from e
     try:
-        ds = datasets.load_dataset(source, split="train", revision=revision)
+        ds = hub_call(
+            lambda: datasets.load_dataset(source, split="train", revision=revision),
+            what="dataset",
+            uri=source,
+            field="dataset.uri",
+            revision=revision,
+            token_env=os.environ.get(HUB_TOKEN_ENV) and HUB_TOKEN_ENV,
+        )
+    except TrainerExit:
+        raise  # refused, missing (config error) or unreachable (restart)
     except Exception as e:
         raise DataError(f"hub dataset {source!r}: {e}") from e
     for i, row in enumerate(ds, start=1):

@@ -42,11 +42,17 @@ class OutOfMemory(TrainerExit):
 
     exit_code = EXIT_OOM
 
-    def __init__(self, message: str, *, peak_bytes: int, step: int) -> None:
+    def __init__(self, message: str, *, peak_bytes: int, step: int, phase: str = "train") -> None:
         super().__init__(message)
         self.peak_bytes = peak_bytes
         self.step = step
+        self.phase = phase  # a key of `contract.OOM_PHASES`
 
     @property
     def peak_gib(self) -> float:
         return self.peak_bytes / 2**30
+
+
+class HubUnavailable(TrainerExit):
+    """The hub could not be reached, or answered with a server error, after a few tries;
+    a restart may find it well again (exit 1)."""

@@ -14,8 +14,10 @@ in-process with the same arguments and then exits with the workers' code:
 
 On SIGTERM torchrun forwards the signal to the workers and waits `--shutdown-timeout` seconds
 before SIGKILL. Its default (30 s) is shorter than a large checkpoint takes, so this launcher
-defaults it to 110 s, inside the pod's 120 s grace period
-(`KUBETUNE_SHUTDOWN_TIMEOUT` overrides; an explicit `--shutdown-timeout` wins).
+takes it from `KUBETUNE_SHUTDOWN_TIMEOUT`, which the operator sets to the pod's grace period
+less 10 s (so torchrun's SIGKILL, and this launcher's exit with the workers' codes, come before
+the kubelet's SIGKILL); without it, 110 s, inside the default 120 s grace period. An explicit
+`--shutdown-timeout` wins.
 """
 
 from __future__ import annotations

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -31,8 +32,11 @@ from torch import nn
 from kubetune_trainer.contract import TrainerConfig
 from kubetune_trainer.distributed import DistEnv, barrier
 from kubetune_trainer.errors import ConfigError
+from kubetune_trainer.hub import hub_call
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # Dense bf16 peak FLOP/s per GPU, by a substring of torch.cuda.get_device_name(); used for MFU.
 PEAK_BF16_FLOPS = [
@@ -105,13 +109,40 @@ def prefetch_hub_model(cfg: TrainerConfig, env: DistEnv) -> None:
 
         src, kwargs = model_source(cfg)
         hub: Any = huggingface_hub
-        hub.snapshot_download(
-            src,
-            revision=kwargs.get("revision"),
-            token=kwargs.get("token"),
-            allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"],
+        from_hub(
+            cfg,
+            "model",
+            lambda: hub.snapshot_download(
+                src,
+                revision=kwargs.get("revision"),
+                token=kwargs.get("token"),
+                allow_patterns=[
+                    "*.json",
+                    "*.safetensors",
+                    "*.model",
+                    "*.txt",
+                    "*.jinja",
+                    "*.tiktoken",
+                ],
+            ),
         )
     barrier()
+
+
+def from_hub(cfg: TrainerConfig, what: str, fn: Callable[[], T]) -> T:
+    """`fn()` that reads the configured model: a hub model's calls are retried on transient
+    hub errors, and refusals and missing repositories become config errors (`hub.hub_call`)."""
+    ref = cfg.model
+    if ref.kind != "hub":
+        return fn()
+    return hub_call(
+        fn,
+        what=what,
+        uri=ref.source,
+        field="model.uri",
+        revision=ref.revision,
+        token_env=ref.token_env,
+    )
 
 
 def load_tokenizer(cfg: TrainerConfig) -> Any:
@@ -119,7 +150,9 @@ def load_tokenizer(cfg: TrainerConfig) -> Any:
 
     src, kwargs = model_source(cfg)
     try:
-        tok = AutoTokenizer.from_pretrained(src, **kwargs)
+        tok = from_hub(
+            cfg, "tokenizer of model", lambda: AutoTokenizer.from_pretrained(src, **kwargs)
+        )
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.source {src}: cannot load the tokenizer: {e}") from e
     if tok.pad_token_id is None:
@@ -156,7 +189,8 @@ def _load(cfg: TrainerConfig, env: DistEnv, *, on_meta: bool) -> Any:
 
     src, kwargs = model_source(cfg)
     dtype = _param_dtype(cfg.training.precision)
-    try:
+
+    def load() -> Any:
         if on_meta:
             config = auto_config.from_pretrained(src, **kwargs)
             with torch.device("meta"):
@@ -171,6 +205,9 @@ def _load(cfg: TrainerConfig, env: DistEnv, *, on_meta: bool) -> Any:
                 **kwargs,
             )
         return auto_model.from_pretrained(src, dtype=dtype, **kwargs)
+
+    try:
+        return from_hub(cfg, "model", load)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.source {src}: cannot load the model: {e}") from e
 

@@ -17,6 +17,7 @@ import resource
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from kubetune_trainer.checkpoint import (
     complete_checkpoints,
     restore_rng,
 )
-from kubetune_trainer.contract import TrainerConfig
+from kubetune_trainer.contract import OOM_PHASES, TrainerConfig
 from kubetune_trainer.data import (
     IGNORE_INDEX,
     Batch,
@@ -56,6 +57,7 @@ from kubetune_trainer.metrics import ADDR_ENV, DEFAULT_ADDR, TrainerMetrics
 from kubetune_trainer.modeling import (
     BuiltModel,
     build_model,
+    from_hub,
     load_tokenizer,
     model_source,
     peak_flops,
@@ -181,10 +183,26 @@ class FineTuneRecipe:
         self._grad_norm = math.nan
         self._lr = math.nan
         self._last_save_time = time.monotonic()
+        self.phase = "load"
+        """What the run is doing (a key of `contract.OOM_PHASES`): an out-of-memory error
+        names it."""
+
+    @contextlib.contextmanager
+    def _in_phase(self, phase: str) -> Iterator[None]:
+        """Record `phase` while the block runs. An exception leaves it recorded (no
+        `finally`), so `run` can say where the run was when it failed."""
+        before = self.phase
+        self.phase = phase
+        yield
+        self.phase = before
 
     # ------------------------------------------------------------------ setup
 
     def setup(self) -> None:
+        with self._in_phase("load"):
+            self._setup()
+
+    def _setup(self) -> None:
         cfg = self.cfg
         self.signals.install()
         self.env = init_distributed()
@@ -268,7 +286,8 @@ class FineTuneRecipe:
             },
         )
         self.peak_flops = peak_flops(env.device)
-        self._resume()
+        with self._in_phase("resume"):
+            self._resume()
         self.metrics.set(
             total_steps=self.total_steps,
             step=self.step,
@@ -356,15 +375,13 @@ class FineTuneRecipe:
             self._check_flags(at_step_start=True)
             rng_at_start = capture_rng()
             t0 = time.monotonic()
-            try:
+            with self._in_phase("train"):
                 if cfg.faults.oom_at_step is not None and self.step + 1 == cfg.faults.oom_at_step:
                     raise torch.OutOfMemoryError(
                         "CUDA out of memory (simulated by faults.oom_at_step="
                         f"{cfg.faults.oom_at_step})"
                     )
                 stats = self._train_step(rng_at_start)
-            except torch.OutOfMemoryError as e:
-                raise self._oom(e) from e
             if cfg.faults.min_step_seconds is not None:
                 time.sleep(max(0.0, cfg.faults.min_step_seconds - (time.monotonic() - t0)))
             dt = time.monotonic() - t0
@@ -493,15 +510,23 @@ class FineTuneRecipe:
             return no_sync
         return contextlib.nullcontext()
 
-    def _oom(self, e: BaseException) -> OutOfMemory:
-        allocated, reserved = peak_memory(self.env.device)
-        peak = max(allocated, reserved)
-        self.metrics.set(memory_allocated_peak_bytes=allocated, memory_reserved_peak_bytes=reserved)
-        self.metrics.event("oom", error=str(e)[:500])
+    def out_of_memory(self, e: BaseException) -> OutOfMemory:
+        """The `OutOfMemory` for a CUDA out-of-memory error `e`, naming the phase it hit."""
+        env = getattr(self, "env", None)
+        rank = env.rank if env is not None else int(os.environ.get("RANK", "0"))
+        allocated, reserved = peak_memory(env.device) if env is not None else (0, 0)
+        step = self.step + 1 if self.phase == "train" else self.step
+        if hasattr(self, "metrics"):
+            self.metrics.set(
+                memory_allocated_peak_bytes=allocated, memory_reserved_peak_bytes=reserved
+            )
+            self.metrics.event("oom", error=str(e)[:500], phase=self.phase)
+        where = OOM_PHASES.get(self.phase, self.phase)
         return OutOfMemory(
-            f"out of memory at step {self.step + 1} on rank {self.env.rank}: {str(e)[:300]}",
-            peak_bytes=peak,
-            step=self.step + 1,
+            f"out of GPU memory while {where} (step {step}, rank {rank}): {_first_line(e)[:300]}",
+            peak_bytes=max(allocated, reserved),
+            step=step,
+            phase=self.phase,
         )
 
     def _log_step(self, loss: float, tokens: float, rows: float, dt: float) -> None:
@@ -542,6 +567,10 @@ class FineTuneRecipe:
         rows = self.data.validation
         if rows is None:
             return None
+        with self._in_phase("eval"):
+            return self._evaluate(rows)
+
+    def _evaluate(self, rows: Any) -> float:
         self.model.eval()
         with torch.no_grad():
             loss_sum, targets = self._eval_sums(rows)
@@ -578,6 +607,10 @@ class FineTuneRecipe:
     # ------------------------------------------------------------------ checkpoint
 
     def save_checkpoint(self) -> Path:
+        with self._in_phase("save"):
+            return self._save_checkpoint()
+
+    def _save_checkpoint(self) -> Path:
         state = {
             "step": self.step,
             "total_steps": self.total_steps,
@@ -606,6 +639,10 @@ class FineTuneRecipe:
 
     def save_output(self) -> Path:
         """Adapter (PEFT safetensors), merged model if asked, or the full model; rank 0 writes."""
+        with self._in_phase("export"):
+            return self._save_output()
+
+    def _save_output(self) -> Path:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -648,7 +685,11 @@ class FineTuneRecipe:
         from transformers import AutoModelForCausalLM
 
         src, kwargs = model_source(self.cfg)
-        base = AutoModelForCausalLM.from_pretrained(src, dtype="auto", **kwargs)
+        base = from_hub(
+            self.cfg,
+            "model",
+            lambda: AutoModelForCausalLM.from_pretrained(src, dtype="auto", **kwargs),
+        )
         merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
         merged.config.use_cache = True
         merged.save_pretrained(str(merged_dir), safe_serialization=True)
@@ -679,6 +720,33 @@ class FineTuneRecipe:
         destroy_distributed()
 
 
+def is_out_of_memory(e: BaseException) -> bool:
+    """Whether `e` is CUDA running out of memory, however torch raised it: its
+    OutOfMemoryError, a RuntimeError saying "out of memory" (the CUDA caching allocator,
+    cuBLAS, NCCL, bitsandbytes), or an error raised from one (a failed checkpoint save or
+    load, which reports each rank's error)."""
+    seen: list[BaseException] = []
+    todo: list[BaseException] = [e]
+    while todo and len(seen) < 32:
+        err = todo.pop()
+        if any(err is s for s in seen):
+            continue
+        seen.append(err)
+        if isinstance(err, torch.OutOfMemoryError):
+            return True
+        if isinstance(err, RuntimeError) and "out of memory" in str(err).lower():
+            return True
+        failures = getattr(err, "failures", None)  # DCP: rank → (error, trace)
+        if isinstance(failures, dict):
+            for failure in failures.values():
+                first = failure[0] if isinstance(failure, tuple) and failure else failure
+                if isinstance(first, BaseException):
+                    todo.append(first)
+        if err.__cause__ is not None:
+            todo.append(err.__cause__)
+    return False
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0] if text else type(e).__name__
@@ -704,6 +772,11 @@ def run(cfg: TrainerConfig) -> TrainResult:
         result = recipe.train()
         result.output_dir = recipe.save_output()
         return result
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        # The one place CUDA out-of-memory becomes the contract's OOM exit, wherever it hit.
+        if isinstance(e, OutOfMemory) or not is_out_of_memory(e):
+            raise
+        raise recipe.out_of_memory(e) from e
     finally:
         recipe.cleanup()
 

@@ -610,10 +610,27 @@ def _torchrun_args(
     return args
 
 
-def _env(job: FineTuneJob, attempt: int) -> list[dict[str, Any]]:
+SHUTDOWN_MARGIN_SECONDS = 10
+"""How much sooner than the kubelet the trainer's launcher gives up on its workers."""
+MIN_SHUTDOWN_SECONDS = 5
+
+
+def launcher_shutdown_seconds(termination_grace_seconds: int) -> int:
+    """How long the launcher (torchrun) waits after SIGTERM for its workers to checkpoint
+    before it kills them: the pod's grace period less a margin of 10 s, at least 5 s. The
+    launcher then still has time to collect the workers' exit codes and exit with them
+    before the kubelet's SIGKILL ends the pod (which would leave exit code 137)."""
+    return max(MIN_SHUTDOWN_SECONDS, termination_grace_seconds - SHUTDOWN_MARGIN_SECONDS)
+
+
+def _env(job: FineTuneJob, attempt: int, settings: BuildSettings) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "KUBETUNE_CONFIG", "value": CONFIG_PATH},
         {"name": "KUBETUNE_ATTEMPT", "value": str(attempt)},
+        {
+            "name": "KUBETUNE_SHUTDOWN_TIMEOUT",
+            "value": str(launcher_shutdown_seconds(settings.termination_grace_seconds)),
+        },
         {
             "name": "NODE_RANK",
             "valueFrom": {
@@ -715,7 +732,7 @@ def build_indexed_job(
         "imagePullPolicy": settings.image_pull_policy,
         "command": list(settings.launcher),
         "args": _torchrun_args(job, plan, settings, attempt),
-        "env": _env(job, attempt),
+        "env": _env(job, attempt, settings),
         "ports": [
             {"name": "metrics", "containerPort": settings.metrics_port, "protocol": "TCP"},
             {"name": "rendezvous", "containerPort": settings.rendezvous_port, "protocol": "TCP"},
@@ -728,6 +745,9 @@ def build_indexed_job(
             "limits": {GPU_RESOURCE: str(gpus)},
         },
         "volumeMounts": mounts,
+        # The trainer writes why it ended to /dev/termination-log; when it could not (killed,
+        # or the launcher itself failed), the kubelet uses the tail of the log instead.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "capabilities": {"drop": ["ALL"]},

@@ -17,13 +17,28 @@ from typing import Any
 
 from kubetune.api.v1alpha1 import Recovery
 from kubetune.api.vocabulary import RecoveryReason
-from kubetune_trainer.contract import EXIT_CONFIG_ERROR, EXIT_OOM, EXIT_PREEMPTED, EXIT_STOPPED
+from kubetune_trainer.contract import (
+    EXIT_CONFIG_ERROR,
+    EXIT_OOM,
+    EXIT_PREEMPTED,
+    EXIT_STOPPED,
+    OOM_PHASES,
+)
 
 TRAINER_CONTAINER = "trainer"
 JOB_ENDING_EXITS = (EXIT_OOM, EXIT_CONFIG_ERROR, EXIT_STOPPED)
 """Trainer exits on which the batch Job's podFailurePolicy fails the whole Job."""
 _TELLING_EXITS = (EXIT_OOM, EXIT_CONFIG_ERROR, EXIT_STOPPED)
 """Exits that decide what happens next, most telling first."""
+HOST_OOM_REASON = "OOMKilled"
+"""The container runtime's reason for a container whose processes the kernel killed for
+memory (the node's RAM, not the GPU's)."""
+HOST_OOM_ADVICE = (
+    "the node ran out of host memory and the kernel killed the trainer. To fix: raise the "
+    "trainer's memory request per GPU (Helm value operator.trainerMemoryPerGPU, "
+    "KUBETUNE_TRAINER_MEMORY_PER_GPU) so it lands on a node with room, or use a pool whose "
+    "nodes have more memory"
+)
 
 
 class PodPhase(StrEnum):
@@ -85,14 +100,23 @@ def _trainer_terminations(pod: Mapping[str, Any]) -> list[Mapping[str, Any]]:
 
 @dataclass(frozen=True)
 class TrainerExit:
-    """How the trainer ended: its exit code (None when none was recorded) and the tail of its
-    termination message."""
+    """How the trainer ended: its exit code (None when none was recorded), the tail of its
+    termination message, and the runtime's reason (`Error`, `OOMKilled`, ...)."""
 
     code: int | None
     detail: str
+    reason: str = ""
+
+    @property
+    def host_oom(self) -> bool:
+        """Killed for lack of host memory (OOMKilled, usually exit 137)."""
+        return self.reason == HOST_OOM_REASON
 
     def describe(self) -> str:
-        """`exit code 1` or `pod failure`, as recovery messages put it."""
+        """`exit code 1`, `out of host memory (OOMKilled, exit code 137)` or `pod failure`,
+        as recovery messages put it."""
+        if self.host_oom:
+            return f"out of host memory ({HOST_OOM_REASON}, exit code {self.code})"
         return f"exit code {self.code}" if self.code is not None else "pod failure"
 
 
@@ -104,15 +128,33 @@ def trainer_exit(pods: Sequence[Mapping[str, Any]]) -> TrainerExit:
             code = term.get("exitCode")
             if code is None or code == 0:
                 continue
-            detail = (term.get("message") or term.get("reason") or "").strip()
-            seen.append(TrainerExit(int(code), detail[-500:]))
+            reason = str(term.get("reason") or "")
+            if reason == HOST_OOM_REASON and code not in _TELLING_EXITS:
+                # What the trainer logged last means little after the kernel killed it.
+                seen.append(TrainerExit(int(code), HOST_OOM_ADVICE, reason))
+                continue
+            detail = (term.get("message") or reason).strip()
+            seen.append(TrainerExit(int(code), detail[-500:], reason))
     for wanted in _TELLING_EXITS:
         for found in seen:
             if found.code == wanted:
                 return found
+    # A pod killed for host memory takes its peers down with it: it is the one to report.
+    for found in seen:
+        if found.host_oom:
+            return found
     if seen:
         return seen[0]
     return TrainerExit(None, "no trainer exit code recorded")
+
+
+def oom_phase(detail: str) -> str | None:
+    """What the trainer was doing when it ran out of GPU memory (`phase=<key>` in its
+    termination message), in words: `evaluating`; None when it did not say."""
+    for token in detail.split():
+        if token.startswith("phase="):
+            return OOM_PHASES.get(token.split("=", 1)[1])
+    return None
 
 
 def peak_gib(detail: str) -> float | None:
@@ -210,7 +252,7 @@ def ended_pods(
         if was_preempted(pod):
             ends.append(PodEnd(name, RecoveryReason.PREEMPTION, f"pod {name} preempted"))
         else:
-            why = f"exit code {end.code}" if end.code is not None else "failed"
+            why = end.describe() if end.code is not None else "failed"
             ends.append(
                 PodEnd(name, RecoveryReason.POD_FAILURE, f"pod {name} failed ({why}: {end.detail})")
             )

@@ -748,14 +748,14 @@ class _Reconciler:
             self.s.failed_layouts.append(layout)
         safer = replan_settings_after_oom(plan, self.learned_planner(plan), p.peak_gib(detail))
         old = f"{plan.method} {plan.total_gpus}×{plan.pool} micro-batch {plan.micro_batch_size}"
-        new = self.make_plan(
-            plan.revision + 1, PlanReason.OUT_OF_MEMORY, f"{old} ran out of memory", safer
-        )
+        phase = p.oom_phase(detail)
+        ran_out = f"{old} ran out of memory" + (f" while {phase}" if phase else "")
+        new = self.make_plan(plan.revision + 1, PlanReason.OUT_OF_MEMORY, ran_out, safer)
         if new is None:
             return
         self.s.plan = new.status
         message = (
-            f"{old} ran out of memory; re-planned to {new.status.method} "
+            f"{ran_out}; re-planned to {new.status.method} "
             f"{new.status.total_gpus}×{new.status.pool} micro-batch "
             f"{new.status.micro_batch_size} checkpointing {new.status.gradient_checkpointing}"
         )
