@@ -402,7 +402,7 @@ def plan(
         namespace = job.metadata.get("namespace")
         try:
             tenant = cluster_tenant(10.0, kubeconfig, context, namespace)
-            tenant_note = f"; pools namespace {tenant.name} may use"
+            tenant_note = f"; for namespace {tenant.name} (pools' namespaceSelectors applied)"
         except Exception as exc:  # e.g. a user who may not read Namespaces
             tenant_note = (
                 f"; namespaceSelectors not applied (cannot read namespace "

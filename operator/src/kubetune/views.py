@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
+from kubetune.api.units import about
 from kubetune.api.v1alpha1 import GPUPool
 from kubetune.api.vocabulary import TERMINAL_PHASES
 from kubetune.control.builders import COMPLETION_INDEX_ANNOTATION, CONTAINER_NAME, GPU_RESOURCE
@@ -162,9 +163,7 @@ def pool_table(pools: Iterable[Mapping[str, Any]]) -> str:
 
 def hours(seconds: float | None) -> str:
     """A duration as minutes under an hour (`54m`), else hours (`2.9h`)."""
-    if seconds is None:
-        return NONE
-    return f"{seconds / 60:.0f}m" if seconds < 3600 else f"{seconds / 3600:.1f}h"
+    return NONE if seconds is None else about(seconds)
 
 
 def describe_job(

@@ -670,7 +670,7 @@ def _pod_failure_policy() -> dict[str, Any]:
             "onExitCodes": {
                 "containerName": CONTAINER_NAME,
                 "operator": "In",
-                "values": codes,
+                "values": sorted(codes),  # the API server wants them in order
             },
         }
 

@@ -32,6 +32,7 @@ from typing import Any
 
 from kubetune.api.errors import InfeasibleError, SpecError
 from kubetune.api.tenancy import Tenant
+from kubetune.api.units import about
 from kubetune.api.v1alpha1 import (
     INT64_MAX,
     FineTuneJob,
@@ -423,7 +424,7 @@ class _Reconciler:
         summary = (
             f"{status.method} on {status.nodes}×{status.gpus_per_node} {status.gpu_product} "
             f"(pool {status.pool}), ~{status.per_gpu_memory_gib:.1f} GiB/GPU, "
-            f"~{status.estimated_duration_seconds / 3600:.1f} h, "
+            f"~{about(status.estimated_duration_seconds)}, "
             f"~${status.estimated_cost_usd:,.2f}"
         )
         before = get_condition(self.s.conditions, ConditionType.PLANNED)

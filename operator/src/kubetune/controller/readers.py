@@ -164,7 +164,7 @@ def job_with_events(
     with client(timeout, kubeconfig, context) as api:
         where = namespace or api.namespace or "default"
         job = api.get(FineTuneJobResource, name, namespace=where).to_dict()  # type: ignore[no-untyped-call]
-        return job, events_about(api, name, where)
+        return job, events_about(api, name, where, job["metadata"].get("uid"))
 
 
 def run_checks(operator_url: str | None, timeout: float) -> list[Finding]:
@@ -179,9 +179,14 @@ def run_checks(operator_url: str | None, timeout: float) -> list[Finding]:
     return findings
 
 
-def events_about(api: Client, name: str, namespace: str) -> list[dict[str, Any]]:
-    """The Events about one FineTuneJob."""
+def events_about(
+    api: Client, name: str, namespace: str, uid: str | None = None
+) -> list[dict[str, Any]]:
+    """The Events about one FineTuneJob: this object's (`uid`), not those of an earlier job
+    of the same name, whose Events outlive it."""
     selector: dict[str, Any] = {"involvedObject.name": name, "involvedObject.kind": "FineTuneJob"}
+    if uid:
+        selector["involvedObject.uid"] = uid
     return [e.to_dict() for e in api.list(Event, namespace=namespace, fields=selector)]
 
 
@@ -200,7 +205,8 @@ def watch_job(
     watcher = watcher or Watcher()
     while True:
         job = api.get(FineTuneJobResource, name, namespace=namespace).to_dict()  # type: ignore[no-untyped-call]
-        for line in watcher.update(job, events_about(api, name, namespace)):
+        events = events_about(api, name, namespace, job["metadata"].get("uid"))
+        for line in watcher.update(job, events):
             emit(line)
         if outcome(job) is not None:
             return dict(job)

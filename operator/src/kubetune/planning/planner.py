@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 from kubetune.api.errors import InfeasibleError
 from kubetune.api.tenancy import Tenant
+from kubetune.api.units import about
 from kubetune.api.v1alpha1 import (
     FineTuneJobSpec,
     GPUPool,
@@ -636,7 +637,7 @@ def _explain(pool: str, report: _PoolReport, ctx: _Context) -> Rejection:
         return Rejection(
             pool,
             Limit.DEADLINE,
-            f"fastest fitting configuration takes {_hours(report.fastest_s)}, "
+            f"fastest fitting configuration takes {about(report.fastest_s)}, "
             f"over the deadline {ctx.spec.resources.deadline}",
         )
     if report.cheapest is not None:
@@ -665,10 +666,6 @@ def _explain(pool: str, report: _PoolReport, ctx: _Context) -> Rejection:
     if report.capacity:
         return Rejection(pool, Limit.NODES, report.capacity)
     return Rejection(pool, Limit.NOTHING_TO_TRY, "no configuration to try")
-
-
-def _hours(seconds: float) -> str:
-    return f"{seconds / 3600:.1f} h"
 
 
 def _search(ctx: _Context, pools: Sequence[GPUPool]) -> tuple[list[Candidate], list[Rejection]]:
