@@ -337,7 +337,9 @@ def test_keep_last_k_and_incomplete_checkpoints_are_ignored(
     start = read_log(tmp_path / "metrics.jsonl", "start")[-1]
     assert start["resumed_from"].endswith("step-5")
     names = sorted(p.name for p in ckpt.iterdir())
-    assert names == ["step-6", "step-7", "step-8"], names  # leftovers pruned; 6 rewritten
+    # Leftovers pruned; the damaged step-6 quarantined (kept for inspection) and rewritten.
+    assert [n for n in names if ".corrupt-" not in n] == ["step-6", "step-7", "step-8"], names
+    assert len([n for n in names if n.startswith("step-6.corrupt-")]) == 1, names
 
 
 def test_checkpoint_interval_in_minutes(

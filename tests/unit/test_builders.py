@@ -40,6 +40,7 @@ from kubetune.control.builders import (
     owner_reference,
 )
 from kubetune_trainer.contract import (
+    EXIT_CHECKPOINT_FAILED,
     EXIT_CONFIG_ERROR,
     EXIT_OOM,
     EXIT_PREEMPTED,
@@ -600,7 +601,7 @@ def test_pod_failure_policy_uses_contract_exit_codes() -> None:
         ("Ignore", (EXIT_PREEMPTED,)),
         ("Ignore", "disruption"),
         ("FailJob", (EXIT_OOM,)),
-        ("FailJob", (EXIT_CONFIG_ERROR, EXIT_STOPPED)),
+        ("FailJob", (EXIT_CONFIG_ERROR, EXIT_STOPPED, EXIT_CHECKPOINT_FAILED)),
     ]
     for rule in rules:
         if "onExitCodes" in rule:

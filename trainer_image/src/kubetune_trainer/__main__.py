@@ -2,7 +2,8 @@
 
 Exit codes (`contract.EXIT_*`): 0 done; 2 bad config or data; 42 preempted, checkpoint
 written; 43 out of memory, `peak_gib=<float>` in the termination message; 44 stop requested,
-checkpoint written; anything else is a crash.
+checkpoint written; 45 a checkpoint could not be written or none can be loaded,
+`checkpoint_failed <message>` in the termination message; anything else is a crash.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def _run(config_path: str | None) -> int:
         write_termination_message(f"config_error {message}")
         return EXIT_CONFIG_ERROR
 
-    from kubetune_trainer.errors import ConfigError, OutOfMemory, TrainerExit
+    from kubetune_trainer.errors import CheckpointFailed, ConfigError, OutOfMemory, TrainerExit
     from kubetune_trainer.recipe import run
 
     try:
@@ -133,6 +134,11 @@ def _run(config_path: str | None) -> int:
         log.error("%s", e)
         if _rank() == 0:
             write_termination_message(f"config_error {e}")
+        return e.exit_code
+    except CheckpointFailed as e:
+        log.error("%s", e)
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one line per pod
+            write_termination_message(f"checkpoint_failed {e}")
         return e.exit_code
     except TrainerExit as e:
         log.warning("%s", e)

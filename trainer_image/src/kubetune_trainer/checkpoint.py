@@ -1,11 +1,10 @@
-"""Step checkpoints: `<dir>/step-<N>/`, written atomically, newest complete one resumed.
+"""Step checkpoints: `<dir>/step-<N>/`, written atomically, verified, newest loadable one resumed.
 
 A checkpoint is written into `<dir>/.tmp-step-<N>/` by every rank (torch.distributed.checkpoint
-shards plus one RNG file per rank); after a barrier rank 0 adds `trainer_state.json`, syncs,
-and renames the folder to `step-<N>`. A rename within one directory is atomic on POSIX file
-systems (and NFS), so a `step-<N>` folder is complete by construction; a crash mid-write leaves
-a `.tmp-` folder that the next save removes. Only folders named `step-<N>` that hold both the
-DCP `.metadata` and `trainer_state.json` are ever resumed.
+shards plus one RNG file per rank); rank 0 adds `trainer_state.json`, the ranks checksum the
+files (each rank a share), rank 0 writes `manifest.json` last, syncs, and renames the folder to
+`step-<N>`. A rename within one directory is atomic on POSIX file systems (and NFS), so a
+`step-<N>` folder is complete by construction, and its manifest says what "complete" was.
 
 Contents of one checkpoint:
 
@@ -14,6 +13,21 @@ Contents of one checkpoint:
 | `.metadata`, `__<rank>_0.distcp` | DCP: `model` (adapters only for LoRA/QLoRA) and `optim` |
 | `trainer_state.json` | step, epoch, data position, tokens/samples seen, LR scheduler, method |
 | `rng/rank-<r>.pt` | Python, torch CPU and CUDA RNG states of rank r |
+| `manifest.json` | every other file's name, size and sha256; written last |
+
+Under pressure:
+
+- Before a save rank 0 compares the volume's free space with the checkpoint's expected size
+  (the newest complete checkpoint's, or parameter + optimizer bytes for the first one); a save
+  that would not fit is not started (quarantined checkpoints are deleted first to make room)
+  and the run ends with `CheckpointFailed` (exit 45), the previous checkpoint intact.
+- A save that fails anyway (ENOSPC, any error, DCP's `CheckpointException`, which is a
+  `BaseException`) removes its temp folder and ends the same way.
+- At start-up rank 0 removes `.tmp-step-*` leftovers of interrupted saves.
+- On resume a checkpoint is checked against its manifest, then loaded; one that fails either
+  is renamed `step-<N>.corrupt-<UTC time>` (quarantined: never resumed, never counted by
+  keep-K) and the next older one is tried. Pruning never removes the last checkpoint known to
+  load (the one resumed or just written).
 
 DCP re-shards on load, so a run re-planned onto a different number of GPUs resumes too (the
 RNG of ranks that did not exist before is then seeded from the step).
@@ -21,6 +35,9 @@ RNG of ranks that did not exist before is then seeded from the step).
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import hashlib
 import json
 import logging
 import os
@@ -32,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -41,13 +59,28 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from kubetune_trainer.contract import CHECKPOINT_NAME, CHECKPOINT_TMP_PREFIX, checkpoint_dir_name
-from kubetune_trainer.distributed import DistEnv, barrier
+from kubetune_trainer.contract import (
+    CHECKPOINT_NAME,
+    CHECKPOINT_PREFIX,
+    CHECKPOINT_TMP_PREFIX,
+    checkpoint_dir_name,
+)
+from kubetune_trainer.distributed import DistEnv, all_reduce_max, barrier
+from kubetune_trainer.errors import CheckpointFailed
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
-FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+FORMAT_VERSION = 2
+"""2: the checkpoint has a manifest.json (1: written before manifests; loaded unchecked)."""
+MANIFEST_VERSION = 1
+QUARANTINE_MARK = ".corrupt-"
+SPACE_MARGIN = 1.10
+"""A save needs the expected size times this, plus SPACE_SLACK_BYTES, free."""
+SPACE_SLACK_BYTES = 16 * 2**20
+FIX_SPACE = "To fix: raise spec.checkpoint.storage.size or lower spec.checkpoint.keep"
+_HASH_CHUNK = 8 * 2**20
 
 
 def _is_complete(path: Path) -> bool:
@@ -64,6 +97,18 @@ def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
         if m and p.is_dir() and _is_complete(p):
             found.append((int(m.group(1)), p))
     return sorted(found)
+
+
+def quarantined_checkpoints(root: Path) -> list[Path]:
+    """`step-<N>.corrupt-<time>` folders under root, oldest quarantine first."""
+    if not root.is_dir():
+        return []
+    found = [
+        p
+        for p in root.iterdir()
+        if p.name.startswith(CHECKPOINT_PREFIX) and QUARANTINE_MARK in p.name and p.is_dir()
+    ]
+    return sorted(found, key=lambda p: (p.name.split(QUARANTINE_MARK, 1)[1], p.name))
 
 
 def capture_rng() -> dict[str, Any]:
@@ -93,6 +138,84 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        while chunk := fh.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def folder_bytes(path: Path) -> int:
+    total = 0
+    for f in path.rglob("*"):
+        with contextlib.suppress(OSError):
+            if f.is_file():
+                total += f.stat().st_size
+    return total
+
+
+def checkpoint_bytes(path: Path) -> int:
+    """A checkpoint's size: its manifest's total, else the files' sizes."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        manifest = json.loads((path / MANIFEST_FILE).read_text())
+        return int(manifest["total_bytes"])
+    return folder_bytes(path)
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, adapter_only: bool) -> int:
+    """Bytes of what a checkpoint holds: saved parameters plus optimizer states (global sizes;
+    a DTensor's numel is the whole tensor's)."""
+    total = 0
+    for p in model.parameters():
+        if adapter_only and not p.requires_grad:
+            continue
+        total += p.numel() * p.element_size()
+    for per_param in optimizer.state.values():
+        for value in per_param.values():
+            if isinstance(value, torch.Tensor):
+                total += value.numel() * value.element_size()
+    return total
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def is_no_space(error: BaseException | None) -> bool:
+    """Whether ENOSPC/EDQUOT is anywhere in the error, its causes, or DCP's per-rank failures."""
+    todo: list[Any] = [error]
+    seen: set[int] = set()
+    while todo:
+        e = todo.pop()
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(e) or "Disk quota exceeded" in str(e):
+            return True
+        failures = getattr(e, "failures", None)  # CheckpointException: rank → (error, trace)
+        if isinstance(failures, dict):
+            for value in failures.values():
+                todo.append(value[0] if isinstance(value, tuple) else value)
+        todo.extend([e.__cause__, e.__context__])
+    return False
+
+
+def _all_gather(obj: Any, env: DistEnv) -> list[Any]:
+    if not env.distributed:
+        return [obj]
+    out: list[Any] = [None] * env.world_size
+    dist.all_gather_object(out, obj, group=env.control_group)
+    return out
+
+
 @dataclass
 class Restored:
     step: int
@@ -106,10 +229,98 @@ class Checkpointer:
         self.keep = max(1, keep)
         self.env = env
         self.adapter_only = adapter_only
+        self.verified: Path | None = None
+        """The newest checkpoint known to load: the one resumed from or the last one written.
+        Pruning never removes it."""
+        self.last_hash_seconds = 0.0
+        self.last_bytes = 0
 
     def _options(self) -> StateDictOptions:
         # Frozen base weights are never saved for LoRA/QLoRA: they are the input model.
         return StateDictOptions(ignore_frozen_params=self.adapter_only)
+
+    # ------------------------------------------------------------------ start-up
+
+    def remove_leftovers(self) -> int:
+        """Rank 0 removes `.tmp-step-*` folders of interrupted saves; returns how many."""
+        removed = 0
+        if self.env.is_main and self.root.is_dir():
+            for p in sorted(self.root.iterdir()):
+                if p.name.startswith(CHECKPOINT_TMP_PREFIX):
+                    shutil.rmtree(p, ignore_errors=True)
+                    removed += 1
+            log.info(
+                "%s: %d unfinished checkpoint folder(s) (%s*) of interrupted saves removed",
+                self.root,
+                removed,
+                CHECKPOINT_TMP_PREFIX,
+            )
+        barrier()
+        return removed
+
+    def verify(self, path: Path) -> str | None:
+        """Check `path` against its manifest, each rank hashing a share of the files. None when
+        it matches (or predates manifests), else what is wrong: the same answer on every rank."""
+        problem: str | None = None
+        entries: dict[str, Any] = {}
+        try:
+            manifest = json.loads((path / MANIFEST_FILE).read_text())
+            entries = dict(manifest["files"])
+        except FileNotFoundError:
+            try:
+                version = int(json.loads((path / STATE_FILE).read_text()).get("format_version", 1))
+            except (OSError, ValueError, TypeError, AttributeError) as e:
+                version, problem = 0, f"{STATE_FILE} is unreadable ({_first_line(e)})"
+            if version >= 2:
+                problem = f"{MANIFEST_FILE} is missing"
+            elif problem is None:
+                log.info("%s has no manifest (written by an older trainer): not checked", path)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            problem = f"{MANIFEST_FILE} is unreadable ({_first_line(e)})"
+        if problem is None:
+            names = sorted(entries)
+            for name in names[self.env.rank :: self.env.world_size]:
+                want = entries[name]
+                try:
+                    size = (path / name).stat().st_size
+                    if size != int(want["size"]):
+                        problem = f"{name} has {size} bytes, its manifest says {want['size']}"
+                    elif file_sha256(path / name) != want["sha256"]:
+                        problem = f"{name} does not match its sha256"
+                except FileNotFoundError:
+                    problem = f"{name} is missing"
+                except (OSError, KeyError, TypeError, ValueError) as e:
+                    problem = f"{name} cannot be checked ({_first_line(e)})"
+                if problem:
+                    break
+        found = [p for p in _all_gather(problem, self.env) if p]
+        return found[0] if found else None
+
+    def quarantine(self, path: Path, reason: str) -> Path:
+        """Rank 0 renames a checkpoint that cannot be resumed to `step-<N>.corrupt-<time>`."""
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        target = path.with_name(f"{path.name}{QUARANTINE_MARK}{stamp}")
+        if self.env.is_main:
+            n = 1
+            while target.exists():
+                n += 1
+                target = path.with_name(f"{path.name}{QUARANTINE_MARK}{stamp}-{n}")
+            try:
+                os.rename(path, target)
+                _fsync_dir(self.root)
+                log.error("checkpoint %s is damaged (%s): quarantined as %s", path.name, reason,
+                          target.name)  # fmt: skip
+            except OSError as e:
+                log.error("checkpoint %s is damaged (%s) and cannot be renamed: %s", path.name,
+                          reason, e)  # fmt: skip
+                target = path
+        barrier()
+        return target
+
+    def mark_verified(self, path: Path) -> None:
+        self.verified = path
+
+    # ------------------------------------------------------------------ save
 
     def save(
         self,
@@ -119,54 +330,200 @@ class Checkpointer:
         trainer_state: dict[str, Any],
         rng: dict[str, Any],
     ) -> tuple[Path, float]:
-        """Write step-<step> atomically; returns its path and the seconds it took."""
+        """Write step-<step> atomically with its manifest; returns its path and the seconds it
+        took. Raises CheckpointFailed (on every rank) when it cannot, leaving no temp folder and
+        the previous checkpoint as it was."""
         t0 = time.monotonic()
         final = self.root / checkpoint_dir_name(step)
         tmp = self.root / f"{CHECKPOINT_TMP_PREFIX}{step}"
+        if self.verified == final and _is_complete(final):
+            return final, 0.0  # e.g. SIGTERM right after resuming: nothing new to save
+        self._make_room(step, tmp, model, optimizer)
+
+        error: BaseException | None = None
+        metadata: Any = None
+        try:
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=self._options())
+            metadata = dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+            (tmp / "rng").mkdir(parents=True, exist_ok=True)
+            torch.save(rng, tmp / "rng" / f"rank-{self.env.rank}.pt")
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            error = e
+        self._agree(error, step, tmp, "writing the shards")
+
+        try:
+            if self.env.is_main:
+                state = {
+                    "format_version": FORMAT_VERSION,
+                    "adapter_only": self.adapter_only,
+                    "world_size": self.env.world_size,
+                    "saved_at": time.time(),
+                    **trainer_state,
+                }
+                self._write_json(tmp / STATE_FILE, state)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:
+            error = e
+        self._agree(error, step, tmp, f"writing {STATE_FILE}")
+
+        th = time.monotonic()
+        names = self._file_names(tmp, metadata)
+        mine: dict[str, Any] = {}
+        try:
+            for name in names[self.env.rank :: self.env.world_size]:
+                f = tmp / name
+                mine[name] = {"size": f.stat().st_size, "sha256": file_sha256(f)}
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:
+            error = e
+        self._agree(error, step, tmp, "checksumming the files")
+        files: dict[str, Any] = {}
+        for part in _all_gather(mine, self.env):
+            files.update(part)
+        self.last_hash_seconds = time.monotonic() - th
+        self.last_bytes = sum(int(v["size"]) for v in files.values())
+
+        try:
+            if self.env.is_main:
+                manifest = {
+                    "manifest_version": MANIFEST_VERSION,
+                    "step": step,
+                    "algorithm": "sha256",
+                    "total_bytes": self.last_bytes,
+                    "files": dict(sorted(files.items())),
+                }
+                self._write_json(tmp / MANIFEST_FILE, manifest)
+                _fsync_dir(tmp)
+                if final.exists():  # a leftover with the final name, never verified
+                    shutil.rmtree(final)
+                os.rename(tmp, final)
+                _fsync_dir(self.root)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:
+            error = e
+        self._agree(error, step, tmp, "writing the manifest and renaming")
+        self.verified = final
         if self.env.is_main:
-            self.root.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                shutil.rmtree(tmp)
-        barrier()
-        if _is_complete(final):  # e.g. SIGTERM right after resuming: nothing new to save
-            return final, 0.0
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=self._options())
-        dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-        (tmp / "rng").mkdir(parents=True, exist_ok=True)
-        torch.save(rng, tmp / "rng" / f"rank-{self.env.rank}.pt")
-        barrier()
-        if self.env.is_main:
-            state = {
-                "format_version": FORMAT_VERSION,
-                "adapter_only": self.adapter_only,
-                "world_size": self.env.world_size,
-                "saved_at": time.time(),
-                **trainer_state,
-            }
-            state_path = tmp / STATE_FILE
-            with state_path.open("w") as fh:
-                json.dump(state, fh, indent=2, sort_keys=True)
-                fh.flush()
-                os.fsync(fh.fileno())
-            _fsync_dir(tmp)
-            if final.exists():  # an incomplete leftover with the final name
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            _fsync_dir(self.root)
             self._prune()
         barrier()
         return final, time.monotonic() - t0
 
+    @staticmethod
+    def _write_json(path: Path, value: dict[str, Any]) -> None:
+        with path.open("w") as fh:
+            json.dump(value, fh, indent=2, sort_keys=True)
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def _file_names(self, tmp: Path, metadata: Any) -> list[str]:
+        """The checkpoint's files, known on every rank without listing a shared folder (whose
+        listing NFS may cache): DCP's metadata names the shard files."""
+        names = {".metadata", STATE_FILE}
+        names.update(f"rng/rank-{r}.pt" for r in range(self.env.world_size))
+        storage = getattr(metadata, "storage_data", None)
+        if isinstance(storage, dict) and storage:
+            names.update(str(info.relative_path) for info in storage.values())
+        else:
+            names.update(p.name for p in tmp.glob("*.distcp"))
+        return sorted(names)
+
+    def _kept(self) -> str:
+        done = complete_checkpoints(self.root)
+        newest = self.verified or (done[-1][1] if done else None)
+        return f"{newest.name} is kept" if newest else "there is no earlier checkpoint"
+
+    def _agree(self, error: BaseException | None, step: int, tmp: Path, what: str) -> None:
+        """All ranks learn whether any failed; on failure the temp folder goes and every rank
+        raises CheckpointFailed."""
+        if not all_reduce_max([int(error is not None)], self.env)[0]:
+            return
+        if self.env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        barrier()
+        if error is None:
+            cause = "another rank failed (see its log)"
+        else:
+            cause = f"{type(error).__name__}: {_first_line(error)}"
+            log.error("checkpoint step-%d failed while %s", step, what, exc_info=error)
+        hint = (
+            FIX_SPACE
+            if is_no_space(error)
+            else "To fix: check the checkpoint volume (the trainer log has the error)"
+        )
+        raise CheckpointFailed(
+            f"checkpoint step-{step} could not be written to {self.root} ({what}): {cause}; "
+            f"the temp folder was removed and {self._kept()}. {hint}"
+        ) from error
+
+    def _make_room(
+        self, step: int, tmp: Path, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> None:
+        """Refuse (CheckpointFailed on every rank) to start a save that cannot fit."""
+        needed = free = broken = 0
+        basis = ""
+        if self.env.is_main:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                needed, basis = self._estimate(model, optimizer)
+                free = shutil.disk_usage(self.root).free
+                for q in quarantined_checkpoints(self.root):
+                    if free >= needed:
+                        break
+                    shutil.rmtree(q, ignore_errors=True)
+                    log.warning("removed quarantined checkpoint %s to make room", q.name)
+                    free = shutil.disk_usage(self.root).free
+            except OSError as e:
+                log.error("cannot prepare %s for a checkpoint: %s", self.root, e)
+                broken = 1
+        needed, free, broken = all_reduce_max([needed, free, broken], self.env)
+        if broken:
+            raise CheckpointFailed(
+                f"checkpoint step-{step}: the checkpoint folder {self.root} cannot be prepared "
+                f"(see the trainer log); {self._kept()}. To fix: check the checkpoint volume"
+            )
+        if free >= needed:
+            return
+        message = (
+            f"not enough space for checkpoint step-{step} in {self.root}: needs about "
+            f"{_gib(needed)} ({basis or 'estimated on rank 0'}), {_gib(free)} free; the save "
+            f"was not started and {self._kept()}. {FIX_SPACE}"
+        )
+        log.error("%s", message)
+        raise CheckpointFailed(message)
+
+    def _estimate(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, str]:
+        """Bytes a new checkpoint needs, and what the estimate is based on."""
+        done = complete_checkpoints(self.root)
+        if done:
+            size, basis = checkpoint_bytes(done[-1][1]), f"the size of {done[-1][1].name}"
+        else:
+            size = state_bytes(model, optimizer, self.adapter_only)
+            basis = "parameter and optimizer bytes"
+        return int(size * SPACE_MARGIN) + SPACE_SLACK_BYTES, basis
+
     def _prune(self) -> None:
         done = complete_checkpoints(self.root)
-        for _, path in done[: max(0, len(done) - self.keep)]:
-            shutil.rmtree(path, ignore_errors=True)
+        keep = {path for _, path in done[-self.keep :]}
+        if self.verified is not None:
+            keep.add(self.verified)  # never the last checkpoint known to load
+        for _, path in done:
+            if path not in keep:
+                shutil.rmtree(path, ignore_errors=True)
         for p in self.root.iterdir():
             # Leftovers of interrupted saves; a step-N folder is only ever made complete (by
             # rename), so an incomplete one was damaged after the fact and never completes.
             broken = CHECKPOINT_NAME.match(p.name) is not None and not _is_complete(p)
             if p.name.startswith(CHECKPOINT_TMP_PREFIX) or broken:
                 shutil.rmtree(p, ignore_errors=True)
+
+    # ------------------------------------------------------------------ load
 
     def latest(self) -> tuple[int, Path] | None:
         done = complete_checkpoints(self.root)

@@ -61,6 +61,10 @@ EXIT_OOM = 43
 """Out of GPU memory: re-plan with a safer configuration, then resume."""
 EXIT_STOPPED = 44
 """A stop was requested (budget/deadline/suspend) and a checkpoint was written."""
+EXIT_CHECKPOINT_FAILED = 45
+"""A checkpoint could not be written (no room on the volume, a write error) or none of the
+checkpoints on the volume can be loaded: relaunching would fail the same way. The previous
+checkpoint, if any, is intact."""
 
 
 # Where the trainer ran out of GPU memory: `phase=<key>` in its termination message, and the

@@ -6,7 +6,13 @@ the Job's backoffLimit retries.
 
 from __future__ import annotations
 
-from kubetune_trainer.contract import EXIT_CONFIG_ERROR, EXIT_OOM, EXIT_PREEMPTED, EXIT_STOPPED
+from kubetune_trainer.contract import (
+    EXIT_CHECKPOINT_FAILED,
+    EXIT_CONFIG_ERROR,
+    EXIT_OOM,
+    EXIT_PREEMPTED,
+    EXIT_STOPPED,
+)
 
 
 class TrainerExit(Exception):
@@ -35,6 +41,14 @@ class StopRequested(TrainerExit):
     """SIGUSR1 (a requested stop) arrived; a checkpoint is on disk."""
 
     exit_code = EXIT_STOPPED
+
+
+class CheckpointFailed(TrainerExit):
+    """A checkpoint could not be saved (not enough free space, a write error), or checkpoints
+    exist and none of them can be loaded. The message says what and how to fix it; the
+    previous checkpoint is left as it was."""
+
+    exit_code = EXIT_CHECKPOINT_FAILED
 
 
 class OutOfMemory(TrainerExit):

@@ -27,10 +27,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from kubetune_trainer.checkpoint import (
+    QUARANTINE_MARK,
     STATE_FILE,
     Checkpointer,
     capture_rng,
     complete_checkpoints,
+    quarantined_checkpoints,
     restore_rng,
 )
 from kubetune_trainer.contract import OOM_PHASES, TrainerConfig
@@ -52,7 +54,13 @@ from kubetune_trainer.distributed import (
     destroy_distributed,
     init_distributed,
 )
-from kubetune_trainer.errors import ConfigError, OutOfMemory, Preempted, StopRequested
+from kubetune_trainer.errors import (
+    CheckpointFailed,
+    ConfigError,
+    OutOfMemory,
+    Preempted,
+    StopRequested,
+)
 from kubetune_trainer.metrics import ADDR_ENV, DEFAULT_ADDR, TrainerMetrics
 from kubetune_trainer.modeling import (
     BuiltModel,
@@ -324,26 +332,49 @@ class FineTuneRecipe:
         return max(1, math.ceil(t.epochs * self.batches.steps_per_epoch))
 
     def _resume(self) -> None:
-        """Resume from the newest complete checkpoint; fall back to older ones if it is damaged."""
+        """Resume from the newest checkpoint that matches its manifest and loads; quarantine
+        the ones that do not and try the next older one."""
         from torch.distributed.checkpoint.api import CheckpointException
 
+        ck = self.checkpointer
+        ck.remove_leftovers()
         failed: list[str] = []
-        for step, path in reversed(complete_checkpoints(self.checkpointer.root)):
-            saved = json.loads((path / STATE_FILE).read_text())
-            if bool(saved.get("adapter_only")) != self.built.adapter_only:
-                log.warning(
-                    "%s holds %s weights but this run trains %s; starting from the base model",
-                    path,
-                    "adapter" if saved.get("adapter_only") else "full",
-                    self.cfg.method,
+        for step, path in reversed(complete_checkpoints(ck.root)):
+            problem = ck.verify(path)
+            state: dict[str, Any] | None = None
+            if problem is None:
+                try:
+                    saved = json.loads((path / STATE_FILE).read_text())
+                except (OSError, ValueError) as e:
+                    saved, problem = {}, f"{STATE_FILE} is unreadable ({_first_line(e)})"
+                if problem is None and bool(saved.get("adapter_only")) != self.built.adapter_only:
+                    log.warning(
+                        "%s holds %s weights but this run trains %s; starting from the base model",
+                        path,
+                        "adapter" if saved.get("adapter_only") else "full",
+                        self.cfg.method,
+                    )
+                    break
+            if problem is None:
+                try:
+                    state = self.checkpointer.load(path, self.model, self.optimizer)
+                except (Exception, CheckpointException) as e:  # DCP's error is a BaseException
+                    if "out of memory" in str(e).lower():
+                        raise  # not the checkpoint's fault: never quarantine for it
+                    problem = f"cannot be loaded: {_first_line(e)}"
+            if all_reduce_max([int(problem is not None)], self.env)[0]:
+                problem = problem or "another rank could not load it"
+                moved = ck.quarantine(path, problem)
+                self.metrics.event(
+                    "checkpoint_quarantined",
+                    checkpoint=path.name,
+                    moved_to=moved.name,
+                    reason=problem,
                 )
-                break
-            try:
-                state = self.checkpointer.load(path, self.model, self.optimizer)
-            except (Exception, CheckpointException) as e:  # DCP's error is a BaseException
-                log.warning("cannot resume from %s (%s); trying an older one", path, _first_line(e))
-                failed.append(path.name)
+                log.warning("cannot resume from %s (%s); trying an older one", path, problem)
+                failed.append(f"{path.name}: {problem}")
                 continue
+            assert state is not None
             self.scheduler.load_state_dict(state["scheduler"])
             self.step = int(state["step"])
             self.batches.position = DataPosition(**state["data"])
@@ -352,6 +383,7 @@ class FineTuneRecipe:
             self.last_loss = float(state.get("loss") or math.nan)
             self.last_checkpoint_step = step
             self.resumed_from = path
+            ck.mark_verified(path)
             self.metrics.add_tokens(self.tokens_seen)
             log.info(
                 "resumed from %s (step %d, epoch %.3f)", path, step, self.batches.epoch_progress
@@ -359,9 +391,17 @@ class FineTuneRecipe:
             return
         if failed:
             # A failed load may have written part of a checkpoint into the model: do not train.
-            raise RuntimeError(
-                f"no checkpoint in {self.checkpointer.root} could be loaded ({', '.join(failed)}); "
-                "to fix: remove the damaged step-N folders to start over"
+            raise CheckpointFailed(
+                f"no checkpoint in {ck.root} can be loaded ({'; '.join(failed)}); each was "
+                f"quarantined as <name>{QUARANTINE_MARK}<time>. To fix: delete the quarantined "
+                "folders to start over from step 0, or put a good step-N folder back"
+            )
+        earlier = quarantined_checkpoints(ck.root)
+        if earlier and self.resumed_from is None and not complete_checkpoints(ck.root):
+            raise CheckpointFailed(
+                f"no checkpoint in {ck.root} to resume: {', '.join(p.name for p in earlier)} "
+                "could not be loaded earlier and was quarantined. To fix: delete the "
+                "quarantined folders to start over from step 0, or put a good step-N folder back"
             )
 
     # ------------------------------------------------------------------ train
@@ -631,7 +671,13 @@ class FineTuneRecipe:
         self.last_checkpoint_step = self.step
         self._last_save_time = time.monotonic()
         self.metrics.set(checkpoint_save_seconds=seconds, last_checkpoint_step=self.step)
-        self.metrics.event("checkpoint", path=str(path), seconds=seconds)
+        self.metrics.event(
+            "checkpoint",
+            path=str(path),
+            seconds=seconds,
+            bytes=self.checkpointer.last_bytes,
+            checksum_seconds=self.checkpointer.last_hash_seconds,
+        )
         log.info("checkpoint %s in %.2fs", path, seconds)
         return path
 

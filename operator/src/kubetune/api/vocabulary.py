@@ -75,6 +75,9 @@ class Reason(StrEnum):
     # the end
     COMPLETED = "Completed"
     TRAINER_CONFIG_ERROR = "TrainerConfigError"
+    CHECKPOINT_FAILED = "CheckpointFailed"
+    """The trainer could not write a checkpoint (no room on the volume, a write error), or
+    none on the volume can be loaded (exit 45): a relaunch would fail the same way."""
     OOM_LIMIT = "OutOfMemoryLimitReached"
     RESTART_LIMIT = "RestartLimitReached"
     PREEMPTION_LIMIT = "PreemptionLimitReached"

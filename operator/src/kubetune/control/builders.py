@@ -33,6 +33,7 @@ from kubetune.api.errors import SpecError
 from kubetune.api.v1alpha1 import API_VERSION, FineTuneJob, GPUPool, PlanStatus
 from kubetune.control.pods import TRAINER_CONTAINER
 from kubetune_trainer.contract import (
+    EXIT_CHECKPOINT_FAILED,
     EXIT_CONFIG_ERROR,
     EXIT_OOM,
     EXIT_PREEMPTED,
@@ -686,8 +687,9 @@ def _pod_failure_policy() -> dict[str, Any]:
             },
             # Out of GPU memory: retrying the same layout is pointless; the operator re-plans.
             on_exit([EXIT_OOM], "FailJob"),
-            # Bad config is permanent; a requested stop must not be retried.
-            on_exit([EXIT_CONFIG_ERROR, EXIT_STOPPED], "FailJob"),
+            # Bad config is permanent, so is a checkpoint that cannot be written or loaded;
+            # a requested stop must not be retried.
+            on_exit([EXIT_CONFIG_ERROR, EXIT_STOPPED, EXIT_CHECKPOINT_FAILED], "FailJob"),
         ]
     }
 

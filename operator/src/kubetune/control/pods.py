@@ -18,6 +18,7 @@ from typing import Any
 from kubetune.api.v1alpha1 import Recovery
 from kubetune.api.vocabulary import RecoveryReason
 from kubetune_trainer.contract import (
+    EXIT_CHECKPOINT_FAILED,
     EXIT_CONFIG_ERROR,
     EXIT_OOM,
     EXIT_PREEMPTED,
@@ -26,9 +27,9 @@ from kubetune_trainer.contract import (
 )
 
 TRAINER_CONTAINER = "trainer"
-JOB_ENDING_EXITS = (EXIT_OOM, EXIT_CONFIG_ERROR, EXIT_STOPPED)
+JOB_ENDING_EXITS = (EXIT_OOM, EXIT_CONFIG_ERROR, EXIT_CHECKPOINT_FAILED, EXIT_STOPPED)
 """Trainer exits on which the batch Job's podFailurePolicy fails the whole Job."""
-_TELLING_EXITS = (EXIT_OOM, EXIT_CONFIG_ERROR, EXIT_STOPPED)
+_TELLING_EXITS = (EXIT_OOM, EXIT_CONFIG_ERROR, EXIT_CHECKPOINT_FAILED, EXIT_STOPPED)
 """Exits that decide what happens next, most telling first."""
 HOST_OOM_REASON = "OOMKilled"
 """The container runtime's reason for a container whose processes the kernel killed for
@@ -121,7 +122,8 @@ class TrainerExit:
 
 
 def trainer_exit(pods: Sequence[Mapping[str, Any]]) -> TrainerExit:
-    """The most telling trainer exit among the pods: OOM, then config error, then any."""
+    """The most telling trainer exit among the pods: OOM, then config error, then a failed
+    checkpoint, then any."""
     seen: list[TrainerExit] = []
     for pod in pods:
         for term in _trainer_terminations(pod):

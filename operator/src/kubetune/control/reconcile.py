@@ -70,7 +70,12 @@ from kubetune.planning.planner import (
     plan_job,
     replan_settings_after_oom,
 )
-from kubetune_trainer.contract import EXIT_CONFIG_ERROR, EXIT_OOM, EXIT_STOPPED
+from kubetune_trainer.contract import (
+    EXIT_CHECKPOINT_FAILED,
+    EXIT_CONFIG_ERROR,
+    EXIT_OOM,
+    EXIT_STOPPED,
+)
 
 Manifest = dict[str, Any]
 ArchLoader = Callable[[str], ModelArch]
@@ -666,8 +671,8 @@ class _Reconciler:
         return True
 
     def handle_failure(self) -> None:
-        """The batch Job failed: re-plan after an OOM, stop on a config error or a requested
-        stop, relaunch otherwise."""
+        """The batch Job failed: re-plan after an OOM, stop on a config error, a failed
+        checkpoint or a requested stop, relaunch otherwise."""
         end = p.trainer_exit(self.observed.pods)
         if end.code == EXIT_OOM:
             self.recover_oom(end.detail)
@@ -675,6 +680,11 @@ class _Reconciler:
             self.fail(
                 Reason.TRAINER_CONFIG_ERROR,
                 f"the trainer rejected its config or data: {end.detail}",
+            )
+        elif end.code == EXIT_CHECKPOINT_FAILED:
+            self.fail(
+                Reason.CHECKPOINT_FAILED,
+                f"the trainer could not write or load a checkpoint: {end.detail}",
             )
         elif end.code == EXIT_STOPPED:
             self.fail(Reason.TRAINER_FAILED, f"the trainer stopped on request: {end.detail}")
