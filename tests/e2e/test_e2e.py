@@ -114,7 +114,9 @@ def wait_phase(target: Target, name: str, *phases: str, timeout: float = 300) ->
         if s.get("phase") in phases:
             return s
         if s.get("phase") == "Failed" and "Failed" not in phases:
-            raise AssertionError(f"{name} failed: {s.get('message')}")
+            recoveries = [(r.get("reason"), r.get("attempt"), r.get("message")) for r in
+                          s.get("recoveries") or []]  # fmt: skip
+            raise AssertionError(f"{name} failed: {s.get('message')}; recoveries {recoveries}")
         return None
 
     return dict(wait_for(f"{name} in {phases}", probe, timeout))
@@ -538,6 +540,32 @@ def test_hard_kill_resumes_from_the_last_checkpoint(
         f"steps lost {lost[0]} (interval {INTERVAL}), final-loss difference {diff:.2e}"
     )
     assert diff <= LOSS_TOLERANCE
+    delete_job(target, name)
+
+
+def test_a_hung_trainer_is_relaunched_from_its_checkpoint(target: Target) -> None:
+    """A rank that stops making progress and ignores stop requests (as one stuck in a
+    collective does): the operator's stall detection relaunches the attempt."""
+    name = "hung"
+    faults = {FAULTS: json.dumps({"hangAtStep": 8, "attempts": [1]})}
+    doc = job_doc(name, steps=20, interval=5, annotations=faults,
+                  recovery={"stallTimeoutSeconds": 15})  # fmt: skip
+    target.apply(doc)
+    s = wait_phase(target, name, "Succeeded", timeout=400)
+    runs = runs_of(train_log(target, name))
+    check_runs_are_contiguous(runs, 20)
+    assert len(runs) == 2 and runs[0].end is None and runs[0].last == 7, runs
+    assert runs[1].resumed_from == 5
+    assert [r["reason"] for r in s["recoveries"]] == ["Stalled"], s["recoveries"]
+    rec = s["recoveries"][0]
+    assert rec["step"] == 5, rec
+    assert rec["message"].startswith("no step progress for ")
+    assert s["attempt"] == 2 and s["restarts"] == 1
+    assert "Stalled" in event_reasons(target, name)
+    REPORT.append(
+        f"hung rank before step 8: stall noticed after {rec['message'].split()[4]}, "
+        f"resumed at {runs[1].resumed_from}, steps lost {steps_lost(runs)[0]}"
+    )
     delete_job(target, name)
 
 

@@ -526,6 +526,16 @@ def test_bad_fault_annotation_is_a_spec_error(annotation: str) -> None:
     assert "oomAtStep" in str(info.value) and "stepSeconds" in str(info.value)
 
 
+def test_hang_annotation_reaches_the_listed_attempts() -> None:
+    job = tiny_lora_job()
+    job.metadata["annotations"] = {"kubetune.io/test-faults": '{"hangAtStep": 8, "attempts": [1]}'}
+    assert build_trainer_config(job, tiny_lora_plan(), FAULTS_ON, 1).faults.hang_at_step == 8
+    assert build_trainer_config(job, tiny_lora_plan(), FAULTS_ON, 2).faults.hang_at_step is None
+    job.metadata["annotations"] = {"kubetune.io/test-faults": '{"hangAtStep": 0}'}
+    with pytest.raises(SpecError, match="hangAtStep a step >= 1"):
+        build_trainer_config(job, tiny_lora_plan(), FAULTS_ON, 1)
+
+
 def test_fault_annotation_is_ignored_without_the_setting() -> None:
     job = tiny_lora_job()
     job.metadata["annotations"] = {"kubetune.io/test-faults": '{"oomAtStep": 2}'}

@@ -612,6 +612,10 @@ def test_a_stalled_attempt_is_relaunched_from_its_checkpoint() -> None:
     assert d.delete_jobs == ["demo-a1"] and "Job" in [m["kind"] for m in d.create]
     assert [e.reason for e in d.events if e.type == "Warning"] == [Reason.STALLED]
     assert s.recovery_counts == {"Stalled": 1}
+    # The new attempt loads and reports the checkpoint's step for a long while: not timed.
+    job, d = run(job, running_with(4, checkpoint=4), now=T0 + timedelta(hours=3, minutes=13))
+    job, d = run(job, running_with(4, checkpoint=4), now=T0 + timedelta(hours=5))
+    assert job.status is not None and job.status.attempt == 2 and not d.delete_jobs
 
 
 def test_stall_detection_can_be_turned_off_and_counts_against_max_restarts() -> None:

@@ -157,6 +157,13 @@ class FaultInjection(_Strict):
     """Test-only switches to force failure paths; never set by the planner."""
 
     oom_at_step: int | None = None
+    hang_at_step: int | None = Field(
+        default=None,
+        ge=1,
+        description="Before this step the trainer stops making progress for good and ignores "
+        "stop requests, as a rank stuck in a collective does: the operator's stall detection "
+        "must notice.",
+    )
     min_step_seconds: float | None = Field(
         default=None,
         gt=0,

@@ -415,6 +415,8 @@ class FineTuneRecipe:
             self._check_flags(at_step_start=True)
             rng_at_start = capture_rng()
             t0 = time.monotonic()
+            if cfg.faults.hang_at_step is not None and self.step + 1 == cfg.faults.hang_at_step:
+                _hang(self.step + 1)
             with self._in_phase("train"):
                 if cfg.faults.oom_at_step is not None and self.step + 1 == cfg.faults.oom_at_step:
                     raise torch.OutOfMemoryError(
@@ -828,3 +830,11 @@ def run(cfg: TrainerConfig) -> TrainResult:
 
 
 __all__ = ["ConfigError", "FineTuneRecipe", "TrainResult", "run"]
+
+
+def _hang(step: int) -> None:
+    """Stop making progress for good, deaf to stop requests: a rank stuck in a collective
+    (test-only, `faults.hang_at_step`). Only SIGKILL ends it."""
+    log.warning("hanging before step %d (simulated by faults.hang_at_step)", step)
+    while True:
+        time.sleep(60)

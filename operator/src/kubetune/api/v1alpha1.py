@@ -354,8 +354,9 @@ class RecoverySettings(_Model):
         ge=0,
         le=604_800,
         description="Relaunch the attempt from its checkpoint when the step count has not "
-        "moved this long (once the attempt trained a step); 0: never; unset: the operator's "
-        "KUBETUNE_TRAINING_STALL_SECONDS or 20 planned steps, whichever is longer.",
+        "moved this long (once the attempt trained past its checkpoint); 0: never; unset: "
+        "the operator's KUBETUNE_TRAINING_STALL_SECONDS or 20 planned steps, whichever is "
+        "longer.",
     )
 
 
@@ -583,7 +584,11 @@ class ProgressStatus(_Model):
     updated_at: str | None = Field(default=None, description="When progress was last read.")
     step_changed_at: str | None = Field(
         default=None,
-        description="When this attempt's step count last moved (unset until it trains a step).",
+        description="When the step count last moved, once attempt stepChangedAttempt trained "
+        "past the checkpoint it resumed from (the stall timer).",
+    )
+    step_changed_attempt: int | None = Field(
+        default=None, description="The attempt stepChangedAt belongs to."
     )
 
 

@@ -457,28 +457,36 @@ def fault_injection(job: FineTuneJob, attempt: int) -> FaultInjection:
         return FaultInjection()
     how = (
         'expected a JSON object such as {"oomAtStep": 6, "attempts": [1]} or '
-        '{"stepSeconds": 0.3}: oomAtStep a step >= 1, attempts a list of attempt numbers '
-        "(default: every attempt), stepSeconds a least time per step in (0, 60]"
+        '{"stepSeconds": 0.3}: oomAtStep or hangAtStep a step >= 1, attempts a list of '
+        "attempt numbers (default: every attempt), stepSeconds a least time per step in (0, 60]"
     )
     try:
         spec = json.loads(raw)
     except ValueError as exc:
         raise SpecError(f"annotation {ANNOTATION_TEST_FAULTS} is not JSON ({exc})", how) from None
-    if not isinstance(spec, dict) or set(spec) - {"oomAtStep", "attempts", "stepSeconds"}:
+    if not isinstance(spec, dict) or set(spec) - {
+        "oomAtStep",
+        "hangAtStep",
+        "attempts",
+        "stepSeconds",
+    }:
         raise SpecError(f"annotation {ANNOTATION_TEST_FAULTS}={raw!r} is not understood", how)
     step, attempts, seconds = spec.get("oomAtStep"), spec.get("attempts"), spec.get("stepSeconds")
+    hang = spec.get("hangAtStep")
     # JSON numbers arrive as int or float; true/false are bools, which isinstance calls ints.
-    step_ok = step is None or (type(step) is int and step >= 1)
+    step_ok = all(s is None or (type(s) is int and s >= 1) for s in (step, hang))
     seconds_ok = seconds is None or (type(seconds) in (int, float) and 0 < seconds <= 60)
     attempts_ok = attempts is None or (
         isinstance(attempts, list) and all(isinstance(a, int) for a in attempts)
     )
-    if not (step_ok and seconds_ok and attempts_ok) or (step is None and seconds is None):
+    if not (step_ok and seconds_ok and attempts_ok) or (step, hang, seconds) == (None,) * 3:
         raise SpecError(f"annotation {ANNOTATION_TEST_FAULTS}={raw!r} is not understood", how)
     if attempts is not None and attempt not in attempts:
         return FaultInjection()
     return FaultInjection(
-        oom_at_step=step, min_step_seconds=None if seconds is None else float(seconds)
+        oom_at_step=step,
+        hang_at_step=hang,
+        min_step_seconds=None if seconds is None else float(seconds),
     )
 
 

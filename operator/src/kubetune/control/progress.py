@@ -45,7 +45,6 @@ def start_attempt(status: FineTuneJobStatus, plan: PlanStatus, now: datetime) ->
     progress = status.progress or ProgressStatus()
     progress.total_steps = plan.total_steps
     progress.summary = f"{progress.step}/{plan.total_steps} ({progress.percent}%)"
-    progress.step_changed_at = None  # the stall timer starts with this attempt's first step
     status.progress = progress
     cost = status.cost or CostStatus()
     cost.estimated_usd = plan.estimated_cost_usd
@@ -55,9 +54,12 @@ def start_attempt(status: FineTuneJobStatus, plan: PlanStatus, now: datetime) ->
 
 
 def stalled_for(status: FineTuneJobStatus, now: datetime) -> float | None:
-    """Seconds since the attempt's step count last moved; None before it reported one."""
+    """Seconds since the current attempt's step count last moved; None before it trained
+    past its checkpoint."""
     progress = status.progress
-    since = parse_time(progress.step_changed_at) if progress is not None else None
+    if progress is None or progress.step_changed_attempt != status.attempt:
+        return None
+    since = parse_time(progress.step_changed_at)
     return None if since is None else (now - since).total_seconds()
 
 
@@ -85,14 +87,21 @@ def read_metrics(
 ) -> int | None:
     """Progress, ETA and the newest checkpoint from the trainer's own metrics; returns the
     step of a checkpoint that is new since the last look, else None. The first step the
-    attempt reports, and every change after it, restart the stall timer (`step_changed_at`)."""
+    attempt trains past its checkpoint, and every change after it, restart the stall timer
+    (`step_changed_at`)."""
     m = {k: v for k, v in metrics.items() if math.isfinite(v)}  # NaN is not valid JSON
     plan = status.plan
     assert plan is not None
     progress = status.progress or ProgressStatus()
     step_now = int(m.get("step", progress.step))
-    if step_now != progress.step or (progress.step_changed_at is None and "step" in m):
+    # The stall timer runs once the attempt trained past the checkpoint it resumed from:
+    # loading the model and the checkpoint (the step still at or below it) is not timed.
+    # (Stamped with the attempt, since a status patch cannot clear a field.)
+    resumed = status.checkpoint.latest_step if status.checkpoint else 0
+    moved = step_now != progress.step or progress.step_changed_attempt != status.attempt
+    if "step" in m and step_now > resumed and moved:
         progress.step_changed_at = now_rfc3339(now)
+        progress.step_changed_attempt = status.attempt
     progress.step = step_now
     progress.total_steps = int(m.get("total_steps") or plan.total_steps)
     progress.epoch = round(float(m.get("epoch", progress.epoch)), 3)

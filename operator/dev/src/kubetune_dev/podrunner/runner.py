@@ -63,6 +63,8 @@ HEARTBEAT_SECONDS = 10.0
 POLL_SECONDS = 0.5
 RETRY_SECONDS = 1.0
 CONTAINER_ID_PREFIX = "podrunner://"
+METRICS_ADDR_ENV = "KUBETUNE_METRICS_ADDR"
+"""Where kubetune's trainer serves its metrics (kubetune_trainer.metrics.ADDR_ENV)."""
 
 
 def _oom_kills() -> int | None:
@@ -385,7 +387,9 @@ class PodRunner:
 
     def _base_env(self, rec: PodRecord) -> dict[str, str]:
         """What the image would have provided: PATH (this Python's bin first), locale, the
-        API server's address, HOSTNAME."""
+        API server's address, HOSTNAME; and, standing in for the pod's own network namespace,
+        the trainer's metrics address: its pod IP, so that two trainer pods on this machine
+        do not share 0.0.0.0:9400 (one still running while its replacement starts)."""
         env = {k: os.environ[k] for k in self.config.pass_env if k in os.environ}
         default_path = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
         env["PATH"] = (
@@ -396,6 +400,7 @@ class PodRunner:
         if server.hostname:
             env["KUBERNETES_SERVICE_HOST"] = server.hostname
             env["KUBERNETES_SERVICE_PORT"] = str(server.port or 443)
+        env[METRICS_ADDR_ENV] = rec.ip
         return env
 
     def _start(self, rec: PodRecord, cp: ContainerProc) -> None:
