@@ -944,6 +944,26 @@ async def test_job_with_no_pools_waits_for_them(apiserver: ApiServerEmulator, lo
     assert delay == ControllerSettings().queue_retry_seconds
 
 
+async def test_a_job_from_a_newer_crd_is_left_alone_with_a_warning(
+    apiserver: ApiServerEmulator, loop: Loop
+) -> None:
+    """CRDs applied before the operator is upgraded: a field the operator does not know must
+    not fail the job (a running one would lose its run); it waits for the new operator."""
+    body = tiny_job()
+    body["spec"]["recovery"] = {"maxRestarts": 3, "somethingNewer": 2}
+    body["status"] = {"phase": "Running", "attempt": 1}
+    seed(apiserver, body)
+
+    delay = await loop.look()
+    await loop.look()
+
+    assert loop.status() == {"phase": "Running", "attempt": 1}  # untouched
+    assert [(t, r) for t, r, _ in loop.events] == [("Warning", Reason.OPERATOR_OUTDATED)]
+    assert "spec.recovery.somethingNewer" in loop.events[0][2]
+    assert delay == ControllerSettings().resync_seconds
+    assert children(apiserver) == {"pvc": [], "configmap": [], "service": [], "job": []}
+
+
 async def test_invalid_job_fails_with_a_warning(apiserver: ApiServerEmulator, loop: Loop) -> None:
     body = tiny_job()
     body["spec"]["method"] = "full"  # with spec.lora set: admission would have refused it

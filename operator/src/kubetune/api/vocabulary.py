@@ -98,6 +98,8 @@ class Reason(StrEnum):
     # the operator itself
     STATUS_REJECTED = "StatusRejected"
     """The API server refused a status update as invalid; the job is still reconciled."""
+    OPERATOR_OUTDATED = "OperatorOutdated"
+    """The job has fields this operator does not know (a newer CRD): it is left alone."""
     # GPUPools
     POOL_ACCEPTED = "Accepted"
 

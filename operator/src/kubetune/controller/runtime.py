@@ -311,6 +311,8 @@ class _JobState:
     rejections: int = 0
     """Status writes the apiserver rejected in a row."""
     generation: Any = None
+    outdated: bool = False
+    """The job has fields this operator does not know, and it said so."""
 
 
 class Runtime:
@@ -452,6 +454,20 @@ class Runtime:
         state.due_at = None if delay is None else self.last_success + delay
         return delay
 
+    def _outdated(self, state: _JobState, body: Mapping[str, Any], unknown: Sequence[Any]) -> None:
+        """Say once per job that it has fields this operator does not know."""
+        if state.outdated:
+            return
+        state.outdated = True
+        fields = ", ".join(".".join(str(p) for p in e["loc"]) for e in unknown)
+        message = (
+            f"this operator does not know {fields}: the FineTuneJob CRD is newer than the "
+            "operator. The job is left as it is until the operator is upgraded (helm upgrade "
+            "applies both)"
+        )
+        log.warning("%s/%s: %s", body["metadata"].get("namespace"), state.name, message)
+        self.post_event(body, EventType.WARNING, Reason.OPERATOR_OUTDATED, message)
+
     def _status_of(self, state: _JobState, body: Mapping[str, Any]) -> dict[str, Any] | None:
         """The job's latest status: the live object's, or what this loop wrote last when the
         watch has not delivered that version yet."""
@@ -477,6 +493,12 @@ class Runtime:
         try:
             job = FineTuneJob.model_validate(raw)
         except ValidationError as exc:
+            unknown = [e for e in exc.errors() if e["type"] == "extra_forbidden"]
+            if len(unknown) == len(exc.errors()):
+                # The CRD is newer than this operator (CRDs applied before the operator is
+                # upgraded): leave the job as it is, do not fail a run over it.
+                self._outdated(state, body, unknown)
+                return self.settings.resync_seconds
             # Admission normally catches this; an older CRD or a hand-edited status may not.
             message = f"invalid FineTuneJob: {exc.errors()[0]['msg']} at {exc.errors()[0]['loc']}"
             status = failed(FineTuneJobStatus(), Reason.INVALID_SPEC, message, now)
