@@ -139,7 +139,15 @@ def test_suspend_stops_the_trainer_and_resume_relaunches() -> None:
     assert job.status is not None and job.status.phase == "Suspended"
     assert d.delete_jobs == ["demo-a1"]
     resumed = job.model_copy(update={"spec": job.spec.model_copy(update={"suspend": False})})
-    job, d = run(resumed, observed(None))
+    # Resumed at once: the suspended trainer still writes its checkpoint; wait for it.
+    waiting, d = run(resumed, observed(None, [pod("demo-a1-0")]))
+    assert waiting.status is not None and waiting.status.phase == "Suspended"
+    assert d.create == [] and waiting.status.attempt == 1
+    assert waiting.status.message == "resuming once the trainer stops: pod demo-a1-0"
+    # A pod whose deletion is long overdue is on a lost node: it does not hold the resume.
+    lost = pod("demo-a1-0")
+    lost["metadata"]["deletionTimestamp"] = "2026-11-22T11:58:00Z"  # T0 - 2 min
+    job, d = run(resumed, observed(None, [lost]))
     assert job.status is not None and job.status.phase == "Running"
     assert job.status.attempt == 2
     assert d.create[-1]["metadata"]["name"] == "demo-a2"

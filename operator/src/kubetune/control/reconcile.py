@@ -298,6 +298,13 @@ class _Reconciler:
         self.delete_stale_attempts(newer_too=True)
 
     def resume(self) -> None:
+        stopping = [p.pod_name(pod) for pod in self.observed.pods if self.still_stopping(pod)]
+        if stopping:
+            # The suspended attempt's trainer is still checkpointing: a new one now would
+            # run two trainers on one checkpoint folder.
+            self.s.message = f"resuming once the trainer stops: pod {', '.join(stopping)}"
+            self.d.requeue_after = self.settings.poll_seconds
+            return
         self.go.resume()
         self.d.event(Reason.RESUMED, "Resuming from the latest checkpoint")
         if self.s.plan is None:
@@ -306,6 +313,14 @@ class _Reconciler:
             self.plan_and_launch()
             return
         self.launch()
+
+    def still_stopping(self, pod: Mapping[str, Any]) -> bool:
+        """A trainer pod that still runs, unless its deletion is long overdue (its node is
+        gone: nothing runs there any more, and the pod object lingers)."""
+        if p.pod_phase(pod) not in (p.PodPhase.PENDING, p.PodPhase.RUNNING):
+            return False
+        due = p.parse_time((pod.get("metadata") or {}).get("deletionTimestamp"))
+        return due is None or (self.now - due).total_seconds() < OVERDUE_DELETION_SECONDS
 
     # ------------------------------------------------------------------ lost writes
 
@@ -780,6 +795,9 @@ class _Reconciler:
         self.launch()
 
 
+OVERDUE_DELETION_SECONDS = 60
+"""A pod still there this long after its deletion was due (deletionTimestamp, which includes
+the grace period) sits on a lost node: it no longer counts as running."""
 STALL_STEPS = 20
 """An attempt is stalled after at least this many planned step times without progress."""
 KEEP_RECOVERIES = 20
