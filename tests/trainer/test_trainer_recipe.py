@@ -223,15 +223,20 @@ def test_other_formats_train(
     assert evals and math.isfinite(evals[-1]["eval_loss"])
 
 
-def test_8bit_optimizer_checkpoints_and_resumes(
-    tmp_path: Path, tiny_llama: Path, alpaca_data: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("optimizer", ["adamw-8bit", "paged-adamw-32bit"])
+def test_bitsandbytes_optimizer_checkpoints_and_resumes(
+    tmp_path: Path,
+    tiny_llama: Path,
+    alpaca_data: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    optimizer: str,
 ) -> None:
     cfg = trainer_config(
         tmp_path,
         tiny_llama,
         alpaca_data,
         "lora",
-        training={"optimizer": "adamw-8bit", "max_steps": 4},
+        training={"optimizer": optimizer, "max_steps": 4},
         checkpoint={"interval_steps": 2},
     )
     signal_at_forward(monkeypatch, 5)  # during step 3
@@ -240,6 +245,34 @@ def test_8bit_optimizer_checkpoints_and_resumes(
     assert run_main(tmp_path, cfg, monkeypatch) == EXIT_OK
     start = read_log(tmp_path / "metrics.jsonl", "start")
     assert start[-1]["resumed_from"].endswith("step-2")
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "cls", "state_dtype"),
+    [
+        ("adamw", "AdamW", torch.float32),
+        ("adamw-8bit", "AdamW8bit", torch.uint8),
+        ("paged-adamw-8bit", "PagedAdamW8bit", torch.uint8),
+        ("paged-adamw-32bit", "PagedAdamW32bit", torch.float32),
+    ],
+)
+def test_each_optimizer_name_builds_its_optimizer(
+    optimizer: str, cls: str, state_dtype: torch.dtype
+) -> None:
+    from kubetune_trainer.contract import TrainerConfig
+    from kubetune_trainer.recipe import build_optimizer
+
+    cfg = TrainerConfig.model_validate(
+        trainer_config(Path("/tmp"), Path("/m"), Path("/d"), training={"optimizer": optimizer})
+    )
+    model = torch.nn.Linear(64, 64, bias=False)
+    opt = build_optimizer(cfg, model, torch.device("cpu"))
+    assert type(opt).__name__ == cls
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    state = opt.state[model.weight]
+    first = state.get("exp_avg", state.get("state1"))
+    assert first is not None and first.dtype == state_dtype
 
 
 # ------------------------------------------------------------------ resume

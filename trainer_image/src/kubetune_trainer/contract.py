@@ -26,7 +26,10 @@ Method = Literal["full", "lora", "qlora"]
 Precision = Literal["bf16", "amp-bf16", "fp32"]
 """`bf16`: bf16 weights, gradients and optimizer states; `amp-bf16`: fp32 master weights with
 bf16 compute; `fp32`: everything in fp32."""
-Optimizer = Literal["adamw", "adamw-8bit", "paged-adamw-8bit"]
+Optimizer = Literal["adamw", "adamw-8bit", "paged-adamw-8bit", "paged-adamw-32bit"]
+"""AdamW (torch, fused on GPU), or bitsandbytes' AdamW with 8-bit states, paged 8-bit
+states, or paged 32-bit states (paged states live in CUDA managed memory, which the driver
+moves to host memory under pressure instead of failing with out-of-memory)."""
 Sharding = Literal["full", "grad-op", "none"]
 """FSDP FULL_SHARD (parameters, gradients and optimizer states / N), SHARD_GRAD_OP
 (gradients and optimizer states / N), or none (one GPU)."""
@@ -49,6 +52,18 @@ CHECKPOINT_NAME = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
 def checkpoint_dir_name(step: int) -> str:
     """`step-<step>`: the folder of the checkpoint taken after optimizer step `step`."""
     return f"{CHECKPOINT_PREFIX}{step}"
+
+
+# The chunked loss (`training.chunked_cross_entropy`) projects this many tokens at a time: a
+# chunk's fp32 logits take at most 256 MiB whatever the vocabulary (523 tokens at Llama-3's
+# 128,256), and never fewer than 64 tokens. The estimator counts the same chunk.
+LOSS_CHUNK_FP32_BYTES = 256 * 1024**2
+LOSS_CHUNK_MIN_TOKENS = 64
+
+
+def loss_chunk_tokens(vocab_size: int) -> int:
+    """Tokens per chunk of the chunked cross-entropy for a vocabulary of `vocab_size`."""
+    return max(LOSS_CHUNK_MIN_TOKENS, LOSS_CHUNK_FP32_BYTES // (4 * max(vocab_size, 1)))
 
 
 # Exit codes of the trainer process; the operator's podFailurePolicy keys on them.
@@ -126,6 +141,9 @@ class TrainingConfig(_Strict):
     gradient_checkpointing: bool = True
     precision: Precision = "bf16"
     optimizer: Optimizer = "adamw"
+    chunked_cross_entropy: bool = Field(
+        default=False, description="The loss over chunks of tokens (kubetune_trainer.loss)."
+    )
     seed: int = 42
 
 

@@ -33,6 +33,7 @@ from kubetune_trainer.contract import TrainerConfig
 from kubetune_trainer.distributed import DistEnv, barrier
 from kubetune_trainer.errors import ConfigError
 from kubetune_trainer.hub import hub_call
+from kubetune_trainer.loss import ChunkedLoss, ChunkedLossUnsupported
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class BuiltModel:
     flops_per_token: float  # model FLOPs per trained token (forward + backward)
     autocast_dtype: torch.dtype | None  # set for amp-bf16 without FSDP's mixed precision
     hf_config: Any
+    chunked_loss: ChunkedLoss | None = None  # training.chunked_cross_entropy
 
 
 def model_source(cfg: TrainerConfig) -> tuple[str, dict[str, Any]]:
@@ -313,6 +315,14 @@ def build_model(cfg: TrainerConfig, env: DistEnv) -> BuiltModel:
     n_params, n_trainable = _count_params(model)
     if cfg.training.gradient_checkpointing:
         _enable_activation_checkpointing(model)
+    chunked: ChunkedLoss | None = None
+    if cfg.training.chunked_cross_entropy:
+        try:
+            chunked = ChunkedLoss.install(model)
+        except ChunkedLossUnsupported as e:
+            raise ConfigError(
+                f"training.chunked_cross_entropy: {e}; to fix: turn it off for this model"
+            ) from e
     model.train()
 
     autocast: torch.dtype | None = None
@@ -357,6 +367,7 @@ def build_model(cfg: TrainerConfig, env: DistEnv) -> BuiltModel:
         ),
         autocast_dtype=autocast,
         hf_config=hf_config,
+        chunked_loss=chunked,
     )
 
 

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kubetune_trainer.checkpoint import (
@@ -61,6 +60,7 @@ from kubetune_trainer.errors import (
     Preempted,
     StopRequested,
 )
+from kubetune_trainer.loss import loss_sum
 from kubetune_trainer.metrics import ADDR_ENV, DEFAULT_ADDR, TrainerMetrics
 from kubetune_trainer.modeling import (
     BuiltModel,
@@ -148,8 +148,11 @@ def build_optimizer(
         import bitsandbytes
 
         bnb: Any = bitsandbytes
-        paged = name == "paged-adamw-8bit"
-        optimizer_cls = bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit
+        optimizer_cls = {
+            "adamw-8bit": bnb.optim.AdamW8bit,
+            "paged-adamw-8bit": bnb.optim.PagedAdamW8bit,
+            "paged-adamw-32bit": bnb.optim.PagedAdamW32bit,
+        }[name]
         fast = {}
     optimizer: torch.optim.Optimizer = optimizer_cls(
         groups, lr=lr, betas=(0.9, 0.999), eps=1e-8, **fast
@@ -486,27 +489,16 @@ class FineTuneRecipe:
         raise StopRequested(f"stopped at step {self.step}; checkpoint {path.name}")
 
     def _forward_loss(self, batch: Batch) -> torch.Tensor:
-        """Summed cross-entropy over the batch's trained tokens (fp32 logits)."""
+        """Summed cross-entropy over the batch's trained tokens (`kubetune_trainer.loss`)."""
         b = batch.to(self.env.device)
-        ctx = (
-            torch.autocast(self.env.device.type, dtype=self.built.autocast_dtype)
-            if self.built.autocast_dtype is not None
-            else contextlib.nullcontext()
-        )
-        with ctx:
-            out = self.model(
-                input_ids=b.input_ids,
-                attention_mask=b.attention_mask,
-                position_ids=b.position_ids,
-                use_cache=False,
-            )
-        logits = out.logits[:, :-1, :].float()
-        labels = b.labels[:, 1:]
-        return F.cross_entropy(
-            logits.reshape(-1, logits.size(-1)),
-            labels.reshape(-1),
-            ignore_index=IGNORE_INDEX,
-            reduction="sum",
+        return loss_sum(
+            self.model,
+            input_ids=b.input_ids,
+            labels=b.labels,
+            attention_mask=b.attention_mask,
+            position_ids=b.position_ids,
+            autocast_dtype=self.built.autocast_dtype,
+            chunked=self.built.chunked_loss,
         )
 
     def _train_step(self, rng_at_start: dict[str, Any]) -> tuple[float, float, float]:

@@ -1,0 +1,157 @@
+"""The chunked cross-entropy equals the plain one: loss and every gradient, on the models
+and wrappings the trainer builds (full, LoRA, LoRA on the output layer, tied embeddings,
+packed rows, a soft-capped Gemma 2), and a whole run trains the same curve with it."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch", reason="trainer tests need the trainer extra (torch)")
+pytest.importorskip("peft", reason="trainer tests need the trainer extra")
+
+import torch
+
+from kubetune_trainer.contract import loss_chunk_tokens
+from kubetune_trainer.data import IGNORE_INDEX
+from kubetune_trainer.loss import ChunkedLoss, ChunkedLossUnsupported, loss_sum
+from support.trainer import step_losses, trainer_config, write_config
+
+pytestmark = pytest.mark.trainer
+
+# fp32 on CPU: the chunked sum adds the same per-token terms in another order.
+LOSS_RTOL = 1e-5
+GRAD_ATOL = 1e-6
+
+
+def _batch(vocab: int, rows: int = 2, width: int = 40, packed: bool = False) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (rows, width), generator=g)
+    labels = ids.clone()
+    labels[:, :7] = IGNORE_INDEX  # a prompt
+    mask = None
+    pos = None
+    if packed:  # two documents per row, positions restart
+        pos = torch.cat([torch.arange(15), torch.arange(width - 15)]).repeat(rows, 1)
+    else:
+        mask = torch.ones_like(ids)
+        mask[1, -9:] = 0  # right padding
+        labels[1, -9:] = IGNORE_INDEX
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask, "position_ids": pos}
+
+
+def _loss_and_grads(model: Any, batch: dict[str, Any], chunked: ChunkedLoss | None) -> Any:
+    model.zero_grad(set_to_none=True)
+    loss = loss_sum(model, chunked=chunked, **batch)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def _compare(model: Any, batch: dict[str, Any], chunk: int = 8) -> None:
+    plain, plain_grads = _loss_and_grads(model, batch, None)
+    chunked = ChunkedLoss.install(model)
+    chunked.chunk = chunk  # several chunks, one of them prompt only
+    got, got_grads = _loss_and_grads(model, batch, chunked)
+    assert math.isclose(float(got), float(plain), rel_tol=LOSS_RTOL), (float(got), float(plain))
+    assert plain_grads.keys() == got_grads.keys() and plain_grads
+    for name, g in plain_grads.items():
+        torch.testing.assert_close(got_grads[name], g, atol=GRAD_ATOL, rtol=1e-4, msg=name)
+
+
+def _model(path: Path, method: str, targets: list[str] | None = None) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    if method == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets)
+        model = get_peft_model(model, cfg)
+        for n, p in model.named_parameters():  # non-zero B so adapter gradients flow
+            if "lora_B" in n:
+                torch.nn.init.normal_(p, std=0.02)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("arch", "method", "targets", "packed"),
+    [
+        ("llama", "full", None, False),
+        ("qwen2", "full", None, True),  # tied embeddings, packed rows
+        ("llama", "lora", ["q_proj", "v_proj", "lm_head"], False),  # an adapter on the head
+    ],
+)
+def test_chunked_loss_and_gradients_equal_the_plain_path(
+    request: pytest.FixtureRequest,
+    arch: str,
+    method: str,
+    targets: list[str] | None,
+    packed: bool,
+) -> None:
+    model = _model(request.getfixturevalue(f"tiny_{arch}"), method, targets)
+    _compare(model, _batch(model.config.vocab_size, packed=packed))
+
+
+def test_soft_capped_logits_are_capped_per_chunk() -> None:
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Gemma2Config(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        final_logit_softcapping=2.0,  # low, so that the cap changes the loss
+    )
+    model = Gemma2ForCausalLM(config)
+    _compare(model, _batch(300))
+    # Outside the loss the model still returns capped logits.
+    logits = model(input_ids=torch.tensor([[5, 6, 7]])).logits
+    assert float(logits.detach().abs().max()) <= 2.0
+
+
+def test_a_model_that_rescales_logits_is_refused(tiny_llama: Path) -> None:
+    model = _model(tiny_llama, "full")
+    model.config.logit_scale = 0.5
+    with pytest.raises(ChunkedLossUnsupported, match=r"logit_scale=0\.5"):
+        ChunkedLoss.install(model)
+
+
+def test_chunk_size_bounds_the_fp32_logits() -> None:
+    assert loss_chunk_tokens(128_256) == 523  # 256 MiB of fp32 logits
+    assert loss_chunk_tokens(128_256) * 128_256 * 4 <= 256 * 1024**2
+    assert loss_chunk_tokens(10_000_000) == 64
+
+
+def test_a_run_with_chunked_loss_follows_the_plain_curve(
+    tmp_path: Path, tiny_llama: Path, alpaca_data: Path
+) -> None:
+    """Through the real entry point: the chunked run's per-step losses equal the plain
+    run's (the tiny vocabulary fits one chunk of the default size, so the chunk is forced
+    small to exercise several)."""
+    from kubetune_trainer.__main__ import main
+
+    losses = {}
+    for name, chunked in (("plain", False), ("chunked", True)):
+        out = tmp_path / name
+        cfg = trainer_config(
+            out,
+            tiny_llama,
+            alpaca_data,
+            "lora",
+            training={"max_steps": 4, "precision": "fp32", "chunked_cross_entropy": chunked},
+        )
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr("kubetune_trainer.loss.loss_chunk_tokens", lambda vocab: 16)
+            assert main(["--config", str(write_config(out, cfg))]) == 0
+        losses[name] = step_losses(out / "metrics.jsonl")
+    assert sorted(losses["plain"]) == list(range(1, 5))
+    for step, want in losses["plain"].items():
+        assert math.isclose(losses["chunked"][step], want, rel_tol=1e-5), (step, losses)
