@@ -67,6 +67,7 @@ _SETUP_FIELDS = (
     "qlora_double_quant",
     "attention",
     "chunked_ce",
+    "loss_chunk_tokens",
     "lora_dropout",
     "adapter_fp32",
     "qlora_upcast_non_quantized",

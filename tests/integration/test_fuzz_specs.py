@@ -380,7 +380,8 @@ training_fields = _section(
     packing=st.booleans(),
     gradientCheckpointing=st.booleans(),
     precision=st.sampled_from(["bf16", "amp-bf16", "fp32"]),
-    optimizer=st.sampled_from(["adamw", "adamw-8bit", "paged-adamw-8bit"]),
+    optimizer=st.sampled_from(["adamw", "adamw-8bit", "paged-adamw-8bit", "paged-adamw-32bit"]),
+    chunkedCrossEntropy=st.booleans(),
     seed=st.integers(0, 2**62),
 )
 # (micro-batch, global batch as a multiple of it, or None for "no micro-batch given")

@@ -462,6 +462,13 @@ def test_trainer_config_hub_model_and_lora() -> None:
     assert config.training.micro_batch_size == 4
     assert config.training.gradient_accumulation == 2
     assert config.training.max_steps == 50
+    assert config.training.chunked_cross_entropy is False
+
+
+def test_the_planned_chunked_loss_reaches_the_trainer() -> None:
+    plan = tiny_lora_plan().model_copy(update={"chunked_cross_entropy": True})
+    config = build_trainer_config(tiny_lora_job(), plan, SETTINGS, 1)
+    assert config.training.chunked_cross_entropy is True
 
 
 def test_training_log_lives_on_the_checkpoint_volume() -> None:

@@ -28,6 +28,7 @@ from kubetune.planning.estimator import (
     trainable_params,
 )
 from kubetune.sources import load_arch
+from kubetune_trainer.contract import loss_chunk_tokens
 
 pytestmark = pytest.mark.unit
 
@@ -261,6 +262,25 @@ def test_chunked_cross_entropy_reduces_logits() -> None:
     chunked = estimate_vram(arch, replace(setup, chunked_ce=True)).breakdown["logits"]
     assert full == 8192 * arch.vocab_size * 14
     assert chunked < full / 3
+    # 4 bytes per entry kept for backward, plus one chunk's bf16 logits and fp32 copy.
+    chunk = loss_chunk_tokens(arch.vocab_size)
+    assert chunked == (8192 * 4 + chunk * 6) * arch.vocab_size
+    litgpt = estimate_vram(arch, replace(setup, chunked_ce=True, loss_chunk_tokens=128))
+    assert litgpt.breakdown["logits"] == (8192 * 4 + 128 * 6) * arch.vocab_size
+    short = estimate_vram(arch, replace(setup, seq_len=256, chunked_ce=True))
+    assert short.breakdown["logits"] == 256 * 10 * arch.vocab_size  # one chunk: all tokens
+
+
+def test_paged_32bit_adamw_keeps_fp32_states_outside_the_allocator() -> None:
+    arch = load_arch("meta-llama/Llama-3.2-1B")
+    setup = replace(SINGLE, method="full", precision="bf16")
+    plain = estimate_vram(arch, setup)
+    paged = estimate_vram(arch, replace(setup, optimizer="paged-adamw-32bit"))
+    assert plain.breakdown["optimizer_states"] == arch.total_params * 2 * 2  # bf16 states
+    assert paged.breakdown["optimizer_states"] == arch.total_params * 2 * 4  # fp32 states
+    assert comparable_bytes(paged, "reserved") == (
+        paged.per_gpu_bytes - paged.breakdown["optimizer_states"] - paged.breakdown["cuda_context"]
+    )
 
 
 def test_moe_keeps_all_experts_but_activates_top_k() -> None:

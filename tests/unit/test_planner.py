@@ -259,6 +259,7 @@ def jobs(draw: st.DrawFn) -> tuple[FineTuneJobSpec, list[GPUPool]]:
             "sequenceLength": draw(st.sampled_from([512, 2048, 8192])),
             "globalBatchSize": draw(st.sampled_from([8, 16, 48, 64])),
             "gradientCheckpointing": draw(st.sampled_from([None, True, False])),
+            "chunkedCrossEntropy": draw(st.sampled_from([None, True, False])),
             "microBatchSize": draw(st.sampled_from([None, None, None, 1, 4])),
         },
         "resources": {
@@ -397,6 +398,44 @@ def test_whole_catalog_equals_the_unoptimised_walk(over: dict[str, Any]) -> None
         result = assert_same_as_reference(spec(**over), pools_, settings_)
         if pools_ is busy and isinstance(result, Plan):
             assert result.queued
+
+
+def test_a_job_fits_a_24_gib_gpu_only_with_chunked_cross_entropy() -> None:
+    """Llama-3.2-1B LoRA at 16k tokens on one 24 GiB L4: the plain loss's fp32 logits
+    (27 GiB at a 128k vocabulary) do not fit; the chunked loss keeps 8 GiB of them, and the
+    planner turns it on when the job leaves it unset. A job that fits without it keeps the
+    plain loss."""
+    arch = load_arch("meta-llama/Llama-3.2-1B")
+    l4 = pools("l4")
+    assert l4[0].spec.gpu.memory_gib == 24
+
+    def job(chunked: bool | None, seq: int = 16384) -> FineTuneJobSpec:
+        return spec(
+            model={"uri": arch.name},
+            training={
+                "sequenceLength": seq,
+                "globalBatchSize": 8,
+                "microBatchSize": 1,
+                "chunkedCrossEntropy": chunked,
+            },
+            resources={"gpus": 1},
+        )
+
+    with pytest.raises(InfeasibleError) as refused:
+        plan_job(job(False), l4, arch, NO_LIVE)
+    assert "needs at least 44.8 GiB per GPU" in str(refused.value)
+    assert "enable training.chunkedCrossEntropy" in str(refused.value)
+
+    for chunked in (None, True):
+        plan = plan_job(job(chunked), l4, arch, NO_LIVE)
+        c = plan.chosen
+        assert c.estimate.setup.chunked_ce
+        assert c.estimate.per_gpu_bytes * NO_LIVE.safety_factor <= 24 * GIB
+        assert plan.to_status(l4).chunked_cross_entropy is True
+
+    short = plan_job(job(None, seq=2048), l4, arch, NO_LIVE)
+    assert not short.chosen.estimate.setup.chunked_ce
+    assert short.to_status(l4).chunked_cross_entropy is None
 
 
 def test_estimates_are_shared_by_pools(monkeypatch: pytest.MonkeyPatch) -> None:

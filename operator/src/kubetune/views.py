@@ -193,7 +193,8 @@ def describe_job(
             f"  layout:    micro-batch {plan['microBatchSize']} × accumulation "
             f"{plan['gradientAccumulation']}, sharding {plan['sharding']}, {plan['precision']}, "
             f"{plan['optimizer']}, "
-            f"checkpointing {'on' if plan['gradientCheckpointing'] else 'off'}",
+            f"checkpointing {'on' if plan['gradientCheckpointing'] else 'off'}"
+            + (", chunked loss" if plan.get("chunkedCrossEntropy") else ""),
             f"  memory:    {plan['perGPUMemoryGiB']:.1f} of {plan['gpuMemoryGiB']:g} GiB per GPU: "
             + ", ".join(f"{k} {v:.2f}" for k, v in (plan.get("memoryBreakdownGiB") or {}).items()),
         ]

@@ -223,7 +223,18 @@ class TrainingSettings(_Model):
     )
     optimizer: Optimizer = Field(
         default="adamw",
-        description="`adamw`, `adamw-8bit` or `paged-adamw-8bit` (bitsandbytes).",
+        description=(
+            "`adamw` (torch), or bitsandbytes' `adamw-8bit`, `paged-adamw-8bit` or "
+            "`paged-adamw-32bit` (paged states move to host memory under GPU memory pressure)."
+        ),
+    )
+    chunked_cross_entropy: bool | None = Field(
+        default=None,
+        description=(
+            "Compute the loss a few hundred tokens at a time instead of over full-vocabulary "
+            "fp32 logits (same loss and gradients, no extra compute); unset lets the planner "
+            "turn it on when a configuration fits only with it."
+        ),
     )
     seed: int = Field(default=42, ge=0, description="Random seed for data order and init.")
 
@@ -526,6 +537,9 @@ class PlanStatus(_Model):
     micro_batch_size: int = Field(description="Sequences per GPU per forward pass.")
     gradient_accumulation: int = Field(description="Micro-batches per optimizer step.")
     gradient_checkpointing: bool = Field(description="Activation recomputation on/off.")
+    chunked_cross_entropy: bool | None = Field(
+        default=None, description="The loss computed over chunks of tokens (unset: off)."
+    )
     per_gpu_memory_gib: float = Field(
         alias="perGPUMemoryGiB", description="Estimated peak memory per GPU (GiB)."
     )

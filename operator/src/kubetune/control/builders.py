@@ -429,6 +429,7 @@ def build_trainer_config(
             gradient_checkpointing=plan.gradient_checkpointing,
             precision=plan.precision,
             optimizer=plan.optimizer,
+            chunked_cross_entropy=bool(plan.chunked_cross_entropy),
             seed=training.seed,
         ),
         parallel=ParallelConfig(

@@ -43,6 +43,7 @@ from kubetune_trainer.contract import (
     Optimizer,
     Precision,
     Sharding,
+    loss_chunk_tokens,
 )
 
 __all__ = [
@@ -90,6 +91,10 @@ NF4_DQ_ABSMAX_BYTES_PER_PARAM = 1 / NF4_BLOCK + FP32_BYTES / (NF4_BLOCK * NF4_DQ
 # (or recomputation) and the backward copy of the largest weight can be alive together.
 DEQUANT_COPIES = 2
 
+# bitsandbytes' paged optimizers keep their states in CUDA managed memory, outside PyTorch's
+# caching allocator (the driver pages them to host memory under pressure).
+PAGED_OPTIMIZERS: frozenset[str] = frozenset({"paged-adamw-8bit", "paged-adamw-32bit"})
+
 # bitsandbytes 8-bit optimizers (Dettmers et al. 2022): two uint8 states plus one fp32
 # absmax per 2048-value block for each state.
 ADAM8BIT_BYTES_PER_PARAM = 2 + 2 * FP32_BYTES / 2048
@@ -132,9 +137,12 @@ NON_LAYER_ELEMS_PER_HIDDEN = NORM_ELEMS_PER_HIDDEN + 1
 # logits (2), their fp32 upcast (4), the fp32 log-softmax kept by cross_entropy (4) and the
 # fp32 gradient w.r.t. the logits (4).
 LOGITS_BYTES_FULL = 14
-# Chunked cross-entropy keeps the logits once in the compute dtype plus a same-sized
-# gradient; each chunk's fp32 log-softmax is transient.
+# Chunked cross-entropy (kubetune_trainer.loss, LitGPT, torchtune) keeps 4 bytes per entry
+# for backward (the fp32 log-softmax of each chunk, or the compute-dtype logits plus a
+# same-sized gradient); one chunk's bf16 logits and their fp32 copy (6 bytes per entry) are
+# alive while it is computed.
 LOGITS_BYTES_CHUNKED = 4
+LOGITS_BYTES_CHUNK_WORKING = BF16_BYTES + FP32_BYTES
 
 # FSDP keeps the current unit and the prefetched next one unsharded.
 FSDP_GATHERED_UNITS = 2
@@ -197,6 +205,9 @@ class TrainingSetup:
     attention: Attention = "sdpa"
     chunked_ce: bool = False
     """Loss computed over sequence chunks, never materializing full fp32 logits."""
+    loss_chunk_tokens: int | None = None
+    """Tokens per chunk of the chunked loss; None: the kubetune trainer's
+    (`kubetune_trainer.contract.loss_chunk_tokens`; LitGPT uses 128)."""
     lora_dropout: float = 0.05
     """A non-zero LoRA dropout keeps a dropped copy of each adapted layer's input."""
     adapter_fp32: bool = True
@@ -270,6 +281,8 @@ def _validate(setup: TrainingSetup) -> None:
     _check_choice("lora_base_dtype", setup.lora_base_dtype, (*get_args(BaseDtype), None))
     for name in ("micro_batch", "seq_len", "gpus"):
         _check_positive_int(name, getattr(setup, name))
+    if setup.loss_chunk_tokens is not None:
+        _check_positive_int("loss_chunk_tokens", setup.loss_chunk_tokens)
     if setup.method == "full":
         return
     rank = setup.lora_rank
@@ -492,6 +505,8 @@ def _lora_bytes_per_token(
 def _state_bytes_per_param(setup: TrainingSetup) -> float:
     if setup.optimizer == "adamw":
         return 2.0 * _trainable_bytes(setup)  # exp_avg and exp_avg_sq in the parameter dtype
+    if setup.optimizer == "paged-adamw-32bit":
+        return 2.0 * FP32_BYTES  # bitsandbytes' 32-bit states are fp32 whatever the params
     return ADAM8BIT_BYTES_PER_PARAM
 
 
@@ -572,8 +587,12 @@ def estimate_vram(arch: ModelArch, setup: TrainingSetup) -> VramEstimate:
         activations = every_layer + tokens * (backward + non_layer)
 
     # ---- logits for the loss
-    per_entry = LOGITS_BYTES_CHUNKED * (e // BF16_BYTES) if setup.chunked_ce else LOGITS_BYTES_FULL
-    logits = float(tokens * arch.vocab_size * per_entry)
+    if setup.chunked_ce:
+        chunk = min(tokens, setup.loss_chunk_tokens or loss_chunk_tokens(arch.vocab_size))
+        kept = tokens * LOGITS_BYTES_CHUNKED * (e // BF16_BYTES)
+        logits = float((kept + chunk * LOGITS_BYTES_CHUNK_WORKING) * arch.vocab_size)
+    else:
+        logits = float(tokens * arch.vocab_size * LOGITS_BYTES_FULL)
 
     # ---- FSDP all-gather buffers (FULL_SHARD, or any layout whose params live on the CPU)
     fsdp_buffers = 0.0
@@ -631,7 +650,7 @@ def comparable_bytes(estimate: VramEstimate, metric: MeasuredMetric) -> int:
     if metric not in ("allocated", "reserved"):
         raise _fail(f"metric {metric!r} is not supported", "use allocated, reserved or device")
     excluded = sum(estimate.breakdown.get(name, 0) for name in _OUTSIDE_ALLOCATOR)
-    if estimate.setup.optimizer == "paged-adamw-8bit":
+    if estimate.setup.optimizer in PAGED_OPTIMIZERS:
         excluded += estimate.breakdown.get("optimizer_states", 0)
     if metric == "allocated":
         excluded += estimate.breakdown.get("allocator_slack", 0)

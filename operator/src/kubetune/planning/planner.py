@@ -209,6 +209,7 @@ class Plan:
             micro_batch_size=c.micro_batch,
             gradient_accumulation=c.grad_accum,
             gradient_checkpointing=c.grad_ckpt,
+            chunked_cross_entropy=True if c.estimate.setup.chunked_ce else None,
             per_gpu_memory_gib=round(c.estimate.per_gpu_bytes / GIB, 2),
             memory_breakdown_gib={
                 k: round(v / GIB, 3) for k, v in c.estimate.breakdown.items() if v
@@ -305,8 +306,21 @@ def _micro_batches(global_batch: int, data_parallel: int, fixed: int | None) -> 
     )
 
 
+def _losses(spec: FineTuneJobSpec) -> list[bool]:
+    """Chunked cross-entropy off, then on (when the job leaves it to the planner): the plain
+    loss unless only the chunked one lets a configuration fit."""
+    chosen = spec.training.chunked_cross_entropy
+    return [False, True] if chosen is None else [chosen]
+
+
 def _setup(
-    spec: FineTuneJobSpec, method: Method, gpus: int, sharding: Sharding, micro: int, ckpt: bool
+    spec: FineTuneJobSpec,
+    method: Method,
+    gpus: int,
+    sharding: Sharding,
+    micro: int,
+    ckpt: bool,
+    chunked: bool = False,
 ) -> TrainingSetup:
     lora = spec.lora_or_default
     return TrainingSetup(
@@ -321,6 +335,7 @@ def _setup(
         lora_rank=lora.rank,
         lora_targets=tuple(lora.target_modules),
         qlora_double_quant=lora.double_quant,
+        chunked_ce=chunked,
     )
 
 
@@ -346,8 +361,9 @@ class _Context:
             else None
         )
         self.budget = spec.resources.max_cost_usd
+        self.losses = _losses(spec)
         # What the fast walk computes once for this job.
-        self._estimates: dict[tuple[Method, int, Sharding, int, bool], VramEstimate] = {}
+        self._estimates: dict[tuple[Method, int, Sharding, int, bool, bool], VramEstimate] = {}
         self._orders: dict[tuple[Method, tuple[tuple[int, bool], ...]], list[tuple[int, bool]]] = {}
         self._step_times: dict[_StepKey, StepTime] = {}
         self._startup_s = startup_seconds(2.0 * arch.total_params)
@@ -362,12 +378,16 @@ class _Context:
         micro: int,
         ckpt: bool,
     ) -> Candidate:
-        """One configuration from scratch (the reference the fast walk is tested against)."""
+        """One configuration from scratch (the reference the fast walk is tested against),
+        with the first loss of `losses` that fits (or the last)."""
         total = nodes * gpn
-        setup = _setup(self.spec, method, total, sharding, micro, ckpt)
-        estimate = estimate_vram(self.arch, setup)
-        if self.settings.memory_scale != 1.0:
-            estimate = _scaled(estimate, self.settings.memory_scale)
+        for chunked in self.losses:
+            setup = _setup(self.spec, method, total, sharding, micro, ckpt, chunked)
+            estimate = estimate_vram(self.arch, setup)
+            if self.settings.memory_scale != 1.0:
+                estimate = _scaled(estimate, self.settings.memory_scale)
+            if self.fits_gib(estimate, pool.spec.gpu.memory_gib):
+                break
         st = self.step_time_of(pool, method, nodes, gpn, sharding, micro, ckpt, estimate)
         startup_s = startup_seconds(2.0 * self.arch.total_params)
         return self.build(pool, method, nodes, gpn, sharding, micro, ckpt, estimate, st, startup_s)
@@ -447,19 +467,22 @@ class _Context:
         )
 
     def fits(self, c: Candidate) -> bool:
-        return c.estimate.per_gpu_bytes * self.settings.safety_factor <= c.gpu_memory_gib * GIB
+        return self.fits_gib(c.estimate, c.gpu_memory_gib)
+
+    def fits_gib(self, estimate: VramEstimate, memory_gib: float) -> bool:
+        return estimate.per_gpu_bytes * self.settings.safety_factor <= memory_gib * GIB
 
     # ---- the fast walk: the same numbers as `evaluate`, each computed once per job
 
     def estimate(
-        self, method: Method, total: int, sharding: Sharding, micro: int, ckpt: bool
+        self, method: Method, total: int, sharding: Sharding, micro: int, ckpt: bool, chunked: bool
     ) -> VramEstimate:
         """`evaluate`'s memory estimate; it depends on no pool, so every pool shares it."""
-        key = (method, total, sharding, micro, ckpt)
+        key = (method, total, sharding, micro, ckpt, chunked)
         estimate = self._estimates.get(key)
         if estimate is None:
             estimate = estimate_vram(
-                self.arch, _setup(self.spec, method, total, sharding, micro, ckpt)
+                self.arch, _setup(self.spec, method, total, sharding, micro, ckpt, chunked)
             )
             if self.settings.memory_scale != 1.0:
                 estimate = _scaled(estimate, self.settings.memory_scale)
@@ -692,8 +715,11 @@ def _search(ctx: _Context, pools: Sequence[GPUPool]) -> tuple[list[Candidate], l
                 if forbid and Layout(pool.name, method, total, micro, ckpt) in forbid:
                     report.forbidden += 1
                     continue
-                estimate = ctx.estimate(method, total, sharding, micro, ckpt)
-                if not estimate.per_gpu_bytes * safety <= memory_bytes:
+                for chunked in ctx.losses:
+                    estimate = ctx.estimate(method, total, sharding, micro, ckpt, chunked)
+                    if estimate.per_gpu_bytes * safety <= memory_bytes:
+                        break
+                else:
                     need = estimate.per_gpu_bytes * safety / GIB
                     if report.smallest_fit_gib is None or need < report.smallest_fit_gib:
                         report.smallest_fit_gib = need
@@ -805,6 +831,8 @@ def _infeasible(ctx: _Context, rejected: list[Rejection]) -> InfeasibleError:
             hints.append("set resources.gpus to auto or more GPUs")
         if ctx.spec.training.gradient_checkpointing is False:
             hints.append("enable training.gradientCheckpointing")
+        if ctx.spec.training.chunked_cross_entropy is False:
+            hints.append("enable training.chunkedCrossEntropy")
         hints.append(f"shorten training.sequenceLength (now {ctx.spec.training.sequence_length})")
         hints.append("add a pool with larger GPUs")
     if Limit.DEADLINE in limits:
