@@ -317,6 +317,9 @@ def test_tiny_moe_total_and_active_are_exact() -> None:
     assert a.total_params == total
     assert a.expert_params == 4 * expert
     assert a.active_params == total - 2 * expert
+    # transformers >= 5 writes Qwen3-MoE's expert count as num_local_experts.
+    renamed = {k: v for k, v in cfg.items() if k != "num_experts"}
+    assert arch_from_hf_config({**renamed, "num_local_experts": 4}) == a
 
 
 def test_falcon_7b_multi_query_param_count() -> None:

@@ -171,7 +171,9 @@ class LoraSettings(_Model):
         min_length=1,
         description=(
             "Module names that get adapters (e.g. `q_proj`, `v_proj`) or `all-linear` for every "
-            "linear layer of the decoder blocks."
+            "linear layer of the decoder blocks (MoE: Mixtral's and Qwen3-MoE's experts and "
+            "router too, Qwen2-MoE's shared expert but not its routed experts; under QLoRA MoE "
+            "experts stay bf16)."
         ),
     )
     double_quant: bool = Field(

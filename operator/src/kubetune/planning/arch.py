@@ -71,6 +71,8 @@ class LinearLayer:
     """Number of such modules in the whole model (e.g. ``num_layers * num_experts``)."""
     per_expert: bool = False
     """True for MoE expert linears: only ``experts_per_token / num_experts`` are active."""
+    router: bool = False
+    """True for the MoE router (a linear in older transformers, its own module since 5.0)."""
     bias: bool = False
     path: str = ""
     """Module path inside a decoder layer, ``*`` standing for the expert index."""
@@ -106,6 +108,9 @@ class _Layout:
     experts_prefix: str = "mlp.experts.*"
     router: str = "gate"
     router_prefix: str = "mlp"
+    peft_experts: bool = True
+    """PEFT's ``all-linear`` puts adapters on the stacked experts and the router (transformers
+    >= 5 stores them as parameters, not ``nn.Linear``; PEFT maps them per model family)."""
 
 
 _LLAMA_LAYOUT = _Layout()
@@ -117,6 +122,8 @@ _LAYOUTS: dict[str, _Layout] = {
         experts_prefix="block_sparse_moe.experts.*",
         router_prefix="block_sparse_moe",
     ),
+    # PEFT 0.21 adapts only the shared expert of Qwen2-MoE under all-linear (tests pin it).
+    "qwen2_moe": _Layout(peft_experts=False),
     "phi3": _Layout(qkv="qkv_proj", gate_up="gate_up_proj"),
     "phi": _Layout(o="dense", up="fc1", down="fc2", gated=False),
     "falcon": _Layout(
@@ -221,6 +228,11 @@ class ModelArch:
         return self.moe_intermediate_size or self.intermediate_size
 
     @property
+    def peft_adapts_experts(self) -> bool:
+        """Whether LoRA ``all-linear`` adapts the stacked experts and the router (MoE only)."""
+        return _LAYOUTS.get(self.model_type, _LLAMA_LAYOUT).peft_experts
+
+    @property
     def moe_layers(self) -> int:
         """Decoder layers whose MLP is a mixture of experts (0 for dense models)."""
         return self.num_layers - self.num_dense_layers if self.is_moe else 0
@@ -261,6 +273,7 @@ class ModelArch:
             *,
             bias: bool = False,
             per_expert: bool = False,
+            router: bool = False,
         ) -> None:
             if count > 0:
                 layers.append(
@@ -270,6 +283,7 @@ class ModelArch:
                         out_features=fan_out,
                         count=count,
                         per_expert=per_expert,
+                        router=router,
                         bias=bias,
                         path=f"{prefix}.{name}",
                     )
@@ -292,7 +306,7 @@ class ModelArch:
         # mixture of experts
         moe = self.moe_layers
         if moe:
-            add(lay.router, h, self.num_experts, moe, lay.router_prefix)
+            add(lay.router, h, self.num_experts, moe, lay.router_prefix, router=True)
             e, w, xp = self.num_experts, self.expert_intermediate_size, lay.experts_prefix
             add(lay.expert_gate, h, w, moe * e, xp, bias=self.mlp_bias, per_expert=True)
             add(lay.expert_up, h, w, moe * e, xp, bias=self.mlp_bias, per_expert=True)
@@ -403,6 +417,7 @@ class _AddFn(Protocol):
         *,
         bias: bool = False,
         per_expert: bool = False,
+        router: bool = False,
     ) -> None: ...
 
 
@@ -650,11 +665,12 @@ def arch_from_hf_config(
 
     num_experts = experts_per_token = 1
     moe_width = shared_width = num_dense = 0
+    # transformers >= 5 writes num_local_experts for Qwen3-MoE too (num_experts is an alias).
     if model_type == "mixtral":
-        num_experts = r.req_int("num_local_experts")
+        num_experts = r.req_int("num_local_experts", "num_experts")
         experts_per_token = r.opt_int("num_experts_per_tok", default=2)
     elif model_type in ("qwen2_moe", "qwen3_moe"):
-        num_experts = r.req_int("num_experts")
+        num_experts = r.req_int("num_experts", "num_local_experts")
         experts_per_token = r.req_int("num_experts_per_tok")
         moe_width = r.req_int("moe_intermediate_size")
         num_dense = _num_dense_layers(r, layers, num_experts)

@@ -217,6 +217,11 @@ class TrainingSetup:
     """QLoRA: cast the parameters that stay unquantized (embeddings, norms, ``lm_head``) to
     fp32, as ``peft.prepare_model_for_kbit_training`` does.  The kubetune trainer keeps them
     in the compute dtype (``bnb_4bit_quant_storage`` = compute dtype, FSDP-compatible)."""
+    fused_experts: bool = True
+    """MoE: experts stored as stacked parameters, as transformers >= 5 (the kubetune trainer)
+    builds them: QLoRA leaves them (and the router) in the compute dtype, and LoRA
+    ``all-linear`` adapts them as PEFT maps each family (:func:`resolve_lora_targets`).  False:
+    one ``nn.Linear`` per expert (transformers < 5), quantized and adapted like any linear."""
     lora_base_dtype: BaseDtype | None = None
     """LoRA: dtype of the frozen base weights.  None follows the trainer: bf16 for ``bf16``
     precision, fp32 for ``amp-bf16`` and ``fp32``."""
@@ -310,12 +315,16 @@ def lora_target_names(arch: ModelArch) -> list[str]:
     return names
 
 
-def resolve_lora_targets(arch: ModelArch, targets: Iterable[str]) -> list[LinearLayer]:
+def resolve_lora_targets(
+    arch: ModelArch, targets: Iterable[str], *, fused_experts: bool = True
+) -> list[LinearLayer]:
     """The linears a LoRA target list selects.
 
-    ``all-linear`` selects every decoder-block linear but not ``lm_head`` (PEFT's rule);
-    explicit names select every linear with that leaf name, ``lm_head`` included when the
-    model has an untied output projection.
+    ``all-linear`` selects every decoder-block linear but not ``lm_head`` (PEFT's rule),
+    except, for a MoE family whose stacked experts PEFT does not map
+    (``ModelArch.peft_adapts_experts``), the experts and the router; explicit names select
+    every linear with that leaf name, ``lm_head`` included when the model has an untied
+    output projection.
     """
     wanted = [targets.strip()] if isinstance(targets, str) else [t.strip() for t in targets]
     if not wanted or any(not t for t in wanted):
@@ -331,10 +340,16 @@ def resolve_lora_targets(arch: ModelArch, targets: Iterable[str]) -> list[Linear
             f"{arch.name} ({arch.model_type}); its linear modules are: {', '.join(valid)}",
             f"use '{ALL_LINEAR}' or names from that list",
         )
+    skip_moe = fused_experts and not arch.peft_adapts_experts
     return [
         layer
         for layer in arch.linear_layers()
-        if (ALL_LINEAR in wanted and layer.name != "lm_head") or layer.name in wanted
+        if (
+            ALL_LINEAR in wanted
+            and layer.name != "lm_head"
+            and not (skip_moe and (layer.per_expert or layer.router))
+        )
+        or layer.name in wanted
     ]
 
 
@@ -346,14 +361,28 @@ def trainable_params(arch: ModelArch, setup: TrainingSetup) -> int:
     _validate(setup)
     if setup.method == "full":
         return arch.total_params
-    return _adapter_params(setup, resolve_lora_targets(arch, setup.lora_targets))
+    return _adapter_params(arch, setup, _targets(arch, setup))
 
 
-def _adapter_params(setup: TrainingSetup, targets: list[LinearLayer]) -> int:
-    return sum(
-        setup.lora_rank * (layer.in_features + layer.out_features) * layer.count
-        for layer in targets
-    )
+def _targets(arch: ModelArch, setup: TrainingSetup) -> list[LinearLayer]:
+    if setup.method == "full":
+        return []
+    return resolve_lora_targets(arch, setup.lora_targets, fused_experts=setup.fused_experts)
+
+
+def _adapter_params(arch: ModelArch, setup: TrainingSetup, targets: list[LinearLayer]) -> int:
+    """``r * (d_in + d_out)`` per adapted linear; a stacked expert gate/up projection
+    (``E x 2w x h``) is adapted once with rank ``2r`` (PEFT's mapping of fused weights):
+    ``r * (h + 2w)`` for each of gate and up."""
+    r = setup.lora_rank
+    total = 0
+    for layer in targets:
+        fused_gate_up = (
+            setup.fused_experts and layer.per_expert and layer.in_features == arch.hidden_size
+        )
+        out = 2 * layer.out_features if fused_gate_up else layer.out_features
+        total += r * (layer.in_features + out) * layer.count
+    return total
 
 
 # --------------------------------------------------------------------------- model pieces
@@ -363,7 +392,9 @@ def _adapter_params(setup: TrainingSetup, targets: list[LinearLayer]) -> int:
 class _Params:
     total: int
     block_linear_weights: int
-    """Weight matrices of the decoder-block linears (what QLoRA quantizes; no biases)."""
+    """Weight matrices of the decoder-block linears (no biases)."""
+    quantized_weights: int
+    """What QLoRA stores in 4 bits: the block linears that are ``nn.Linear`` modules."""
     matmul_weights: int
     """Block linear weights plus an untied ``lm_head``: what autocast casts to bf16."""
     root: int
@@ -371,26 +402,44 @@ class _Params:
     per_block: int
     """Parameters of one decoder block (one FSDP unit)."""
     per_block_linear_weights: int
-    largest_linear: int
-    """Weight elements of the largest decoder-block linear."""
+    per_block_quantized_weights: int
+    largest_quantized: int
+    """Weight elements of the largest quantized linear (dequantized for each matmul)."""
+
+
+def _is_linear_module(layer: LinearLayer, fused_experts: bool) -> bool:
+    """Whether the trainer's model holds `layer` as an ``nn.Linear`` (what bitsandbytes
+    quantizes): stacked experts and the router are not, when the experts are fused."""
+    return not (fused_experts and (layer.per_expert or layer.router))
 
 
 @lru_cache(maxsize=64)
-def _param_groups(arch: ModelArch) -> _Params:
+def _param_groups(arch: ModelArch, fused_experts: bool = True) -> _Params:
     """Derived from the (frozen) architecture alone: computed once per architecture."""
     block = [layer for layer in arch.linear_layers() if layer.name != "lm_head"]
     block_linear = sum(layer.in_features * layer.out_features * layer.count for layer in block)
+    linear = [layer for layer in block if _is_linear_module(layer, fused_experts)]
+    quantized = sum(layer.in_features * layer.out_features * layer.count for layer in linear)
     final_norm = arch.hidden_size * (2 if arch.norm_bias else 1)
     root = arch.embedding_params + arch.lm_head_params + final_norm
     return _Params(
         total=arch.total_params,
         block_linear_weights=block_linear,
+        quantized_weights=quantized,
         matmul_weights=block_linear + arch.lm_head_params,
         root=root,
         per_block=-(-(arch.total_params - root) // arch.num_layers),
         per_block_linear_weights=-(-block_linear // arch.num_layers),
-        largest_linear=max(layer.in_features * layer.out_features for layer in block),
+        per_block_quantized_weights=-(-quantized // arch.num_layers),
+        largest_quantized=max(layer.in_features * layer.out_features for layer in linear),
     )
+
+
+def quantized_params(arch: ModelArch, setup: TrainingSetup) -> int:
+    """Weights QLoRA stores in 4 bits (0 for other methods)."""
+    if setup.method != "qlora":
+        return 0
+    return _param_groups(arch, setup.fused_experts).quantized_weights
 
 
 def _compute_bytes(setup: TrainingSetup) -> int:
@@ -431,7 +480,7 @@ def _frozen_bytes(p: _Params, setup: TrainingSetup, *, per_block: bool = False) 
     total = p.per_block if per_block else p.total
     if setup.method != "qlora":
         return float(total * _lora_base_bytes(setup))
-    quantized = p.per_block_linear_weights if per_block else p.block_linear_weights
+    quantized = p.per_block_quantized_weights if per_block else p.quantized_weights
     rest = total - quantized
     return quantized * _nf4_bytes_per_param(setup) + rest * _unquantized_bytes(setup)
 
@@ -516,7 +565,7 @@ def _state_bytes_per_param(setup: TrainingSetup) -> float:
 def estimate_vram(arch: ModelArch, setup: TrainingSetup) -> VramEstimate:
     """Peak per-GPU memory of training ``arch`` with ``setup``."""
     _validate(setup)
-    p = _param_groups(arch)
+    p = _param_groups(arch, setup.fused_experts)
     n = setup.gpus
     distributed = n > 1
     full_shard = distributed and setup.sharding == "full"
@@ -524,8 +573,10 @@ def estimate_vram(arch: ModelArch, setup: TrainingSetup) -> VramEstimate:
     offload = setup.cpu_offload
     shard = n if (full_shard or grad_op) else 1
     e = _compute_bytes(setup)
-    targets = [] if setup.method == "full" else resolve_lora_targets(arch, setup.lora_targets)
-    trainable = arch.total_params if setup.method == "full" else _adapter_params(setup, targets)
+    targets = _targets(arch, setup)
+    trainable = (
+        arch.total_params if setup.method == "full" else _adapter_params(arch, setup, targets)
+    )
     a = _trainable_bytes(setup)
     autocast = setup.precision == "amp-bf16" and not (full_shard or grad_op or offload)
 
@@ -605,7 +656,7 @@ def estimate_vram(arch: ModelArch, setup: TrainingSetup) -> VramEstimate:
         fsdp_buffers += root * (1.0 if offload else 1.0 - 1.0 / n)
 
     # ---- QLoRA dequantization buffers
-    dequant = float(DEQUANT_COPIES * p.largest_linear * e) if setup.method == "qlora" else 0.0
+    dequant = float(DEQUANT_COPIES * p.largest_quantized * e) if setup.method == "qlora" else 0.0
 
     # ---- runtime overheads
     slack = max(
