@@ -382,6 +382,7 @@ training_fields = _section(
     precision=st.sampled_from(["bf16", "amp-bf16", "fp32"]),
     optimizer=st.sampled_from(["adamw", "adamw-8bit", "paged-adamw-8bit", "paged-adamw-32bit"]),
     chunkedCrossEntropy=st.booleans(),
+    activationOffloading=st.booleans(),
     seed=st.integers(0, 2**62),
 )
 # (micro-batch, global batch as a multiple of it, or None for "no micro-batch given")

@@ -159,6 +159,10 @@ def test_defaults_and_aliases_round_trip() -> None:
         ({"checkpoint": {"storage": {"storageClassName": "Bad_Class"}}}, "should match"),
         ({"training": {"maxSteps": 2**63 - 1}}, "less than or equal to 100000000"),
         ({"ttlSecondsAfterFinished": 2**63 - 1}, "less than or equal to 315360000"),
+        (
+            {"training": {"activationOffloading": True, "gradientCheckpointing": False}},
+            "activationOffloading needs gradient checkpointing",
+        ),
     ],
 )
 def test_bad_specs_are_rejected_with_a_reason(over: dict[str, Any], needle: str) -> None:

@@ -24,6 +24,7 @@ from kubetune.planning.estimator import (
     comparable_bytes,
     estimate_vram,
     lora_target_names,
+    offloaded_bytes,
     resolve_lora_targets,
     trainable_params,
 )
@@ -269,6 +270,22 @@ def test_chunked_cross_entropy_reduces_logits() -> None:
     assert litgpt.breakdown["logits"] == (8192 * 4 + 128 * 6) * arch.vocab_size
     short = estimate_vram(arch, replace(setup, seq_len=256, chunked_ce=True))
     assert short.breakdown["logits"] == 256 * 10 * arch.vocab_size  # one chunk: all tokens
+
+
+@pytest.mark.parametrize("grad_ckpt", [True, False])
+def test_activation_offloading_keeps_one_layer_on_the_gpu(grad_ckpt: bool) -> None:
+    arch = load_arch("meta-llama/Llama-3.1-8B")
+    setup = replace(SINGLE, method="lora", seq_len=8192, grad_ckpt=grad_ckpt)
+    kept = estimate_vram(arch, setup)
+    moved = estimate_vram(arch, replace(setup, activation_offload=True))
+    moved_bytes = offloaded_bytes(arch, replace(setup, activation_offload=True))
+    assert offloaded_bytes(arch, setup) == 0
+    if grad_ckpt:  # one input per layer: (L - 1) of them wait in host memory
+        assert moved_bytes == (arch.num_layers - 1) * 8192 * arch.hidden_size * 2
+    assert kept.breakdown["activations"] - moved.breakdown["activations"] == pytest.approx(
+        moved_bytes, abs=arch.num_layers
+    )
+    assert kept.breakdown["logits"] == moved.breakdown["logits"]
 
 
 def test_paged_32bit_adamw_keeps_fp32_states_outside_the_allocator() -> None:

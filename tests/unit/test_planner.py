@@ -16,7 +16,12 @@ from kubetune.api.v1alpha1 import FineTuneJobSpec, GPUPool
 from kubetune.planning import planner as planner_module
 from kubetune.planning.arch import ModelArch
 from kubetune.planning.catalog import default_pools
-from kubetune.planning.estimator import TrainingSetup, VramEstimate, estimate_vram
+from kubetune.planning.estimator import (
+    TrainingSetup,
+    VramEstimate,
+    estimate_vram,
+    offloaded_bytes,
+)
 from kubetune.planning.planner import (
     GIB,
     Layout,
@@ -30,6 +35,7 @@ from kubetune.planning.planner import (
     rank_key,
     replan_settings_after_oom,
 )
+from kubetune.planning.throughput import HOST_LINK_BYTES_PER_S
 from kubetune.sources import load_arch
 
 pytestmark = pytest.mark.unit
@@ -260,6 +266,7 @@ def jobs(draw: st.DrawFn) -> tuple[FineTuneJobSpec, list[GPUPool]]:
             "globalBatchSize": draw(st.sampled_from([8, 16, 48, 64])),
             "gradientCheckpointing": draw(st.sampled_from([None, True, False])),
             "chunkedCrossEntropy": draw(st.sampled_from([None, True, False])),
+            "activationOffloading": draw(st.sampled_from([None, None, True, False])),
             "microBatchSize": draw(st.sampled_from([None, None, None, 1, 4])),
         },
         "resources": {
@@ -268,6 +275,11 @@ def jobs(draw: st.DrawFn) -> tuple[FineTuneJobSpec, list[GPUPool]]:
             "gpus": draw(st.sampled_from(["auto", "auto", 1, 2, 8, 16])),
         },
     }
+    if (
+        over["training"]["activationOffloading"]
+        and over["training"]["gradientCheckpointing"] is False
+    ):
+        over["training"]["gradientCheckpointing"] = None  # offloading needs checkpointing
     if draw(st.booleans()):
         over["resources"]["deadline"] = draw(st.sampled_from(["30m", "3h", "48h"]))
     if draw(st.booleans()):
@@ -417,6 +429,7 @@ def test_a_job_fits_a_24_gib_gpu_only_with_chunked_cross_entropy() -> None:
                 "globalBatchSize": 8,
                 "microBatchSize": 1,
                 "chunkedCrossEntropy": chunked,
+                "activationOffloading": False,
             },
             resources={"gpus": 1},
         )
@@ -436,6 +449,56 @@ def test_a_job_fits_a_24_gib_gpu_only_with_chunked_cross_entropy() -> None:
     short = plan_job(job(None, seq=2048), l4, arch, NO_LIVE)
     assert not short.chosen.estimate.setup.chunked_ce
     assert short.to_status(l4).chunked_cross_entropy is None
+
+
+def test_activation_offloading_is_the_last_resort_and_is_priced() -> None:
+    """Llama-3.2-3B LoRA at 36k tokens on one 48 GiB L40S: 53.0 GiB needed with the
+    activations on the GPU, 45.8 GiB with each layer's input in host memory. The planner
+    turns offloading on only then, and the plan is slower by the copies it prices."""
+    arch = load_arch("meta-llama/Llama-3.2-3B")
+    l40s = pools("l40s")
+
+    def job(offload: bool | None, seq: int = 36864) -> FineTuneJobSpec:
+        return spec(
+            model={"uri": arch.name},
+            training={
+                "sequenceLength": seq,
+                "globalBatchSize": 4,
+                "microBatchSize": 1,
+                "chunkedCrossEntropy": True,
+                "activationOffloading": offload,
+            },
+            resources={"gpus": 1},
+        )
+
+    with pytest.raises(InfeasibleError) as refused:
+        plan_job(job(False), l40s, arch, NO_LIVE)
+    assert "needs at least 53.0 GiB per GPU" in str(refused.value)
+    assert "enable training.activationOffloading" in str(refused.value)
+
+    plan = plan_job(job(None), l40s, arch, NO_LIVE)
+    chosen = plan.chosen
+    assert chosen.estimate.setup.activation_offload and chosen.grad_ckpt
+    assert chosen.estimate.per_gpu_bytes * NO_LIVE.safety_factor <= 48 * GIB
+    assert plan.to_status(l40s).activation_offloading is True
+    # Priced: a GPU with room for it runs without the copies; on the L40S each step pays
+    # for every layer input going to host memory and back.
+    roomy = plan_job(job(None), pools("a100-80gb"), arch, NO_LIVE).chosen
+    assert not roomy.estimate.setup.activation_offload
+    ctx = planner_module._Context(job(None), arch, NO_LIVE)
+    setup = replace(chosen.estimate.setup, activation_offload=False)
+    without = ctx.candidate(
+        l40s[0], "lora", 1, 1, "none", 1, True, replace(chosen.estimate, setup=setup), False
+    )
+    per_step = 2 * offloaded_bytes(arch, chosen.estimate.setup) * chosen.grad_accum
+    assert per_step > 0
+    assert chosen.duration_s - without.duration_s == pytest.approx(
+        plan.total_steps * per_step / HOST_LINK_BYTES_PER_S
+    )
+    # A shorter sequence fits without offloading, and the planner leaves it off.
+    short = plan_job(job(None, seq=8192), l40s, arch, NO_LIVE)
+    assert not short.chosen.estimate.setup.activation_offload
+    assert short.to_status(l40s).activation_offloading is None
 
 
 def test_estimates_are_shared_by_pools(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -194,7 +194,8 @@ def describe_job(
             f"{plan['gradientAccumulation']}, sharding {plan['sharding']}, {plan['precision']}, "
             f"{plan['optimizer']}, "
             f"checkpointing {'on' if plan['gradientCheckpointing'] else 'off'}"
-            + (", chunked loss" if plan.get("chunkedCrossEntropy") else ""),
+            + (", chunked loss" if plan.get("chunkedCrossEntropy") else "")
+            + (", activations offloaded" if plan.get("activationOffloading") else ""),
             f"  memory:    {plan['perGPUMemoryGiB']:.1f} of {plan['gpuMemoryGiB']:g} GiB per GPU: "
             + ", ".join(f"{k} {v:.2f}" for k, v in (plan.get("memoryBreakdownGiB") or {}).items()),
         ]

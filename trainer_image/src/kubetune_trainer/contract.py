@@ -144,6 +144,9 @@ class TrainingConfig(_Strict):
     chunked_cross_entropy: bool = Field(
         default=False, description="The loss over chunks of tokens (kubetune_trainer.loss)."
     )
+    activation_offloading: bool = Field(
+        default=False, description="Tensors saved for backward kept in host memory."
+    )
     seed: int = 42
 
 

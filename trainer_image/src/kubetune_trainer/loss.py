@@ -107,6 +107,49 @@ class ChunkedLoss:
         return total
 
 
+class OffloadActivations:
+    """Activation offloading (`training.activation_offloading`): what autograd saves for
+    backward during a forward is copied to host memory (pinned on GPU) and copied back when
+    backward needs it.
+
+    With non-reentrant activation checkpointing the tensors saved are each decoder block's
+    input plus what lies outside the blocks (a recomputed block's internals live on the GPU
+    only while it runs backward), so the GPU keeps one block's working set instead of one
+    input per block. Parameters (and views of them) stay where they are: a saved weight is
+    the weight itself, not a copy, and moving it would copy the model every micro-batch.
+    Tensors under `min_bytes` stay too (not worth a transfer). Copies are synchronous: this
+    trades PCIe time for GPU memory, which the planner prices (docs/planner.md).
+    """
+
+    MIN_BYTES = 1 << 20
+
+    def __init__(self, min_bytes: int | None = None) -> None:
+        self.min_bytes = self.MIN_BYTES if min_bytes is None else min_bytes
+        self.offloaded_bytes = 0
+        """Bytes moved to host memory by the latest forward."""
+
+    def hooks(self, pin_memory: bool) -> torch.autograd.graph.saved_tensors_hooks:
+        self.offloaded_bytes = 0
+
+        def pack(t: torch.Tensor) -> Any:
+            base = t._base if t._base is not None else t
+            size = t.numel() * t.element_size()
+            if isinstance(base, nn.Parameter) or size < self.min_bytes:
+                return t
+            host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin_memory)
+            host.copy_(t)
+            self.offloaded_bytes += size
+            return (t.device, host)
+
+        def unpack(packed: Any) -> torch.Tensor:
+            if isinstance(packed, torch.Tensor):
+                return packed
+            device, host = packed
+            return host.to(device, non_blocking=pin_memory)  # type: ignore[no-any-return]
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
 def loss_sum(
     model: nn.Module,
     *,
@@ -116,16 +159,23 @@ def loss_sum(
     position_ids: torch.Tensor | None,
     autocast_dtype: torch.dtype | None = None,
     chunked: ChunkedLoss | None = None,
+    offload: OffloadActivations | None = None,
 ) -> torch.Tensor:
     """Summed cross-entropy of the next-token predictions over the positions whose label is
-    not `IGNORE_INDEX` (fp32, a 0-dim tensor)."""
+    not `IGNORE_INDEX` (fp32, a 0-dim tensor); `chunked` and `offload` are the memory savers
+    above."""
     ctx: contextlib.AbstractContextManager[Any] = (
         torch.autocast(input_ids.device.type, dtype=autocast_dtype)
         if autocast_dtype is not None
         else contextlib.nullcontext()
     )
     chunking = chunked.labels_set(labels) if chunked is not None else contextlib.nullcontext()
-    with ctx, chunking:
+    offloading: contextlib.AbstractContextManager[Any] = (
+        offload.hooks(pin_memory=input_ids.device.type == "cuda")
+        if offload is not None
+        else contextlib.nullcontext()
+    )
+    with ctx, chunking, offloading:
         out = model(
             input_ids=input_ids,
             attention_mask=attention_mask,

@@ -33,7 +33,7 @@ from kubetune_trainer.contract import TrainerConfig
 from kubetune_trainer.distributed import DistEnv, barrier
 from kubetune_trainer.errors import ConfigError
 from kubetune_trainer.hub import hub_call
-from kubetune_trainer.loss import ChunkedLoss, ChunkedLossUnsupported
+from kubetune_trainer.loss import ChunkedLoss, ChunkedLossUnsupported, OffloadActivations
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ class BuiltModel:
     autocast_dtype: torch.dtype | None  # set for amp-bf16 without FSDP's mixed precision
     hf_config: Any
     chunked_loss: ChunkedLoss | None = None  # training.chunked_cross_entropy
+    offload: OffloadActivations | None = None  # training.activation_offloading
 
 
 def model_source(cfg: TrainerConfig) -> tuple[str, dict[str, Any]]:
@@ -368,6 +369,7 @@ def build_model(cfg: TrainerConfig, env: DistEnv) -> BuiltModel:
         autocast_dtype=autocast,
         hf_config=hf_config,
         chunked_loss=chunked,
+        offload=OffloadActivations() if cfg.training.activation_offloading else None,
     )
 
 

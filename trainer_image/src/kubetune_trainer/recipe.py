@@ -499,6 +499,7 @@ class FineTuneRecipe:
             position_ids=b.position_ids,
             autocast_dtype=self.built.autocast_dtype,
             chunked=self.built.chunked_loss,
+            offload=self.built.offload if self.model.training else None,
         )
 
     def _train_step(self, rng_at_start: dict[str, Any]) -> tuple[float, float, float]:
@@ -582,7 +583,10 @@ class FineTuneRecipe:
             )
         self.metrics.set(**values)
         self.metrics.add_tokens(tokens)
-        self.metrics.event("step", grad_norm=self._grad_norm, step_seconds=dt)
+        extra: dict[str, Any] = {}
+        if self.built.offload is not None:  # per micro-batch: what the PCIe link carried
+            extra["offloaded_bytes"] = self.built.offload.offloaded_bytes
+        self.metrics.event("step", grad_norm=self._grad_norm, step_seconds=dt, **extra)
         if self.env.is_main and (
             self.step == 1 or self.step % 10 == 0 or self.step == self.total_steps
         ):

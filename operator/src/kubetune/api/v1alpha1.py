@@ -181,6 +181,12 @@ class LoraSettings(_Model):
     )
 
 
+OFFLOADING_NEEDS_CHECKPOINTING = (
+    "spec.training.activationOffloading needs gradient checkpointing; to fix: leave "
+    "spec.training.gradientCheckpointing unset or true, or turn offloading off"
+)
+
+
 class TrainingSettings(_Model):
     epochs: float = Field(default=1.0, gt=0, le=100, description="Passes over the training data.")
     max_steps: int | None = Field(
@@ -238,7 +244,21 @@ class TrainingSettings(_Model):
             "turn it on when a configuration fits only with it."
         ),
     )
+    activation_offloading: bool | None = Field(
+        default=None,
+        description=(
+            "Keep the activations saved for backward in host memory (with gradient "
+            "checkpointing: one input per layer) at the cost of PCIe copies on every step; "
+            "unset lets the planner turn it on when no configuration fits without it."
+        ),
+    )
     seed: int = Field(default=42, ge=0, description="Random seed for data order and init.")
+
+    @model_validator(mode="after")
+    def _offloading_needs_checkpointing(self) -> TrainingSettings:
+        if self.activation_offloading and self.gradient_checkpointing is False:
+            raise ValueError(OFFLOADING_NEEDS_CHECKPOINTING)
+        return self
 
 
 class ResourceSettings(_Model):
@@ -463,6 +483,12 @@ FINETUNEJOB_SPEC_RULES = [
         "self.training.globalBatchSize % self.training.microBatchSize == 0",
         "spec.training.globalBatchSize must be a multiple of spec.training.microBatchSize",
     ),
+    _cel(
+        "!has(self.training) || !has(self.training.activationOffloading) || "
+        "!self.training.activationOffloading || !has(self.training.gradientCheckpointing) || "
+        "self.training.gradientCheckpointing",
+        OFFLOADING_NEEDS_CHECKPOINTING,
+    ),
 ]
 
 # Transition rules: once training has started (status.phase beyond Planning/Queued) the
@@ -541,6 +567,9 @@ class PlanStatus(_Model):
     gradient_checkpointing: bool = Field(description="Activation recomputation on/off.")
     chunked_cross_entropy: bool | None = Field(
         default=None, description="The loss computed over chunks of tokens (unset: off)."
+    )
+    activation_offloading: bool | None = Field(
+        default=None, description="Activations saved for backward kept in host memory (unset: off)."
     )
     per_gpu_memory_gib: float = Field(
         alias="perGPUMemoryGiB", description="Estimated peak memory per GPU (GiB)."

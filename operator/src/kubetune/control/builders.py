@@ -430,6 +430,7 @@ def build_trainer_config(
             precision=plan.precision,
             optimizer=plan.optimizer,
             chunked_cross_entropy=bool(plan.chunked_cross_entropy),
+            activation_offloading=bool(plan.activation_offloading),
             seed=training.seed,
         ),
         parallel=ParallelConfig(

@@ -59,6 +59,8 @@ __all__ = [
     "comparable_bytes",
     "estimate_vram",
     "lora_target_names",
+    "offloaded_bytes",
+    "quantized_params",
     "resolve_lora_targets",
     "trainable_params",
 ]
@@ -205,6 +207,9 @@ class TrainingSetup:
     attention: Attention = "sdpa"
     chunked_ce: bool = False
     """Loss computed over sequence chunks, never materializing full fp32 logits."""
+    activation_offload: bool = False
+    """Tensors saved for backward wait in host memory (``kubetune_trainer.loss``); the GPU
+    holds one decoder layer's worth at a time."""
     loss_chunk_tokens: int | None = None
     """Tokens per chunk of the chunked loss; None: the kubetune trainer's
     (`kubetune_trainer.contract.loss_chunk_tokens`; LitGPT uses 128)."""
@@ -435,6 +440,22 @@ def _param_groups(arch: ModelArch, fused_experts: bool = True) -> _Params:
     )
 
 
+def offloaded_bytes(arch: ModelArch, setup: TrainingSetup) -> int:
+    """Bytes activation offloading moves to host memory (and back) per micro-batch, per GPU:
+    the saved tensors of every layer but the one kept on the GPU."""
+    if not setup.activation_offload:
+        return 0
+    tokens = setup.micro_batch * setup.seq_len
+    e = _compute_bytes(setup)
+    if setup.grad_ckpt:
+        per_layer = tokens * arch.hidden_size * e
+    else:
+        saved, _backward = _layer_bytes_per_token(arch, setup)
+        lora, _head = _lora_bytes_per_token(arch, setup, _targets(arch, setup))
+        per_layer = round(tokens * (saved + lora))
+    return (arch.num_layers - 1) * per_layer
+
+
 def quantized_params(arch: ModelArch, setup: TrainingSetup) -> int:
     """Weights QLoRA stores in 4 bits (0 for other methods)."""
     if setup.method != "qlora":
@@ -629,12 +650,15 @@ def estimate_vram(arch: ModelArch, setup: TrainingSetup) -> VramEstimate:
         scores = float(
             EAGER_SCORE_ELEMS * e * setup.micro_batch * arch.num_heads * setup.seq_len**2
         )
+    # With activation offloading the tensors saved for backward wait in host memory: the GPU
+    # holds the layer whose backward runs (its input, or all it saved), not all of them.
+    kept_layers = 1 if setup.activation_offload else arch.num_layers
     if setup.grad_ckpt:
-        layer_inputs = arch.num_layers * tokens * arch.hidden_size * e
+        layer_inputs = kept_layers * tokens * arch.hidden_size * e
         one_layer = tokens * (per_layer + lora_layer + backward) + scores
         activations = layer_inputs + one_layer + tokens * non_layer
     else:
-        every_layer = arch.num_layers * (tokens * (per_layer + lora_layer) + scores)
+        every_layer = kept_layers * (tokens * (per_layer + lora_layer) + scores)
         activations = every_layer + tokens * (backward + non_layer)
 
     # ---- logits for the loss

@@ -40,7 +40,12 @@ from kubetune.api.v1alpha1 import (
 )
 from kubetune.api.vocabulary import PlanReason
 from kubetune.planning.arch import ModelArch
-from kubetune.planning.estimator import TrainingSetup, VramEstimate, estimate_vram
+from kubetune.planning.estimator import (
+    TrainingSetup,
+    VramEstimate,
+    estimate_vram,
+    offloaded_bytes,
+)
 from kubetune.planning.throughput import (
     DatasetSize,
     StepTime,
@@ -210,6 +215,7 @@ class Plan:
             gradient_accumulation=c.grad_accum,
             gradient_checkpointing=c.grad_ckpt,
             chunked_cross_entropy=True if c.estimate.setup.chunked_ce else None,
+            activation_offloading=True if c.estimate.setup.activation_offload else None,
             per_gpu_memory_gib=round(c.estimate.per_gpu_bytes / GIB, 2),
             memory_breakdown_gib={
                 k: round(v / GIB, 3) for k, v in c.estimate.breakdown.items() if v
@@ -313,6 +319,14 @@ def _losses(spec: FineTuneJobSpec) -> list[bool]:
     return [False, True] if chosen is None else [chosen]
 
 
+def _offloads(spec: FineTuneJobSpec) -> list[bool]:
+    """Activation offloading off, then on (when the job leaves it to the planner): a group
+    of configurations is walked again with it only when none fitted without it, since it
+    costs host-link time on every step."""
+    chosen = spec.training.activation_offloading
+    return [False, True] if chosen is None else [chosen]
+
+
 def _setup(
     spec: FineTuneJobSpec,
     method: Method,
@@ -321,6 +335,7 @@ def _setup(
     micro: int,
     ckpt: bool,
     chunked: bool = False,
+    offload: bool = False,
 ) -> TrainingSetup:
     lora = spec.lora_or_default
     return TrainingSetup(
@@ -336,12 +351,13 @@ def _setup(
         lora_targets=tuple(lora.target_modules),
         qlora_double_quant=lora.double_quant,
         chunked_ce=chunked,
+        activation_offload=offload,
     )
 
 
-_StepKey = tuple[float, float, float, int, int, Method, Sharding, int, bool]
+_StepKey = tuple[float, float, float, int, int, Method, Sharding, int, bool, bool]
 """bf16 TFLOPS, interconnect GB/s, network Gb/s, nodes, GPUs per node, method, sharding,
-micro-batch, checkpointing: everything a step time depends on besides the job."""
+micro-batch, checkpointing, offloading: everything a step time depends on besides the job."""
 
 
 class _Context:
@@ -362,8 +378,11 @@ class _Context:
         )
         self.budget = spec.resources.max_cost_usd
         self.losses = _losses(spec)
+        self.offloads = _offloads(spec)
         # What the fast walk computes once for this job.
-        self._estimates: dict[tuple[Method, int, Sharding, int, bool, bool], VramEstimate] = {}
+        self._estimates: dict[
+            tuple[Method, int, Sharding, int, bool, bool, bool], VramEstimate
+        ] = {}
         self._orders: dict[tuple[Method, tuple[tuple[int, bool], ...]], list[tuple[int, bool]]] = {}
         self._step_times: dict[_StepKey, StepTime] = {}
         self._startup_s = startup_seconds(2.0 * arch.total_params)
@@ -377,12 +396,13 @@ class _Context:
         sharding: Sharding,
         micro: int,
         ckpt: bool,
+        offload: bool = False,
     ) -> Candidate:
         """One configuration from scratch (the reference the fast walk is tested against),
         with the first loss of `losses` that fits (or the last)."""
         total = nodes * gpn
         for chunked in self.losses:
-            setup = _setup(self.spec, method, total, sharding, micro, ckpt, chunked)
+            setup = _setup(self.spec, method, total, sharding, micro, ckpt, chunked, offload)
             estimate = estimate_vram(self.arch, setup)
             if self.settings.memory_scale != 1.0:
                 estimate = _scaled(estimate, self.settings.memory_scale)
@@ -410,6 +430,7 @@ class _Context:
             self.arch.total_params if method == "full" else estimate.trainable_params
         )
         seq = self.spec.training.sequence_length
+        micro_batches = self.spec.training.global_batch_size // (micro * nodes * gpn)
         return step_time(
             gpu=pool.spec.gpu,
             network_gbps=pool.spec.network_gbps,
@@ -429,6 +450,7 @@ class _Context:
             micro_batch_tokens=micro * seq,
             weight_bytes=weight_bytes,
             grad_bytes=grad_bytes,
+            offload_bytes=offloaded_bytes(self.arch, estimate.setup) * micro_batches,
         )
 
     def build(
@@ -475,14 +497,22 @@ class _Context:
     # ---- the fast walk: the same numbers as `evaluate`, each computed once per job
 
     def estimate(
-        self, method: Method, total: int, sharding: Sharding, micro: int, ckpt: bool, chunked: bool
+        self,
+        method: Method,
+        total: int,
+        sharding: Sharding,
+        micro: int,
+        ckpt: bool,
+        chunked: bool,
+        offload: bool,
     ) -> VramEstimate:
         """`evaluate`'s memory estimate; it depends on no pool, so every pool shares it."""
-        key = (method, total, sharding, micro, ckpt, chunked)
+        key = (method, total, sharding, micro, ckpt, chunked, offload)
         estimate = self._estimates.get(key)
         if estimate is None:
             estimate = estimate_vram(
-                self.arch, _setup(self.spec, method, total, sharding, micro, ckpt, chunked)
+                self.arch,
+                _setup(self.spec, method, total, sharding, micro, ckpt, chunked, offload),
             )
             if self.settings.memory_scale != 1.0:
                 estimate = _scaled(estimate, self.settings.memory_scale)
@@ -522,6 +552,7 @@ class _Context:
             sharding,
             micro,
             ckpt,
+            estimate.setup.activation_offload,
         )
         st = self._step_times.get(step_key)
         if st is None:
@@ -711,32 +742,39 @@ def _search(ctx: _Context, pools: Sequence[GPUPool]) -> tuple[list[Candidate], l
         memory_bytes = memory_gib * GIB
         for method, nodes, gpn, sharding, configs, capacity in _groups(ctx, pool, report):
             total = nodes * gpn
-            for micro, ckpt in ctx.ordered(configs, method):
-                if forbid and Layout(pool.name, method, total, micro, ckpt) in forbid:
-                    report.forbidden += 1
-                    continue
-                for chunked in ctx.losses:
-                    estimate = ctx.estimate(method, total, sharding, micro, ckpt, chunked)
-                    if estimate.per_gpu_bytes * safety <= memory_bytes:
-                        break
-                else:
-                    need = estimate.per_gpu_bytes * safety / GIB
-                    if report.smallest_fit_gib is None or need < report.smallest_fit_gib:
-                        report.smallest_fit_gib = need
-                    report.memory_gib = memory_gib
-                    continue
-                c = ctx.candidate(
-                    pool, method, nodes, gpn, sharding, micro, ckpt, estimate, capacity is True
-                )
-                if deadline is not None and c.duration_s > deadline:
-                    if report.fastest_s is None or c.duration_s < report.fastest_s:
-                        report.fastest_s = c.duration_s
-                elif budget is not None and c.cost > budget:
-                    if report.cheapest is None or c.cost < report.cheapest:
-                        report.cheapest = c.cost
-                else:
-                    accepted.append(c)
-                break
+            for offload in ctx.offloads:
+                priced = False
+                for micro, ckpt in ctx.ordered(_with_offload(configs, offload), method):
+                    if forbid and Layout(pool.name, method, total, micro, ckpt) in forbid:
+                        report.forbidden += 1
+                        continue
+                    for chunked in ctx.losses:
+                        estimate = ctx.estimate(
+                            method, total, sharding, micro, ckpt, chunked, offload
+                        )
+                        if estimate.per_gpu_bytes * safety <= memory_bytes:
+                            break
+                    else:
+                        need = estimate.per_gpu_bytes * safety / GIB
+                        if report.smallest_fit_gib is None or need < report.smallest_fit_gib:
+                            report.smallest_fit_gib = need
+                        report.memory_gib = memory_gib
+                        continue
+                    c = ctx.candidate(
+                        pool, method, nodes, gpn, sharding, micro, ckpt, estimate, capacity is True
+                    )
+                    if deadline is not None and c.duration_s > deadline:
+                        if report.fastest_s is None or c.duration_s < report.fastest_s:
+                            report.fastest_s = c.duration_s
+                    elif budget is not None and c.cost > budget:
+                        if report.cheapest is None or c.cost < report.cheapest:
+                            report.cheapest = c.cost
+                    else:
+                        accepted.append(c)
+                    priced = True
+                    break
+                if priced:
+                    break
         if len(accepted) == before:
             rejected.append(_explain(pool.name, report, ctx))
     return accepted, sorted(rejected, key=lambda r: r.pool)
@@ -753,21 +791,35 @@ def _reference_search(
         report = _PoolReport()
         before = len(accepted)
         for method, nodes, gpn, sharding, configs, capacity in _groups(ctx, pool, report):
-            for micro, ckpt in _ordered(configs, method, ctx.spec.training.sequence_length):
-                c = ctx.evaluate(pool, method, nodes, gpn, sharding, micro, ckpt)
-                if capacity is True:
-                    c = replace(c, queued=True)
-                if _consider(ctx, c, report):
-                    accepted.append(c)
-                    if not exhaustive:
+            seq = ctx.spec.training.sequence_length
+            for offload in ctx.offloads:
+                fitted = False
+                for micro, ckpt in _ordered(_with_offload(configs, offload), method, seq):
+                    c = ctx.evaluate(pool, method, nodes, gpn, sharding, micro, ckpt, offload)
+                    if capacity is True:
+                        c = replace(c, queued=True)
+                    fits = ctx.fits(c) and c.layout not in ctx.settings.forbid
+                    fitted = fitted or fits
+                    if _consider(ctx, c, report):
+                        accepted.append(c)
+                        if not exhaustive:
+                            break
+                    elif not exhaustive and fits:
+                        # It fits but misses the deadline/budget; slower configurations of
+                        # the same group would miss it too.
                         break
-                elif not exhaustive and ctx.fits(c) and c.layout not in ctx.settings.forbid:
-                    # It fits but misses the deadline/budget; slower configurations of the
-                    # same group would miss it too.
+                if fitted:  # offloading only where nothing fitted without it
                     break
         if len(accepted) == before:
             rejected.append(_explain(pool.name, report, ctx))
     return accepted, sorted(rejected, key=lambda r: r.pool)
+
+
+def _with_offload(configs: list[tuple[int, bool]], offload: bool) -> list[tuple[int, bool]]:
+    """The configurations walked with activation offloading: those with checkpointing, where
+    it moves one input per layer (and then costs the same host-link time per step whatever
+    the micro-batch, so the fastest-first order still holds)."""
+    return [(m, ck) for m, ck in configs if ck] if offload else configs
 
 
 def _ordered(
@@ -833,6 +885,8 @@ def _infeasible(ctx: _Context, rejected: list[Rejection]) -> InfeasibleError:
             hints.append("enable training.gradientCheckpointing")
         if ctx.spec.training.chunked_cross_entropy is False:
             hints.append("enable training.chunkedCrossEntropy")
+        if ctx.spec.training.activation_offloading is False:
+            hints.append("enable training.activationOffloading")
         hints.append(f"shorten training.sequenceLength (now {ctx.spec.training.sequence_length})")
         hints.append("add a pool with larger GPUs")
     if Limit.DEADLINE in limits:

@@ -26,6 +26,10 @@ from kubetune_trainer.contract import Method
 MFU: dict[Method, float] = {"full": 0.40, "lora": 0.35, "qlora": 0.25}
 COMM_OVERLAP = 0.7
 SATURATION_TOKENS = 1024
+# Host <-> GPU copies of activation offloading: PCIe 4.0 x16 carries 31.5 GB/s per direction
+# in theory, about 25 GB/s from pinned memory in practice (PCIe 5.0 GPUs get more; the
+# planner counts the slower link). The trainer's copies are synchronous: not overlapped.
+HOST_LINK_BYTES_PER_S = 25e9
 STARTUP_SECONDS = 120.0
 LOAD_BANDWIDTH_BYTES_PER_S = 1.0e9
 DEFAULT_EXAMPLES = 10_000
@@ -105,11 +109,14 @@ def step_time(
     micro_batch_tokens: int,
     weight_bytes: float,
     grad_bytes: float,
+    offload_bytes: float = 0.0,
 ) -> StepTime:
     """Seconds per optimizer step for one configuration.
 
     `weight_bytes` is what FSDP gathers (the whole model's working copy), `grad_bytes`
-    the gradients that are reduced (all parameters for full, adapters for LoRA).
+    the gradients that are reduced (all parameters for full, adapters for LoRA),
+    `offload_bytes` what activation offloading moves to host memory per step and GPU (it
+    comes back in backward: twice over the host link, not overlapped).
     """
     n = nodes * gpus_per_node
     mfu = MFU[method] * micro_batch_efficiency(micro_batch_tokens)
@@ -129,7 +136,7 @@ def step_time(
             link_bytes_per_s = min(link_bytes_per_s, network_gbps * 1e9 / 8 / gpus_per_node)
         comm = ring * volume / link_bytes_per_s
     exposed = max(comm - COMM_OVERLAP * compute, comm * (1 - COMM_OVERLAP))
-    step = compute + exposed
+    step = compute + exposed + 2 * offload_bytes / HOST_LINK_BYTES_PER_S
     return StepTime(
         compute_s=compute,
         comm_s=comm,
