@@ -244,3 +244,27 @@ def test_crds_command_matches_committed(tmp_path: Path) -> None:
     assert code == 0
     for path in tmp_path.iterdir():
         assert path.read_text() == (ROOT / "crds" / path.name).read_text()
+
+
+def test_plan_names_the_memory_savers_it_chose(tmp_path: Path) -> None:
+    """A 36k-token LoRA job on one 48 GiB GPU fits only with the chunked loss and activation
+    offloading; the plan says so, and its JSON carries both."""
+    job = tmp_path / "long.yaml"
+    job.write_text(
+        """
+apiVersion: kubetune.io/v1alpha1
+kind: FineTuneJob
+metadata: {name: long-context}
+spec:
+  model: {uri: meta-llama/Llama-3.2-3B}
+  dataset: {uri: pvc://data/long.jsonl, numExamples: 1000, avgTokensPerExample: 36864}
+  method: lora
+  training: {sequenceLength: 36864, globalBatchSize: 4, microBatchSize: 1}
+  resources: {gpus: 1, pools: [l40s]}
+"""
+    )
+    code, out = invoke("plan", str(job))
+    assert code == 0, out
+    assert "memory savers: chunked cross-entropy, activation offloading" in out
+    status = json.loads(invoke("plan", str(job), "-o", "json")[1])
+    assert status["chunkedCrossEntropy"] is True and status["activationOffloading"] is True

@@ -322,8 +322,16 @@ def format_plan(plan: Plan, objective_defaulted: bool = False) -> str:
     )
     if c.queued:
         lines.append("capacity: the chosen pool has no free GPUs right now; the job would queue")
-    if c.estimate.setup.chunked_ce:
-        lines.append("loss: chunked cross-entropy (the configuration fits only with it)")
+    savers = [
+        name
+        for name, on in (
+            ("chunked cross-entropy", c.estimate.setup.chunked_ce),
+            ("activation offloading", c.estimate.setup.activation_offload),
+        )
+        if on
+    ]
+    if savers:
+        lines.append(f"memory savers: {', '.join(savers)}")
     lines.append(
         "memory per GPU (GiB): "
         + ", ".join(f"{k} {v / GIB:.2f}" for k, v in c.estimate.breakdown.items() if v)
