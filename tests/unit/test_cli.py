@@ -268,3 +268,29 @@ spec:
     assert "memory savers: chunked cross-entropy, activation offloading" in out
     status = json.loads(invoke("plan", str(job), "-o", "json")[1])
     assert status["chunkedCrossEntropy"] is True and status["activationOffloading"] is True
+
+
+def test_estimate_expresses_the_memory_savers() -> None:
+    """The savers a published run may have used are flags of `estimate`, each moving the
+    term it affects: the chunked loss the logits, offloading the activations, stacked
+    experts the QLoRA weights of a MoE model."""
+
+    def breakdown(*flags: str, model: str = "meta-llama/Llama-3.1-8B") -> dict[str, int]:
+        code, out = invoke(
+            "estimate", "--model", model, "--method", "qlora", "--seq-len", "8192", "--json", *flags
+        )
+        assert code == 0, out
+        return dict(json.loads(out)["breakdown"])
+
+    plain = breakdown()
+    assert breakdown("--chunked-ce")["logits"] < plain["logits"] / 3
+    assert (
+        breakdown("--chunked-ce", "--loss-chunk-tokens", "128")["logits"]
+        < breakdown("--chunked-ce")["logits"]
+    )
+    assert breakdown("--activation-offload")["activations"] < plain["activations"]
+    mixtral = "mistralai/Mixtral-8x7B-v0.1"
+    assert (
+        breakdown("--linear-experts", model=mixtral)["weights"]
+        < breakdown(model=mixtral)["weights"] / 2
+    )

@@ -160,10 +160,40 @@ def _arch(config: str | None, model: str | None, allow_network: bool) -> ModelAr
 )
 @click.option("--grad-ckpt/--no-grad-ckpt", default=True, show_default=True)
 @click.option("--attention", type=click.Choice(ATTENTIONS), default="sdpa", show_default=True)
-@click.option("--chunked-ce/--no-chunked-ce", default=False, show_default=True)
+@click.option(
+    "--chunked-ce/--no-chunked-ce",
+    default=False,
+    show_default=True,
+    help="The loss over chunks of tokens, without full-vocabulary fp32 logits.",
+)
+@click.option(
+    "--loss-chunk-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Tokens per chunk of the chunked loss (default: the kubetune trainer's; LitGPT: 128).",
+)
+@click.option(
+    "--activation-offload/--no-activation-offload",
+    default=False,
+    show_default=True,
+    help="Activations saved for backward wait in host memory.",
+)
+@click.option(
+    "--fused-experts/--linear-experts",
+    default=True,
+    show_default=True,
+    help="MoE experts as stacked parameters (transformers >= 5, the kubetune trainer) or one "
+    "nn.Linear each (older stacks: quantized by QLoRA, adapted by all-linear).",
+)
 @click.option("--double-quant/--no-double-quant", default=True, show_default=True)
 @click.option("--allow-network", is_flag=True, help="Fetch config.json of unknown hub models.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.option(
+    "--simulate",
+    is_flag=True,
+    help="Also run the trainer's step on fake tensors (needs the trainer extra) and print "
+    "its breakdown next to the estimate.",
+)
 def estimate(
     config: str | None,
     model: str | None,
@@ -181,11 +211,18 @@ def estimate(
     grad_ckpt: bool,
     attention: Attention,
     chunked_ce: bool,
+    loss_chunk_tokens: int | None,
+    activation_offload: bool,
+    fused_experts: bool,
     double_quant: bool,
     allow_network: bool,
     as_json: bool,
+    simulate: bool,
 ) -> None:
-    """Estimate peak GPU memory per GPU for one training configuration."""
+    """Estimate peak GPU memory per GPU for one training configuration.
+
+    With --simulate, the trainer's own model build and training step also run on fake tensors
+    (no weights, no GPU; docs/simulate.md) and both breakdowns are printed side by side."""
     if list_models:
         for name in known_models():
             click.echo(name)
@@ -207,25 +244,149 @@ def estimate(
         qlora_double_quant=double_quant,
         attention=attention,
         chunked_ce=chunked_ce,
+        loss_chunk_tokens=loss_chunk_tokens,
+        activation_offload=activation_offload,
+        fused_experts=fused_experts,
     )
     try:
         est = estimate_vram(arch, setup)
     except EstimatorError as exc:
         raise Abort(str(exc)) from exc
+    sim = _simulate(config, arch, setup) if simulate else None
     if as_json:
         out = est.to_dict()
         out["model"] = arch.name
+        if sim is not None:
+            out["simulated"] = sim
         click.echo(json.dumps(out, indent=2, sort_keys=True))
         return
     click.echo(
         f"{arch.name}: {method}, {gpus} GPU(s), micro-batch {micro_batch} × {seq_len} tokens, "
         f"{precision}, {optimizer}, checkpointing {'on' if grad_ckpt else 'off'}"
+        + (", chunked loss" if chunked_ce else "")
+        + (", activations offloaded" if activation_offload else "")
     )
     click.echo(f"parameters {arch.total_params / 1e9:.2f} B, trainable {est.trainable_params:,}")
+    if sim is not None:
+        _echo_comparison(est.breakdown, sim)
+        return
     width = max(len(k) for k in est.breakdown)
     for key, value in est.breakdown.items():
         click.echo(f"  {key:<{width}}  {value / GIB:8.2f} GiB")
     click.echo(f"  {'total per GPU':<{width}}  {est.per_gpu_gib:8.2f} GiB")
+
+
+# What fake tensors cannot see; the simulated column takes these terms from the estimator.
+_UNSIMULATED = ("cuda_context", "nccl_buffers", "allocator_slack")
+
+
+def _config_fields(config: str | None, arch: ModelArch) -> dict[str, Any]:
+    """The config.json fields of the model: the --config file, or the built-in table's row."""
+    if config:
+        path = Path(config)
+        path = path / "config.json" if path.is_dir() else path
+        try:
+            fields = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise Abort(f"--simulate: cannot read {path}: {exc}") from exc
+        if not isinstance(fields, dict):
+            raise Abort(f"--simulate: {path} is not a JSON object")
+        text = fields.get("text_config")
+        return dict(text) if isinstance(text, dict) and "model_type" in text else fields
+    from kubetune.planning.models_table import MODELS
+
+    for entry in MODELS:
+        if entry.hf_id == arch.name:
+            return dict(entry.config)
+    raise Abort(
+        f"--simulate needs the model's config.json fields, and {arch.name} is not in the "
+        "built-in table. To fix: pass --config PATH/config.json."
+    )
+
+
+def _simulate(config: str | None, arch: ModelArch, setup: TrainingSetup) -> dict[str, Any]:
+    """The trainer's step on fake tensors for `setup`, with the terms fake tensors cannot see
+    taken from the estimator's constants; a JSON-ready dict."""
+    import dataclasses
+
+    from kubetune.planning import estimator
+
+    fields = _config_fields(config, arch)
+    try:
+        # Lazily: the operator runs without the trainer extra (pyproject's import contract
+        # allows this one import besides kubetune_trainer.contract).
+        from kubetune_trainer import simulate as sim_mod
+    except ImportError as exc:
+        raise Abort(
+            f"--simulate runs the trainer's code, which needs torch and transformers ({exc}). "
+            "To fix: pip install 'kubetune[trainer]' (the trainer extra), or drop --simulate."
+        ) from exc
+    names = {f.name for f in dataclasses.fields(sim_mod.SimulationSetup)}
+    sim_setup = sim_mod.SimulationSetup(
+        **{k: v for k, v in dataclasses.asdict(setup).items() if k in names}
+    )
+    try:
+        result = sim_mod.simulate(fields, sim_setup)
+    except (sim_mod.SimulationError, ValueError) as exc:
+        raise Abort(f"--simulate: {exc}") from exc
+    breakdown = {k: int(result.breakdown.get(k, 0)) for k in estimator.BREAKDOWN_COMPONENTS}
+    transient = (
+        breakdown["activations"]
+        + breakdown["logits"]
+        + breakdown["fsdp_buffers"]
+        + breakdown["dequant_workspace"]
+    )
+    breakdown["cuda_context"] = estimator.CUDA_CONTEXT_BYTES
+    breakdown["nccl_buffers"] = estimator.NCCL_BYTES if setup.gpus > 1 else 0
+    breakdown["allocator_slack"] = round(
+        max(estimator.ALLOCATOR_SLACK_MIN_BYTES, estimator.ALLOCATOR_SLACK_FRACTION * transient)
+    )
+    total = sum(breakdown.values())
+    out: dict[str, Any] = result.to_dict()
+    out.update(
+        {
+            "breakdown": breakdown,
+            "breakdownGiB": {k: round(v / GIB, 3) for k, v in breakdown.items()},
+            "perGPUBytes": total,
+            "perGPUGiB": round(total / GIB, 3),
+            "tensorPeakBytes": result.peak_bytes,
+            "notSimulated": list(_UNSIMULATED),
+        }
+    )
+    return out
+
+
+def _echo_comparison(analytical: dict[str, int], sim: dict[str, Any]) -> None:
+    simulated: dict[str, int] = sim["breakdown"]
+    width = max(len(k) for k in analytical)
+    click.echo(f"  {'component':<{width}}  {'estimate':>9}  {'simulated':>9}  {'difference':>10}")
+    for key, value in analytical.items():
+        other = simulated.get(key, 0)
+        mark = " *" if key in _UNSIMULATED else ""
+        click.echo(
+            f"  {key:<{width}}  {value / GIB:9.2f}  {other / GIB:9.2f}  "
+            f"{(other - value) / GIB:+10.2f}{mark}"
+        )
+    est_total = sum(analytical.values())
+    sim_total = int(sim["perGPUBytes"])
+    click.echo(
+        f"  {'total per GPU':<{width}}  {est_total / GIB:9.2f}  {sim_total / GIB:9.2f}  "
+        f"{(sim_total - est_total) / GIB:+10.2f}  GiB"
+    )
+    phases = sim["phases"]
+    click.echo(
+        "simulated on fake tensors ("
+        + str(sim["method"])
+        + f", {sim['seconds']:.1f} s): weights {phases['weights'] / GIB:.2f}, "
+        f"after forward {phases['forward'] / GIB:.2f}, backward peak "
+        f"{phases['backward_peak'] / GIB:.2f}, after optimizer step "
+        f"{phases['optimizer'] / GIB:.2f}, peak {phases['peak'] / GIB:.2f} GiB "
+        f"({sim['peakPhase'].replace('_', ' ')})"
+    )
+    click.echo(
+        "* not visible to fake tensors: the simulated column takes these from the "
+        "estimator's constants"
+    )
 
 
 # ---------------------------------------------------------------------- plan

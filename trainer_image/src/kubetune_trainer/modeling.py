@@ -254,6 +254,23 @@ def _enable_activation_checkpointing(model: nn.Module) -> None:
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
+def prepare_for_training(model: nn.Module, cfg: TrainerConfig) -> ChunkedLoss | None:
+    """After the adapters, before sharding: activation checkpointing, the chunked loss (when
+    configured; returned), training mode."""
+    if cfg.training.gradient_checkpointing:
+        _enable_activation_checkpointing(model)
+    chunked: ChunkedLoss | None = None
+    if cfg.training.chunked_cross_entropy:
+        try:
+            chunked = ChunkedLoss.install(model)
+        except ChunkedLossUnsupported as e:
+            raise ConfigError(
+                f"training.chunked_cross_entropy: {e}; to fix: turn it off for this model"
+            ) from e
+    model.train()
+    return chunked
+
+
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated transformer blocks: the classes HF marks as not-to-be-split."""
     names = set(getattr(_hf_model(model), "_no_split_modules", None) or [])
@@ -314,17 +331,7 @@ def build_model(cfg: TrainerConfig, env: DistEnv) -> BuiltModel:
     if adapters:
         model = _add_lora(model, cfg)
     n_params, n_trainable = _count_params(model)
-    if cfg.training.gradient_checkpointing:
-        _enable_activation_checkpointing(model)
-    chunked: ChunkedLoss | None = None
-    if cfg.training.chunked_cross_entropy:
-        try:
-            chunked = ChunkedLoss.install(model)
-        except ChunkedLossUnsupported as e:
-            raise ConfigError(
-                f"training.chunked_cross_entropy: {e}; to fix: turn it off for this model"
-            ) from e
-    model.train()
+    chunked = prepare_for_training(model, cfg)
 
     autocast: torch.dtype | None = None
     wrap = "none"

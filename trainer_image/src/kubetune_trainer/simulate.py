@@ -1,0 +1,696 @@
+"""Peak memory of one training step, simulated on fake tensors (`kubetune estimate --simulate`).
+
+The trainer's own code builds the model and runs one whole step, with no weights and no GPU:
+
+    model from its config on the meta device → LoRA adapters (`modeling._add_lora`) → activation
+    checkpointing (`modeling._enable_activation_checkpointing`) → chunked loss
+    (`loss.ChunkedLoss.install`) → parameters and buffers become fake CPU tensors (tied weights
+    stay tied) → optimizer (`recipe.build_optimizer`) → forward and loss (`loss.loss_sum`) →
+    backward → gradient clipping → optimizer step → `zero_grad(set_to_none=True)`
+
+in the order `modeling.build_model` and `FineTuneRecipe._train_step` use, under
+`torch._subclasses.fake_tensor.FakeTensorMode`: every tensor has its shape, dtype and storage
+size but no data, so the step costs seconds on CPU whatever the model size. A `MemTracker`
+(`torch.distributed._tools.mem_tracker`) sees every allocation and free and sorts each storage
+into parameters, buffers, gradients, activations, backward temporaries and optimizer states;
+this module also tags the storages whose last dimension is the vocabulary (logits and their
+gradients) and, under `amp-bf16`, the autocast copies of parameters, so that the result maps
+onto the analytical estimator's breakdown keys (`kubetune.planning.estimator`).
+
+The model is built on the meta device and then given fake storages, not built under the fake
+mode directly: PyTorch cannot swap a fake parameter that the fake mode's converter still
+references, which is what `nn.Module.to` (called by PEFT while it adds adapters) does.
+
+**Per-block extrapolation.** Memory is affine in the number of decoder blocks for every phase
+(each block adds its weights, gradients, optimizer states and saved activations; the embedding,
+final norm, output projection and logits are paid once), so the step is simulated with 1 and 2
+blocks and every measured quantity is extrapolated: `m(L) = m(1) + (L - 1) * (m(2) - m(1))`.
+The peak of each window of the step (before, first, middle, last
+block, after; forward and backward; the optimizer step) is extrapolated on its own and the
+overall peak is the largest of them, so a peak that moves from the first block backward runs
+to the last one as the model gets deeper (full fine-tuning) is still found.
+`layers="all"` simulates the whole model instead (what `benchmarks/simulate_accuracy.py`
+compares against; `docs/simulate.md` has the measured error).
+
+What fake tensors cannot see (CUDA context, NCCL buffers, caching-allocator slack) is not part of
+the result; the CLI adds those terms from the estimator's constants and says so.
+
+Limits: one process (`gpus=1`); QLoRA is not simulated (bitsandbytes quantizes real weights on a
+GPU); the attention kernel is the CPU one of `scaled_dot_product_attention` (saved tensors of
+the same size as the CUDA flash kernel's: output and log-sum-exp).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kubetune_trainer.contract import (
+    DatasetRef,
+    JobRef,
+    LoraConfig,
+    Method,
+    ModelRef,
+    Optimizer,
+    ParallelConfig,
+    Precision,
+    Sharding,
+    TrainerConfig,
+    TrainingConfig,
+)
+from kubetune_trainer.loss import ChunkedLoss, loss_sum
+from kubetune_trainer.modeling import (
+    _add_lora,
+    _hf_model,
+    _param_dtype,
+    decoder_blocks,
+    prepare_for_training,
+)
+from kubetune_trainer.recipe import MAX_GRAD_NORM, build_optimizer
+
+__all__ = [
+    "MEASURED_COMPONENTS",
+    "PHASES",
+    "SimulationError",
+    "SimulationResult",
+    "SimulationSetup",
+    "hf_config",
+    "simulate",
+    "trainer_config",
+]
+
+PHASES: tuple[str, ...] = ("weights", "forward", "backward_peak", "optimizer", "peak")
+"""The reported phases: after the model build (`weights`, plus optimizer construction, which
+allocates nothing), after forward and loss (`forward`), the highest point while backward runs
+(`backward_peak`), after the optimizer step and `zero_grad` (`optimizer`), and the highest
+point of the whole step (`peak`)."""
+
+MEASURED_COMPONENTS: tuple[str, ...] = (
+    "weights",
+    "autocast_weight_copies",
+    "lora_adapters",
+    "gradients",
+    "ddp_grad_buckets",
+    "optimizer_states",
+    "activations",
+    "logits",
+    "fsdp_buffers",
+    "dequant_workspace",
+)
+"""The estimator's breakdown keys a simulation measures (the rest are runtime overheads)."""
+
+_DEVICE = torch.device("cpu")
+
+
+class SimulationError(ValueError):
+    """A setup the simulation does not cover; the message says what to use instead."""
+
+
+@dataclass(frozen=True)
+class SimulationSetup:
+    """One training layout; the field names are those of the estimator's `TrainingSetup`."""
+
+    method: Method = "lora"
+    micro_batch: int = 1
+    seq_len: int = 2048
+    gpus: int = 1
+    sharding: Sharding = "full"
+    cpu_offload: bool = False
+    precision: Precision = "bf16"
+    optimizer: Optimizer = "adamw"
+    grad_ckpt: bool = True
+    lora_rank: int = 16
+    lora_targets: tuple[str, ...] = ("all-linear",)
+    lora_dropout: float = 0.05
+    attention: Literal["sdpa", "eager"] = "sdpa"
+    chunked_ce: bool = False
+    activation_offload: bool = False
+    loss_chunk_tokens: int | None = None
+    fused_experts: bool = True
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    """Simulated bytes of one GPU's training step (fake tensors, no runtime overheads)."""
+
+    breakdown: dict[str, int]
+    """`MEASURED_COMPONENTS` → bytes at the step's peak; sums to `phases["peak"]`."""
+    phases: dict[str, int]
+    """`PHASES` → bytes of live tensors at that point of the step."""
+    phase_breakdowns: dict[str, dict[str, int]]
+    """The breakdown at each phase (and at the forward and optimizer-step peaks)."""
+    peak_phase: str
+    """Where the peak is: `forward_peak`, `backward_peak` or `optimizer_peak`."""
+    total_params: int
+    trainable_params: int
+    num_layers: int
+    simulated_layers: tuple[int, ...]
+    """(1, 2) when extrapolated, (num_layers,) for a whole-model simulation."""
+    seconds: float
+    method: str = field(default="")
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.phases["peak"]
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "peakBytes": self.peak_bytes,
+            "breakdown": dict(self.breakdown),
+            "phases": dict(self.phases),
+            "peakPhase": self.peak_phase,
+            "totalParams": self.total_params,
+            "trainableParams": self.trainable_params,
+            "numLayers": self.num_layers,
+            "simulatedLayers": list(self.simulated_layers),
+            "method": self.method,
+            "seconds": round(self.seconds, 2),
+        }
+
+
+# --------------------------------------------------------------------------- configs
+
+
+def hf_config(fields: Mapping[str, Any], num_layers: int | None = None) -> Any:
+    """A transformers config from `config.json` fields (the built-in table's entries are such
+    fields), with `num_layers` decoder blocks when given (per-layer lists cut to match)."""
+    import transformers
+
+    auto: Any = transformers.AutoConfig
+    raw = dict(fields)
+    model_type = raw.pop("model_type", None)
+    if not model_type:
+        raise SimulationError("the model's config has no model_type; cannot build it")
+    raw.pop("architectures", None)
+    if num_layers is not None:
+        raw["num_hidden_layers"] = num_layers
+        for key in ("layer_types", "mlp_only_layers"):
+            value = raw.get(key)
+            if isinstance(value, list) and key == "layer_types":
+                raw[key] = value[:num_layers]
+            elif isinstance(value, list):
+                raw[key] = [i for i in value if isinstance(i, int) and i < num_layers]
+    try:
+        config = auto.for_model(model_type, **raw)
+    except (KeyError, ValueError) as e:
+        raise SimulationError(f"transformers cannot build a {model_type!r} config: {e}") from e
+    if num_layers is not None and isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[:num_layers]
+    return config
+
+
+def trainer_config(setup: SimulationSetup, source: str = "simulated") -> TrainerConfig:
+    """The `TrainerConfig` the operator would render for `setup` (one step, one rank)."""
+    lora = (
+        LoraConfig(
+            rank=setup.lora_rank,
+            dropout=setup.lora_dropout,
+            target_modules=list(setup.lora_targets),
+        )
+        if setup.method != "full"
+        else None
+    )
+    return TrainerConfig(
+        job=JobRef(name="simulate"),
+        method=setup.method,
+        model=ModelRef(source=source),
+        dataset=DatasetRef(source="simulated"),
+        lora=lora,
+        training=TrainingConfig(
+            total_steps=1,
+            max_steps=1,
+            sequence_length=setup.seq_len,
+            micro_batch_size=setup.micro_batch,
+            global_batch_size=setup.micro_batch * setup.gpus,
+            gradient_checkpointing=setup.grad_ckpt,
+            precision=setup.precision,
+            optimizer=setup.optimizer,
+            chunked_cross_entropy=setup.chunked_ce,
+        ),
+        parallel=ParallelConfig(gpus_per_node=setup.gpus, sharding=setup.sharding),
+    )
+
+
+def _refuse_unsupported(setup: SimulationSetup) -> None:
+    if setup.method == "qlora":
+        raise SimulationError(
+            "method qlora is not simulated: bitsandbytes quantizes real weights on a GPU, "
+            "fake tensors have none; use the analytical estimate (without --simulate)"
+        )
+    if setup.gpus != 1:
+        raise SimulationError(
+            f"gpus={setup.gpus} is not simulated: the simulation runs one process (no FSDP2 or "
+            "DDP); simulate gpus=1 or use the analytical estimate (without --simulate)"
+        )
+    if setup.cpu_offload:
+        raise SimulationError("cpu_offload is not simulated; use the analytical estimate")
+    if setup.activation_offload:
+        raise SimulationError(
+            "activation offloading is not simulated: every fake tensor lives on the CPU, so what "
+            "would wait in host memory cannot be told apart; use the analytical estimate"
+        )
+    if setup.loss_chunk_tokens is not None:
+        raise SimulationError(
+            "loss_chunk_tokens is not simulated: the trainer picks its own chunk "
+            "(kubetune_trainer.contract.loss_chunk_tokens); leave it unset"
+        )
+    if not setup.fused_experts:
+        raise SimulationError(
+            "fused_experts=False describes other trainers' MoE models; the trainer builds "
+            "stacked experts, which is what is simulated"
+        )
+    if setup.optimizer != "adamw":
+        raise SimulationError(
+            f"optimizer {setup.optimizer} is not simulated (bitsandbytes optimizers run CUDA "
+            "kernels); simulate adamw or use the analytical estimate"
+        )
+    for name in ("micro_batch", "seq_len"):
+        value = getattr(setup, name)
+        if not isinstance(value, int) or value < 1:
+            raise SimulationError(f"{name} must be a positive integer, got {value!r}")
+
+
+# --------------------------------------------------------------------------- tracking
+
+
+class _Tracker(MemTracker):  # type: ignore[no-untyped-call]
+    """`MemTracker` that also tags logits and autocast weight copies, keeps the tagged bytes
+    at every peak, and hooks only parameters that have gradients (frozen LoRA bases)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.tagged: dict[str, int] = {"logits": 0, "autocast_weight_copies": 0}
+        self._tag_of: dict[int, tuple[str, Any]] = {}  # id(winfo) → (tag, winfo)
+        self._func: Any = None
+        self._args: Any = ()
+        self.stage = "weights"
+        """`forward`, `backward` or `step` (clipping and the optimizer), set by the driver."""
+        self.blocks: list[nn.Module] = []
+        self._block_fqns: dict[int, str] = {}
+        self._seen_last: set[str] = set()
+        self.windows: dict[str, tuple[int, dict[Any, int], dict[str, int]]] = {}
+        """Window → (peak bytes, MemTracker snapshot at it, tagged bytes at it)."""
+
+    # -- tags
+    def _tag(self, t: torch.Tensor) -> str | None:
+        func, args = self._func, self._args
+        if (
+            func is torch.ops.aten._to_copy.default
+            and args
+            and isinstance(args[0], nn.Parameter)
+            and not self._in_opt
+        ):
+            return "autocast_weight_copies"
+        if t.dim() >= 1 and t.shape[-1] == self.vocab_size and not isinstance(t, nn.Parameter):
+            return "logits"
+        return None
+
+    def _track(self, reftype: Any, t: torch.Tensor) -> None:
+        new = [st for st in _storages(t) if st not in self._WINFO]
+        super()._track(reftype, t)
+        if not new or reftype == _MemRefType.OPT:
+            return
+        tag = self._tag(t)
+        if tag is None:
+            return
+        for st in new:
+            winfo, _ = self._WINFO.get(st, (None, None))  # type: ignore[no-untyped-call]
+            if winfo is not None and winfo.mem_consumed > 0:
+                self._tag_of[id(winfo)] = (tag, winfo)
+                self.tagged[tag] += winfo.mem_consumed
+
+    def _delete_callback(self, winfo: Any, w_st: Any) -> None:
+        hit = self._tag_of.pop(id(winfo), None)
+        if hit is not None:
+            self.tagged[hit[0]] -= winfo.mem_consumed
+        super()._delete_callback(winfo, w_st)
+
+    def _update_and_maybe_create_winfos(
+        self, t: torch.Tensor, reftype: Any, update_existing: bool = False
+    ) -> Any:
+        winfos = super()._update_and_maybe_create_winfos(t, reftype, update_existing)
+        if reftype in (_MemRefType.GRAD, _MemRefType.PARAM, _MemRefType.OPT):
+            for winfo in winfos:  # re-classified: no longer an activation
+                hit = self._tag_of.pop(id(winfo), None)
+                if hit is not None:
+                    self.tagged[hit[0]] -= winfo.mem_consumed
+        return winfos
+
+    # -- peaks, per window of the step
+    def _active_block(self) -> int | None:
+        parents = self._mod_tracker.parents
+        for i, block in enumerate(self.blocks):
+            fqn = self._block_fqns.get(i)
+            if fqn is None:
+                known = self._mod_tracker.get_known_fqn(block)  # type: ignore[no-untyped-call]
+                if known is None:
+                    continue
+                fqn = self._block_fqns[i] = known
+            if fqn in parents:
+                return i
+        return None
+
+    def _window_names(self) -> list[str]:
+        """`<stage>:before|first|middle|last|after`: the decoder block running (first and last
+        in execution order: backward runs the blocks in reverse) or the part outside them."""
+        stage = self.stage
+        if stage not in ("forward", "backward"):
+            return [stage]
+        idx = self._active_block()
+        if idx is None:
+            if stage in self._seen_last:
+                return [f"{stage}:after"]
+            return [f"{stage}:before" if not self._block_fqns else f"{stage}:middle"]
+        n = len(self.blocks)
+        first, last = (0, n - 1) if stage == "forward" else (n - 1, 0)
+        names = []
+        if idx == first:
+            names.append(f"{stage}:first")
+        if idx == last:
+            names.append(f"{stage}:last")
+            self._seen_last.add(stage)
+        return names or [f"{stage}:middle"]
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        super()._update_peak_stats(peak_state)
+        snap = self._curr_mem_snap.get(_DEVICE)
+        if snap is None:
+            return
+        total = int(snap.get("Total", 0))
+        for name in self._window_names():
+            if total > self.windows.get(name, (-1, {}, {}))[0]:
+                self.windows[name] = (total, dict(snap), dict(self.tagged))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self._func, self._args = func, args
+        try:
+            return super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[no-untyped-call]
+        finally:
+            self._func, self._args = None, ()
+
+    # -- frozen parameters get no gradient hooks
+    def _track_module_params_and_buffers(
+        self, module: nn.Module, install_grad_hooks: bool = True
+    ) -> tuple[int, int]:
+        params, buffers = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+        if install_grad_hooks:
+            for param in module.parameters():
+                if not param.requires_grad or param in self._param_to_grad_hook_handles:
+                    continue
+
+                def grad_hook(grad: torch.Tensor) -> None:
+                    self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
+                self._param_to_grad_hook_handles[param] = (
+                    param.register_hook(grad_hook),  # type: ignore[no-untyped-call]
+                    param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                        lambda p: grad_hook(p.grad) if p.grad is not None else None
+                    ),
+                )
+        return params, buffers
+
+
+def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    from torch.distributed._tools.common_utils import get_untyped_storages
+
+    return list(get_untyped_storages(t))
+
+
+class _AssumeTrainedTokens(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Answers the one data-dependent question of the trainer's step, "does this chunk hold a
+    trained token?" (`ChunkedLoss`), with yes, the worst case (fake tensors hold no data)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.ops.aten._local_scalar_dense.default:
+            t = args[0]
+            return True if t.dtype == torch.bool else 1
+        return func(*args, **(kwargs or {}))
+
+
+# --------------------------------------------------------------------------- one run
+
+
+@dataclass
+class _Run:
+    phases: dict[str, dict[str, int]]
+    """Each point of the step (PHASES and the per-window peaks) → breakdown."""
+    total_params: int
+    trainable_params: int
+    blocks: int
+
+
+def _fake_storages(model: nn.Module) -> None:
+    """Replace every meta parameter and buffer by a fake CPU tensor (inside a fake mode),
+    keeping shared ones (tied embeddings) shared."""
+    memo: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in memo:
+                data = torch.zeros(p.shape, dtype=p.dtype, device=_DEVICE)
+                memo[id(p)] = nn.Parameter(data, requires_grad=p.requires_grad)
+            module._parameters[name] = memo[id(p)]  # type: ignore[assignment]
+        for name, b in list(module._buffers.items()):
+            if b is None:
+                continue
+            if id(b) not in memo:
+                memo[id(b)] = torch.ones(b.shape, dtype=b.dtype, device=_DEVICE)
+            module._buffers[name] = memo[id(b)]
+
+
+def _build(
+    cfg: TrainerConfig, config: Any, attention: str
+) -> tuple[Any, ChunkedLoss | None, int, int]:
+    """`modeling.build_model`'s order for one rank, on the meta device."""
+    import transformers
+
+    auto_model: Any = transformers.AutoModelForCausalLM
+    dtype = _param_dtype(cfg.training.precision)
+    # sdpa: transformers' default, as the trainer loads (eager where a model has no sdpa path).
+    kwargs = {"attn_implementation": "eager"} if attention == "eager" else {}
+    with torch.device("meta"):
+        model: Any = auto_model.from_config(config, dtype=dtype, **kwargs)
+    model.config.use_cache = False
+    if cfg.method in ("lora", "qlora"):
+        model = _add_lora(model, cfg)
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    chunked = prepare_for_training(model, cfg)
+    return model, chunked, total, trainable
+
+
+def _breakdown(
+    snap: Mapping[Any, int], tagged: Mapping[str, int], adapters: int, method: str
+) -> dict[str, int]:
+    def get(kind: Any) -> int:
+        return int(snap.get(kind, 0))
+
+    params = get(_MemRefType.PARAM)
+    lora = min(adapters, params) if method != "full" else 0
+    logits = int(tagged.get("logits", 0))
+    casts = int(tagged.get("autocast_weight_copies", 0))
+    transient = get(_MemRefType.ACT) + get(_MemRefType.TEMP) + get(_MemRefType.OTH)
+    out = dict.fromkeys(MEASURED_COMPONENTS, 0)
+    out["weights"] = params - lora + get(_MemRefType.BUFFER)
+    out["lora_adapters"] = lora
+    out["gradients"] = get(_MemRefType.GRAD)
+    out["optimizer_states"] = get(_MemRefType.OPT)
+    out["logits"] = logits
+    out["autocast_weight_copies"] = casts
+    out["activations"] = transient - logits - casts
+    return out
+
+
+def _run_once(
+    setup: SimulationSetup, fields: Mapping[str, Any], layers: int | None, *, fake: bool = True
+) -> _Run:
+    """One step with `layers` decoder blocks. `fake=False` runs the same step on real CPU
+    tensors (zero weights) under the same tracker: what the tests compare the simulation to."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers' checkpointing renames
+        return _step(setup, fields, layers, fake=fake)
+
+
+def _step(
+    setup: SimulationSetup, fields: Mapping[str, Any], layers: int | None, *, fake: bool
+) -> _Run:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cfg = trainer_config(setup)
+    config = hf_config(fields, layers)
+    model, chunked, total, trainable = _build(cfg, config, setup.attention)
+    blocks = len(decoder_blocks(model))
+    vocab = int(getattr(_hf_model(model).config, "vocab_size", 0) or 0)
+    autocast = torch.bfloat16 if cfg.training.precision == "amp-bf16" else None
+
+    fake_mode: contextlib.AbstractContextManager[Any] = (
+        FakeTensorMode() if fake else contextlib.nullcontext()
+    )
+    # Fake tensors hold no labels: the chunked loss's "any trained token here?" is answered yes.
+    assume: contextlib.AbstractContextManager[Any] = (
+        _AssumeTrainedTokens() if fake else contextlib.nullcontext()  # type: ignore[no-untyped-call]
+    )
+    with fake_mode:
+        _fake_storages(model)
+        optimizer = build_optimizer(cfg, model, torch.device("cuda"))
+        # The steady state, not the first step: torch creates optimizer states in the first
+        # `step()`, and every later step's forward and backward run with them allocated.
+        trained = [p for p in _unique_params(model) if p.requires_grad]
+        for p in trained:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        adapters = sum(
+            p.numel() * p.element_size() for p in _unique_params(model) if p.requires_grad
+        )
+        b, s = setup.micro_batch, setup.seq_len
+        input_ids = torch.zeros((b, s), dtype=torch.long, device=_DEVICE)
+        labels = torch.zeros((b, s), dtype=torch.long, device=_DEVICE)
+        position_ids = torch.arange(s, device=_DEVICE).unsqueeze(0).expand(b, s).contiguous()
+
+    tracker = _Tracker(vocab)
+    tracker.blocks = decoder_blocks(model)
+    tracker.track_external(model, optimizer)
+    lora = adapters if setup.method != "full" else 0
+    phases: dict[str, dict[str, int]] = {}
+
+    def take(name: str) -> None:
+        snap = tracker.get_tracker_snapshot("current").get(_DEVICE, {})
+        phases[name] = _breakdown(snap, tracker.tagged, lora, setup.method)
+
+    take("weights")
+    with fake_mode, assume, tracker:
+        tracker.stage = "forward"
+        loss = loss_sum(
+            model,
+            input_ids=input_ids,
+            labels=labels,
+            attention_mask=None,
+            position_ids=position_ids,
+            autocast_dtype=autocast,
+            chunked=chunked,
+        )
+        take("forward")
+        tracker.stage = "backward"
+        scaled: Any = loss * (1.0 / (b * (s - 1)))
+        scaled.backward()
+        del loss, scaled
+        tracker.stage = "step"
+        nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], MAX_GRAD_NORM)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        take("optimizer")
+    for name, (_, snap, tagged) in tracker.windows.items():
+        phases[f"peak:{name}"] = _breakdown(snap, tagged, lora, setup.method)
+    return _Run(phases=phases, total_params=total, trainable_params=trainable, blocks=blocks)
+
+
+def _unique_params(model: nn.Module) -> Iterator[nn.Parameter]:
+    seen: set[int] = set()
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            yield p
+
+
+# --------------------------------------------------------------------------- public
+
+
+def _affine(one: int, two: int, layers: int) -> int:
+    return one + (layers - 1) * (two - one)
+
+
+def _finish(
+    phases: dict[str, dict[str, int]],
+    *,
+    total: int,
+    trainable: int,
+    layers: int,
+    simulated: tuple[int, ...],
+    seconds: float,
+    method: str,
+) -> SimulationResult:
+    def size(name: str) -> int:
+        return sum(phases[name].values())
+
+    windows = [k for k in phases if k.startswith("peak:")]
+    best: dict[str, str] = {}  # phase peak → its highest window
+    for phase, stage in (("forward_peak", "forward"), ("backward_peak", "backward")):
+        best[phase] = max((w for w in windows if w.startswith(f"peak:{stage}:")), key=size)
+    best["optimizer_peak"] = "peak:step"
+    peak_phase = max(best, key=lambda k: size(best[k]))
+    breakdown = dict(phases[best[peak_phase]])
+    points = {k: size(k) for k in ("weights", "forward", "optimizer")}
+    points["backward_peak"] = size(best["backward_peak"])
+    points["peak"] = sum(breakdown.values())
+    kept = {k: dict(v) for k, v in phases.items() if not k.startswith("peak:")}
+    kept.update({k: dict(phases[w]) for k, w in best.items()})
+    return SimulationResult(
+        breakdown=breakdown,
+        phases={k: points[k] for k in PHASES},
+        phase_breakdowns=kept,
+        peak_phase=peak_phase,
+        total_params=total,
+        trainable_params=trainable,
+        num_layers=layers,
+        simulated_layers=simulated,
+        seconds=seconds,
+        method=method,
+    )
+
+
+def simulate(
+    fields: Mapping[str, Any],
+    setup: SimulationSetup,
+    *,
+    layers: Literal["extrapolate", "all"] | int = "extrapolate",
+) -> SimulationResult:
+    """Simulate one training step of the model whose `config.json` fields are `fields`.
+
+    `layers="extrapolate"` simulates 1 and 2 decoder blocks and extrapolates to the model's
+    `num_hidden_layers`; `"all"` (or a number) simulates that many blocks as they are."""
+    _refuse_unsupported(setup)
+    start = time.monotonic()
+    num_layers = int(hf_config(fields).num_hidden_layers)
+    if layers == "extrapolate" and num_layers > 2:
+        one = _run_once(setup, fields, 1)
+        two = _run_once(setup, fields, 2)
+        phases = {
+            name: {
+                key: _affine(one.phases[name][key], two.phases[name][key], num_layers)
+                for key in MEASURED_COMPONENTS
+            }
+            for name in one.phases
+            if name in two.phases
+        }
+        return _finish(
+            phases,
+            total=_affine(one.total_params, two.total_params, num_layers),
+            trainable=_affine(one.trainable_params, two.trainable_params, num_layers),
+            layers=num_layers,
+            simulated=(1, 2),
+            seconds=time.monotonic() - start,
+            method=f"1 and 2 of {num_layers} decoder blocks simulated, extrapolated linearly",
+        )
+    count = num_layers if layers in ("all", "extrapolate") else int(layers)
+    run = _run_once(setup, fields, count)
+    return _finish(
+        run.phases,
+        total=run.total_params,
+        trainable=run.trainable_params,
+        layers=count,
+        simulated=(count,),
+        seconds=time.monotonic() - start,
+        method=f"all {count} decoder blocks simulated",
+    )
