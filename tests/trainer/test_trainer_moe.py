@@ -19,9 +19,15 @@ pytest.importorskip("peft", reason="trainer tests need the trainer extra")
 import torch
 
 from kubetune.planning.arch import ModelArch, arch_from_hf_config
-from kubetune.planning.estimator import TrainingSetup, quantized_params, trainable_params
+from kubetune.planning.estimator import (
+    EstimatorError,
+    TrainingSetup,
+    quantized_params,
+    trainable_params,
+)
 from kubetune_trainer.contract import TrainerConfig
 from kubetune_trainer.distributed import DistEnv
+from kubetune_trainer.errors import ConfigError
 from kubetune_trainer.modeling import BuiltModel, build_model
 from support.trainer import trainer_config
 
@@ -66,14 +72,14 @@ def _arch(path: Path) -> ModelArch:
     return arch_from_hf_config(config, path.name, source=str(path))
 
 
-def _build(tmp: Path, model: Path, method: str) -> BuiltModel:
+def _build(tmp: Path, model: Path, method: str, dropout: float = 0.0) -> BuiltModel:
     cfg = TrainerConfig.model_validate(
         trainer_config(
             tmp,
             model,
             tmp / "unused.jsonl",
             method,
-            lora={"rank": RANK, "alpha": 2 * RANK, "dropout": 0.0},
+            lora={"rank": RANK, "alpha": 2 * RANK, "dropout": dropout},
             training={"precision": "bf16"},
         )
     )
@@ -83,7 +89,9 @@ def _build(tmp: Path, model: Path, method: str) -> BuiltModel:
 def test_lora_all_linear_trains_what_the_estimator_counts(tmp_path: Path, moe_model: Path) -> None:
     arch = _arch(moe_model)
     built = _build(tmp_path, moe_model, "lora")
-    assert built.n_trainable == trainable_params(arch, TrainingSetup(method="lora", lora_rank=RANK))
+    assert built.n_trainable == trainable_params(
+        arch, TrainingSetup(method="lora", lora_rank=RANK, lora_dropout=0.0)
+    )
     adapted = {
         name.split(".lora_")[0] for name, p in built.model.named_parameters() if p.requires_grad
     }
@@ -110,3 +118,20 @@ def test_qlora_quantizes_what_the_estimator_counts(tmp_path: Path, moe_model: Pa
     ]
     assert router
     assert linear_experts - quantized == sum(p.numel() for p in [*stacked, *router])
+
+
+def test_lora_dropout_is_refused_where_the_experts_get_adapters(
+    tmp_path: Path, moe_model: Path
+) -> None:
+    """The trainer's build refuses LoRA dropout exactly where the estimator (so the planner,
+    before any GPU) does: where PEFT adapts the stacked experts."""
+    arch = _arch(moe_model)
+    setup = TrainingSetup(method="lora", lora_rank=RANK, lora_dropout=0.05)
+    if arch.peft_adapts_experts:
+        with pytest.raises(EstimatorError, match="dropout"):
+            trainable_params(arch, setup)
+        with pytest.raises(ConfigError, match="dropout"):
+            _build(tmp_path, moe_model, "lora", dropout=0.05)
+    else:
+        built = _build(tmp_path, moe_model, "lora", dropout=0.05)
+        assert built.n_trainable == trainable_params(arch, setup)

@@ -27,6 +27,7 @@ from kubetune.planning.estimator import (
     offloaded_bytes,
     resolve_lora_targets,
     trainable_params,
+    trainer_attention,
 )
 from kubetune.sources import load_arch
 from kubetune_trainer.contract import loss_chunk_tokens
@@ -272,6 +273,44 @@ def test_chunked_cross_entropy_reduces_logits() -> None:
     assert short.breakdown["logits"] == 256 * 10 * arch.vocab_size  # one chunk: all tokens
 
 
+def test_gemma2_is_sized_with_the_eager_attention_it_trains_with() -> None:
+    gemma2 = load_arch("google/gemma-2-2b")
+    assert trainer_attention(gemma2) == "eager"
+    assert trainer_attention(load_arch("meta-llama/Llama-3.2-1B")) == "sdpa"
+    setup = TrainingSetup(method="lora", seq_len=4096, grad_ckpt=False)
+    eager = estimate_vram(gemma2, replace(setup, attention="eager")).breakdown["activations"]
+    sdpa = estimate_vram(gemma2, setup).breakdown["activations"]
+    scores = 3 * 2 * gemma2.num_heads * 4096**2 * gemma2.num_layers  # kept per layer, bf16
+    assert eager - sdpa == scores
+
+
+def test_stacked_expert_updates_are_kept_per_moe_layer() -> None:
+    """PEFT forms an expert-sized update per MoE layer and keeps it for backward: every
+    layer's without checkpointing, one with it."""
+    mixtral = load_arch("mistralai/Mixtral-8x7B-v0.1")
+    setup = TrainingSetup(method="lora", lora_dropout=0.0, seq_len=512)
+    q_only = replace(setup, lora_targets=("q_proj",))
+    per_layer = mixtral.expert_params / mixtral.moe_layers * 2
+    for ckpt, layers in ((True, 1), (False, mixtral.moe_layers)):
+        all_linear = estimate_vram(mixtral, replace(setup, grad_ckpt=ckpt)).breakdown
+        attention = estimate_vram(mixtral, replace(q_only, grad_ckpt=ckpt)).breakdown
+        grown = all_linear["activations"] - attention["activations"]
+        assert grown > layers * per_layer  # the updates, plus the adapters' own activations
+        assert grown < layers * per_layer * 1.05
+
+
+def test_lora_dropout_on_stacked_experts_is_refused_before_any_gpu() -> None:
+    """PEFT adapts Mixtral's stacked experts and router only without dropout (the trainer
+    would exit with a config error once its pods run); the estimate, and so the plan, says
+    so first, naming what to change. Qwen2-MoE's routed experts get no adapter: no conflict."""
+    mixtral = load_arch("mistralai/Mixtral-8x7B-v0.1")
+    with pytest.raises(EstimatorError, match=r"dropout 0\.05 .* To fix: set the LoRA dropout to 0"):
+        estimate_vram(mixtral, TrainingSetup(method="lora", lora_dropout=0.05))
+    estimate_vram(mixtral, TrainingSetup(method="lora", lora_dropout=0.0))
+    estimate_vram(mixtral, TrainingSetup(method="lora", lora_targets=("q_proj", "v_proj")))
+    estimate_vram(load_arch("Qwen/Qwen1.5-MoE-A2.7B"), TrainingSetup(method="lora"))
+
+
 @pytest.mark.parametrize("grad_ckpt", [True, False])
 def test_activation_offloading_keeps_one_layer_on_the_gpu(grad_ckpt: bool) -> None:
     arch = load_arch("meta-llama/Llama-3.1-8B")
@@ -301,7 +340,7 @@ def test_paged_32bit_adamw_keeps_fp32_states_outside_the_allocator() -> None:
 
 
 def test_moe_keeps_all_experts_but_activates_top_k() -> None:
-    setup = replace(SINGLE, method="lora", grad_ckpt=False, seq_len=64)
+    setup = replace(SINGLE, method="lora", grad_ckpt=False, seq_len=64, lora_dropout=0.0)
     est = estimate_vram(TINY_MOE, setup)
     assert est.breakdown["weights"] == 2 * TINY_MOE.total_params
     top1 = estimate_vram(replace(TINY_MOE, experts_per_token=1), setup)

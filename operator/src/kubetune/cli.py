@@ -25,6 +25,7 @@ from kubetune.planning.estimator import (
     EstimatorError,
     TrainingSetup,
     estimate_vram,
+    trainer_attention,
 )
 from kubetune.planning.planner import Plan, PlannerSettings, plan_job
 from kubetune.sources import load_arch
@@ -134,6 +135,13 @@ def _arch(config: str | None, model: str | None, allow_network: bool) -> ModelAr
 @click.option("--method", type=click.Choice(METHODS), default="lora", show_default=True)
 @click.option("--lora-rank", type=int, default=16, show_default=True)
 @click.option(
+    "--lora-dropout",
+    type=click.FloatRange(0.0, 1.0, max_open=True),
+    default=0.05,
+    show_default=True,
+    help="LoRA dropout (0 for MoE models whose stacked experts get adapters).",
+)
+@click.option(
     "--lora-targets",
     default="all-linear",
     show_default=True,
@@ -159,7 +167,12 @@ def _arch(config: str | None, model: str | None, allow_network: bool) -> ModelAr
     show_default=True,
 )
 @click.option("--grad-ckpt/--no-grad-ckpt", default=True, show_default=True)
-@click.option("--attention", type=click.Choice(ATTENTIONS), default="sdpa", show_default=True)
+@click.option(
+    "--attention",
+    type=click.Choice(ATTENTIONS),
+    default=None,
+    help="Default: what the trainer runs for the model (eager for Gemma 2, else sdpa).",
+)
 @click.option(
     "--chunked-ce/--no-chunked-ce",
     default=False,
@@ -200,6 +213,7 @@ def estimate(
     list_models: bool,
     method: Method,
     lora_rank: int,
+    lora_dropout: float,
     lora_targets: str,
     micro_batch: int,
     seq_len: int,
@@ -209,7 +223,7 @@ def estimate(
     precision: Precision,
     optimizer: Optimizer,
     grad_ckpt: bool,
-    attention: Attention,
+    attention: Attention | None,
     chunked_ce: bool,
     loss_chunk_tokens: int | None,
     activation_offload: bool,
@@ -240,9 +254,10 @@ def estimate(
         optimizer=optimizer,
         grad_ckpt=grad_ckpt,
         lora_rank=lora_rank,
+        lora_dropout=lora_dropout,
         lora_targets=targets,
         qlora_double_quant=double_quant,
-        attention=attention,
+        attention=attention or trainer_attention(arch),
         chunked_ce=chunked_ce,
         loss_chunk_tokens=loss_chunk_tokens,
         activation_offload=activation_offload,

@@ -63,10 +63,21 @@ __all__ = [
     "quantized_params",
     "resolve_lora_targets",
     "trainable_params",
+    "trainer_attention",
 ]
 
 Attention = Literal["sdpa", "eager"]
 ATTENTIONS: tuple[Attention, ...] = get_args(Attention)
+# Families whose transformers implementation trains with eager attention by default (the
+# trainer loads models with the default): Gemma 2's attention-logit soft-cap has no SDPA path.
+_EAGER_ATTENTION_MODEL_TYPES = frozenset({"gemma2"})
+
+
+def trainer_attention(arch: ModelArch) -> Attention:
+    """The attention the trainer runs for `arch`: ``eager`` (scores kept) or ``sdpa``."""
+    return "eager" if arch.model_type in _EAGER_ATTENTION_MODEL_TYPES else "sdpa"
+
+
 BaseDtype = Literal["bf16", "fp32"]
 MeasuredMetric = Literal["allocated", "reserved", "device"]
 """What a published peak measured: ``torch.cuda.max_memory_allocated`` (tensors only),
@@ -372,7 +383,18 @@ def trainable_params(arch: ModelArch, setup: TrainingSetup) -> int:
 def _targets(arch: ModelArch, setup: TrainingSetup) -> list[LinearLayer]:
     if setup.method == "full":
         return []
-    return resolve_lora_targets(arch, setup.lora_targets, fused_experts=setup.fused_experts)
+    targets = resolve_lora_targets(arch, setup.lora_targets, fused_experts=setup.fused_experts)
+    moe = [layer for layer in targets if layer.per_expert or layer.router]
+    if setup.fused_experts and moe and setup.lora_dropout > 0:
+        raise _fail(
+            f"LoRA dropout {setup.lora_dropout:g} cannot be used with adapters on the stacked "
+            f"experts and router of {arch.name} ({arch.model_type}): PEFT adapts those "
+            "parameters only without dropout",
+            "set the LoRA dropout to 0 (spec.lora.dropout; kubetune estimate --lora-dropout 0), "
+            "or list spec.lora.targetModules without "
+            f"{', '.join(sorted({layer.name for layer in moe}))}",
+        )
+    return targets
 
 
 def _adapter_params(arch: ModelArch, setup: TrainingSetup, targets: list[LinearLayer]) -> int:
@@ -572,6 +594,18 @@ def _lora_bytes_per_token(
     return block / arch.num_layers, head
 
 
+def _stacked_expert_delta_bytes(
+    arch: ModelArch, setup: TrainingSetup, targets: list[LinearLayer]
+) -> float:
+    """Bytes of one MoE layer's merged LoRA updates of its stacked experts (0 without them):
+    PEFT forms ``W + scale * B @ A`` for the whole stacked parameter in the compute dtype."""
+    if not setup.fused_experts or not arch.moe_layers:
+        return 0.0
+    stacked = [layer for layer in targets if layer.per_expert]
+    weights = sum(layer.in_features * layer.out_features * layer.count for layer in stacked)
+    return weights / arch.moe_layers * _compute_bytes(setup)
+
+
 def _state_bytes_per_param(setup: TrainingSetup) -> float:
     if setup.optimizer == "adamw":
         return 2.0 * _trainable_bytes(setup)  # exp_avg and exp_avg_sq in the parameter dtype
@@ -653,13 +687,17 @@ def estimate_vram(arch: ModelArch, setup: TrainingSetup) -> VramEstimate:
     # With activation offloading the tensors saved for backward wait in host memory: the GPU
     # holds the layer whose backward runs (its input, or all it saved), not all of them.
     kept_layers = 1 if setup.activation_offload else arch.num_layers
+    # PEFT adapts stacked experts by adding the merged low-rank update to the whole stacked
+    # weight in each forward: an expert-sized tensor per MoE layer, kept for backward.
+    delta = _stacked_expert_delta_bytes(arch, setup, targets)
     if setup.grad_ckpt:
         layer_inputs = kept_layers * tokens * arch.hidden_size * e
-        one_layer = tokens * (per_layer + lora_layer + backward) + scores
+        one_layer = tokens * (per_layer + lora_layer + backward) + scores + delta
         activations = layer_inputs + one_layer + tokens * non_layer
     else:
+        moe_kept = min(kept_layers, arch.moe_layers)
         every_layer = kept_layers * (tokens * (per_layer + lora_layer) + scores)
-        activations = every_layer + tokens * (backward + non_layer)
+        activations = every_layer + moe_kept * delta + tokens * (backward + non_layer)
 
     # ---- logits for the loss
     if setup.chunked_ce:

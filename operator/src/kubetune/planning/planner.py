@@ -41,10 +41,12 @@ from kubetune.api.v1alpha1 import (
 from kubetune.api.vocabulary import PlanReason
 from kubetune.planning.arch import ModelArch
 from kubetune.planning.estimator import (
+    Attention,
     TrainingSetup,
     VramEstimate,
     estimate_vram,
     offloaded_bytes,
+    trainer_attention,
 )
 from kubetune.planning.throughput import (
     DatasetSize,
@@ -336,6 +338,7 @@ def _setup(
     ckpt: bool,
     chunked: bool = False,
     offload: bool = False,
+    attention: Attention = "sdpa",
 ) -> TrainingSetup:
     lora = spec.lora_or_default
     return TrainingSetup(
@@ -349,9 +352,11 @@ def _setup(
         grad_ckpt=ckpt,
         lora_rank=lora.rank,
         lora_targets=tuple(lora.target_modules),
+        lora_dropout=lora.dropout,
         qlora_double_quant=lora.double_quant,
         chunked_ce=chunked,
         activation_offload=offload,
+        attention=attention,
     )
 
 
@@ -379,6 +384,7 @@ class _Context:
         self.budget = spec.resources.max_cost_usd
         self.losses = _losses(spec)
         self.offloads = _offloads(spec)
+        self.attention = trainer_attention(arch)
         # What the fast walk computes once for this job.
         self._estimates: dict[
             tuple[Method, int, Sharding, int, bool, bool, bool], VramEstimate
@@ -402,7 +408,9 @@ class _Context:
         with the first loss of `losses` that fits (or the last)."""
         total = nodes * gpn
         for chunked in self.losses:
-            setup = _setup(self.spec, method, total, sharding, micro, ckpt, chunked, offload)
+            setup = _setup(
+                self.spec, method, total, sharding, micro, ckpt, chunked, offload, self.attention
+            )
             estimate = estimate_vram(self.arch, setup)
             if self.settings.memory_scale != 1.0:
                 estimate = _scaled(estimate, self.settings.memory_scale)
@@ -512,7 +520,17 @@ class _Context:
         if estimate is None:
             estimate = estimate_vram(
                 self.arch,
-                _setup(self.spec, method, total, sharding, micro, ckpt, chunked, offload),
+                _setup(
+                    self.spec,
+                    method,
+                    total,
+                    sharding,
+                    micro,
+                    ckpt,
+                    chunked,
+                    offload,
+                    self.attention,
+                ),
             )
             if self.settings.memory_scale != 1.0:
                 estimate = _scaled(estimate, self.settings.memory_scale)
