@@ -1,0 +1,236 @@
+"""The analytical estimator against the simulated step over a grid (docs/simulate-grid.md).
+
+One model per architecture family of the built-in table (the smallest) × full / LoRA × sequence
+length {512, 2048, 8192} × micro-batch {1, 4, 8} × checkpointing on/off, one GPU, bf16, AdamW,
+LoRA rank 16 on all linears. For each cell: the simulated peak (`kubetune_trainer.simulate`,
+1 and 2 blocks extrapolated, the steady-state step) and the part of the analytical estimate an
+allocated-bytes reading measures (`comparable_bytes(estimate, "allocated")`), and their
+relative difference. QLoRA and more than one GPU are not simulated (docs/simulate.md), so the
+grid has none.
+
+Writes docs/simulate-grid.md (summary and every cell), the cells as JSON lines under
+benchmarks/results/, and every seventh cell to tests/unit/data/simulate_grid_sample.json, which
+a unit test holds the estimator to, so that a change of the estimator that moves it away from
+(or towards) the simulation shows up in CI until this script is run again.
+
+    .venv/bin/python benchmarks/simulate_grid.py [--families llama qwen2 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import itertools
+import json
+import logging
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from kubetune.planning.estimator import (
+    GIB,
+    TrainingSetup,
+    comparable_bytes,
+    estimate_vram,
+    trainer_attention,
+)
+from kubetune.planning.models_table import MODELS
+from kubetune.sources import load_arch
+from kubetune_trainer.simulate import SimulationError, SimulationSetup, simulate
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "simulate-grid.md"
+SAMPLE = ROOT / "tests" / "unit" / "data" / "simulate_grid_sample.json"
+SAMPLE_EVERY = 7  # odd: the grid alternates checkpointing on and off
+# LoRA dropout 0 in every cell: the simulation runs CPU kernels, and CPU dropout keeps an fp32
+# noise tensor for backward where CUDA's fused dropout keeps a 1-byte mask (3 bytes per adapted
+# input element too many without checkpointing); PEFT also refuses dropout on MoE experts.
+LORA_DROPOUT = 0.0
+
+METHODS = ("full", "lora")
+SEQ_LENS = (512, 2048, 8192)
+MICRO_BATCHES = (1, 4, 8)
+CHECKPOINTING = (True, False)
+
+
+def smallest_per_family() -> dict[str, str]:
+    best: dict[str, tuple[str, int]] = {}
+    for model in MODELS:
+        family = str(model.config.get("model_type"))
+        params = load_arch(model.hf_id).total_params
+        if family not in best or params < best[family][1]:
+            best[family] = (model.hf_id, params)
+    return {family: hf_id for family, (hf_id, _) in sorted(best.items())}
+
+
+def analytical(row: dict[str, Any]) -> int:
+    """The estimator's allocated bytes for a grid row, with the attention the trainer runs."""
+    arch = load_arch(row["model"])
+    names = {f.name for f in dataclasses.fields(TrainingSetup)} - {"attention"}
+    fields = {k: v for k, v in row.items() if k in names}
+    fields["lora_targets"] = tuple(fields["lora_targets"])
+    setup = TrainingSetup(**fields, attention=trainer_attention(arch))
+    return comparable_bytes(estimate_vram(arch, setup), "allocated")
+
+
+def score(row: dict[str, Any]) -> None:
+    row["analytical_bytes"] = analytical(row)
+    if "simulated_bytes" in row:
+        row["error"] = row["analytical_bytes"] / row["simulated_bytes"] - 1
+
+
+def cell(model: str, fields: Any, setup: SimulationSetup) -> dict[str, Any]:
+    row: dict[str, Any] = {"model": model, **dataclasses.asdict(setup)}
+    row["lora_targets"] = list(setup.lora_targets)
+    start = time.monotonic()
+    try:
+        result = simulate(fields, setup)
+    except (SimulationError, ValueError, RuntimeError, NotImplementedError) as e:
+        row["not_simulated"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        return row
+    row["simulated_bytes"] = result.peak_bytes
+    row["peak_phase"] = result.peak_phase
+    row["seconds"] = round(time.monotonic() - start, 2)
+    return row
+
+
+def label(row: dict[str, Any]) -> str:
+    return (
+        f"{row['method']} b{row['micro_batch']}×{row['seq_len']} "
+        f"{'ckpt' if row['grad_ckpt'] else 'no-ckpt'}"
+    )
+
+
+def write_doc(rows: list[dict[str, Any]], families: dict[str, str], elapsed: float) -> None:
+    done = [r for r in rows if "error" in r]
+    errors = [r["error"] for r in done]
+    lines = [
+        "# The analytical estimator against the simulated step",
+        "",
+        f"Made by `python benchmarks/simulate_grid.py` on {datetime.date.today()} in "
+        f"{elapsed / 60:.0f} minutes (2-core machine); docs/simulate.md says what the simulation "
+        "runs. One GPU, bf16, AdamW, LoRA rank 16 on all linears without dropout (the "
+        "simulation's CPU dropout keeps a 4-byte noise tensor where CUDA keeps a 1-byte mask), "
+        "the smallest model of each "
+        "family; estimate = `comparable_bytes(estimate, 'allocated')` (what "
+        "`torch.cuda.max_memory_allocated` would read: no CUDA context, NCCL or allocator "
+        "slack); error = estimate / simulated − 1. QLoRA and several GPUs are not simulated.",
+        "",
+    ]
+    if errors:
+        below = [r for r in done if r["error"] < -0.03]
+        lines += [
+            "| cells | simulated | median error | median abs error | smallest | largest | "
+            "below the simulation by > 3 % |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+            f"| {len(rows)} | {len(done)} | {statistics.median(errors):+.1%} "
+            f"| {statistics.median(abs(e) for e in errors):.1%} | {min(errors):+.1%} "
+            f"| {max(errors):+.1%} | {len(below)} |",
+            "",
+            "By family and method (median error, smallest, largest):",
+            "",
+            "| family | model | full | lora |",
+            "| --- | --- | --- | --- |",
+        ]
+        for family, model in families.items():
+            cells = []
+            for method in METHODS:
+                errs = [r["error"] for r in done if r["model"] == model and r["method"] == method]
+                cells.append(
+                    f"{statistics.median(errs):+.1%} ({min(errs):+.1%} … {max(errs):+.1%})"
+                    if errs
+                    else "not simulated"
+                )
+            lines.append(f"| {family} | {model} | {' | '.join(cells)} |")
+    lines += [
+        "",
+        "## Every cell",
+        "",
+        "| model | setup | simulated GiB | estimate GiB | error | peak |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(
+                f"| {r['model']} | {label(r)} | {r['simulated_bytes'] / GIB:.2f} "
+                f"| {r['analytical_bytes'] / GIB:.2f} | {r['error']:+.1%} | {r['peak_phase']} |"
+            )
+        else:
+            lines.append(
+                f"| {r['model']} | {label(r)} | – | {r['analytical_bytes'] / GIB:.2f} "
+                f"| {r['not_simulated']} | |"
+            )
+    DOC.write_text("\n".join(lines) + "\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", nargs="*", help="model types (default: every one)")
+    parser.add_argument(
+        "--rescore",
+        type=Path,
+        help="a results .jsonl: keep its simulations, recompute the estimate (after an estimator "
+        "change), rewrite the doc and the sample",
+    )
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    families = smallest_per_family()
+    if args.families:
+        families = {f: m for f, m in families.items() if f in args.families}
+    if args.rescore:
+        rows = [json.loads(line) for line in args.rescore.read_text().splitlines() if line]
+        for row in rows:
+            score(row)
+        args.rescore.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        elapsed = sum(float(row.get("seconds", 0)) for row in rows)
+        write_outputs(rows, families, elapsed, args.rescore)
+        return 0
+    fields = {m.hf_id: m.config for m in MODELS}
+    results = ROOT / "benchmarks" / "results" / f"simulate-grid-{datetime.date.today()}.jsonl"
+    rows: list[dict[str, Any]] = []
+    start = time.monotonic()
+    grid = list(
+        itertools.product(families.items(), METHODS, SEQ_LENS, MICRO_BATCHES, CHECKPOINTING)
+    )
+    with results.open("w") as out:
+        for i, ((_family, model), method, seq, micro, ckpt) in enumerate(grid, 1):
+            setup = SimulationSetup(
+                method=method,  # type: ignore[arg-type]
+                seq_len=seq,
+                micro_batch=micro,
+                grad_ckpt=ckpt,
+                lora_dropout=LORA_DROPOUT,
+            )
+            row = cell(model, fields[model], setup)
+            score(row)
+            rows.append(row)
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+            shown = f"{row['error']:+.1%}" if "error" in row else row["not_simulated"]
+            print(f"[{i}/{len(grid)}] {model} {label(row)}: {shown}", flush=True)
+    write_outputs(rows, families, time.monotonic() - start, results)
+    return 0
+
+
+def write_outputs(
+    rows: list[dict[str, Any]], families: dict[str, str], elapsed: float, results: Path
+) -> None:
+    write_doc(rows, families, elapsed)
+    keys = ("model", "method", "seq_len", "micro_batch", "grad_ckpt", "lora_dropout")
+    sample = [
+        {**{k: r[k] for k in keys}, "simulated_bytes": r["simulated_bytes"], "error": r["error"]}
+        for r in rows[::SAMPLE_EVERY]
+        if "error" in r
+    ]
+    SAMPLE.parent.mkdir(parents=True, exist_ok=True)
+    SAMPLE.write_text(json.dumps(sample, indent=1) + "\n")
+    print(f"wrote {DOC}, {results} and {SAMPLE} ({len(sample)} cells)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
