@@ -44,6 +44,7 @@ import yaml
 
 from kubetune.api.errors import InfeasibleError
 from kubetune.api.v1alpha1 import FineTuneJob, FineTuneJobSpec, GPUPool
+from kubetune.planning.estimator import EstimatorError
 from kubetune.planning.planner import Plan, PlannerSettings, plan_job
 from kubetune.sources import load_arch
 
@@ -186,7 +187,7 @@ def run_catalog(
             start = time.perf_counter()
             try:
                 plan = plan_job(spec, pools, archs[name], settings)
-            except InfeasibleError as exc:
+            except (InfeasibleError, EstimatorError) as exc:  # the operator's two refusals
                 error = str(exc)
             elapsed = time.perf_counter() - start
             cpu_ms.append((time.thread_time() - cpu_start) * 1000)
