@@ -11,6 +11,12 @@ fastest to the slowest and the first that fits wins: a larger micro-batch and no
 recomputation are never slower, so nothing better is skipped. `brute_force_plan`
 evaluates every candidate and exists to prove that claim in the property tests.
 
+Two memory savers join the walk when the job leaves them unset: each configuration is sized
+with the plain loss, then with the chunked one if the plain one does not fit (it costs no
+time); and a group in which nothing fits is walked again with activation offloading, on its
+checkpointed configurations only, where the host-link time it adds is the same for every
+micro-batch, so fastest-first still holds.
+
 `plan_job` walks the same groups in the same order, but the memory estimate depends on the
 method and layout only, never on the pool, so it is computed once per layout and shared by
 every pool; a configuration is priced (step time, duration, cost) only once it fits, and step
