@@ -320,18 +320,10 @@ def _micro_batches(global_batch: int, data_parallel: int, fixed: int | None) -> 
     )
 
 
-def _losses(spec: FineTuneJobSpec) -> list[bool]:
-    """Chunked cross-entropy off, then on (when the job leaves it to the planner): the plain
-    loss unless only the chunked one lets a configuration fit."""
-    chosen = spec.training.chunked_cross_entropy
-    return [False, True] if chosen is None else [chosen]
-
-
-def _offloads(spec: FineTuneJobSpec) -> list[bool]:
-    """Activation offloading off, then on (when the job leaves it to the planner): a group
-    of configurations is walked again with it only when none fitted without it, since it
-    costs host-link time on every step."""
-    chosen = spec.training.activation_offloading
+def _off_then_on(chosen: bool | None) -> list[bool]:
+    """A memory saver the job leaves to the planner is tried off, then on; a set one as set.
+    The chunked loss is tried per configuration (it costs no time); activation offloading per
+    group of configurations, only when none fitted without it (host-link time every step)."""
     return [False, True] if chosen is None else [chosen]
 
 
@@ -388,8 +380,8 @@ class _Context:
             else None
         )
         self.budget = spec.resources.max_cost_usd
-        self.losses = _losses(spec)
-        self.offloads = _offloads(spec)
+        self.losses = _off_then_on(spec.training.chunked_cross_entropy)
+        self.offloads = _off_then_on(spec.training.activation_offloading)
         self.attention = trainer_attention(arch)
         # What the fast walk computes once for this job.
         self._estimates: dict[
