@@ -12,6 +12,7 @@ Contents of one checkpoint:
 | --- | --- |
 | `.metadata`, `__<rank>_0.distcp` | DCP: `model` (adapters only for LoRA/QLoRA) and `optim` |
 | `trainer_state.json` | step, epoch, data position, tokens/samples seen, LR scheduler, method |
+| … its `identity` | the job that wrote it and its run's fingerprint (see "Whose checkpoints") |
 | `rng/rank-<r>.pt` | Python, torch CPU and CUDA RNG states of rank r |
 | `manifest.json` | every other file's name, size and sha256; written last |
 
@@ -28,6 +29,17 @@ Under pressure:
   is renamed `step-<N>.corrupt-<UTC time>` (quarantined: never resumed, never counted by
   keep-K) and the next older one is tried. Pruning never removes the last checkpoint known to
   load (the one resumed or just written).
+
+Whose checkpoints: the volume is named after the job and outlives it, so a new job of the
+same name finds the old job's checkpoints. `identity` in trainer_state.json holds the writing
+job's `job_uid`, `job_name`, `job_namespace`, and the `fingerprint` (sha256 of canonical JSON)
+of the `fields` that shape the run (kubetune_trainer.identity). At start-up the newest
+checkpoint's identity decides: this job's uid, or the uid `checkpoint.resume_from_uid` names
+(adopted; later checkpoints record this job), or none recorded (an older trainer's): resumed.
+Any other job's: rank 0 renames every `step-*` folder (quarantined ones too) and the output
+folder, if it lies inside the checkpoint folder, into `foreign/<uid>-<UTC time>/`, and the run
+starts at step 0. Nothing is deleted; `foreign/` is never resumed, counted, pruned or removed
+to make room.
 
 DCP re-shards on load, so a run re-planned onto a different number of GPUs resumes too (the
 RNG of ranks that did not exist before is then seeded from the step).
@@ -67,6 +79,7 @@ from kubetune_trainer.contract import (
 )
 from kubetune_trainer.distributed import DistEnv, all_reduce_max, barrier
 from kubetune_trainer.errors import CheckpointFailed
+from kubetune_trainer.identity import IDENTITY_KEY
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +93,8 @@ SPACE_MARGIN = 1.10
 """A save needs the expected size times this, plus SPACE_SLACK_BYTES, free."""
 SPACE_SLACK_BYTES = 16 * 2**20
 FIX_SPACE = "To fix: raise spec.checkpoint.storage.size or lower spec.checkpoint.keep"
+FOREIGN_DIR = "foreign"
+"""Under the checkpoint folder: other jobs' checkpoints, moved aside (never deleted here)."""
 _HASH_CHUNK = 8 * 2**20
 
 
@@ -320,6 +335,64 @@ class Checkpointer:
     def mark_verified(self, path: Path) -> None:
         self.verified = path
 
+    def newest_identity(self) -> tuple[Path, dict[str, Any] | None] | None:
+        """The newest checkpoint with a readable trainer_state.json (complete ones first, then
+        quarantined ones) and its `identity` (None: an older trainer's), as rank 0 reads them:
+        the same on every rank. None when there is no such checkpoint."""
+        found: tuple[Path, dict[str, Any] | None] | None = None
+        if self.env.is_main:
+            done = [p for _, p in complete_checkpoints(self.root)]
+            for path in reversed(quarantined_checkpoints(self.root) + done):
+                try:
+                    state = json.loads((path / STATE_FILE).read_text())
+                except (OSError, ValueError):
+                    continue
+                saved = state.get(IDENTITY_KEY) if isinstance(state, dict) else None
+                found = (path, saved if isinstance(saved, dict) else None)
+                break
+        result: tuple[Path, dict[str, Any] | None] | None = _all_gather(found, self.env)[0]
+        return result
+
+    def move_aside(self, uid: str, output: Path) -> tuple[Path, int]:
+        """Rank 0 renames every `step-*` folder (complete, damaged, quarantined) and `output`,
+        when it lies inside the checkpoint folder, into `foreign/<uid>-<UTC time>/`; nothing is
+        deleted. Returns that folder and how many were moved, once every rank can see it.
+        Raises CheckpointFailed (on every rank) when a rename fails."""
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        target = self.root / FOREIGN_DIR / f"{uid}-{stamp}"
+        moved = failed = 0
+        if self.env.is_main:
+            n = 1
+            while target.exists():
+                n += 1
+                target = target.with_name(f"{uid}-{stamp}-{n}")
+            out = output.absolute()
+            inside = out != self.root.absolute() and out.is_relative_to(self.root.absolute())
+            try:
+                target.mkdir(parents=True)
+                for p in sorted(self.root.iterdir()):
+                    if p.name.startswith(CHECKPOINT_PREFIX) and p.is_dir():
+                        os.rename(p, target / p.name)
+                        moved += 1
+                if inside and out.is_dir():
+                    dest = target / out.relative_to(self.root.absolute())
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    os.rename(out, dest)
+                    moved += 1
+                _fsync_dir(target)
+                _fsync_dir(self.root)
+            except OSError as e:
+                log.error("cannot move the checkpoints of job uid %s to %s: %s", uid, target, e)
+                failed = 1
+        # Every rank waits here for rank 0's renames.
+        moved, failed = all_reduce_max([moved, failed], self.env)
+        if failed:
+            raise CheckpointFailed(
+                f"the checkpoints of another job (uid {uid}) in {self.root} could not be moved "
+                f"to {target} (see the trainer log). To fix: check the checkpoint volume"
+            )
+        return target, moved
+
     # ------------------------------------------------------------------ save
 
     def save(
@@ -451,7 +524,7 @@ class Checkpointer:
             cause = f"{type(error).__name__}: {_first_line(error)}"
             log.error("checkpoint step-%d failed while %s", step, what, exc_info=error)
         hint = (
-            FIX_SPACE
+            self._fix_space()
             if is_no_space(error)
             else "To fix: check the checkpoint volume (the trainer log has the error)"
         )
@@ -459,6 +532,15 @@ class Checkpointer:
             f"checkpoint step-{step} could not be written to {self.root} ({what}): {cause}; "
             f"the temp folder was removed and {self._kept()}. {hint}"
         ) from error
+
+    def _fix_space(self) -> str:
+        foreign = self.root / FOREIGN_DIR
+        if not foreign.is_dir():
+            return FIX_SPACE
+        return (
+            f"{FIX_SPACE}, or delete what is no longer wanted in {foreign} (checkpoints of "
+            "earlier jobs of this name, moved aside)"
+        )
 
     def _make_room(
         self, step: int, tmp: Path, model: nn.Module, optimizer: torch.optim.Optimizer
@@ -493,7 +575,7 @@ class Checkpointer:
         message = (
             f"not enough space for checkpoint step-{step} in {self.root}: needs about "
             f"{_gib(needed)} ({basis or 'estimated on rank 0'}), {_gib(free)} free; the save "
-            f"was not started and {self._kept()}. {FIX_SPACE}"
+            f"was not started and {self._kept()}. {self._fix_space()}"
         )
         log.error("%s", message)
         raise CheckpointFailed(message)

@@ -60,6 +60,14 @@ from kubetune_trainer.errors import (
     Preempted,
     StopRequested,
 )
+from kubetune_trainer.identity import (
+    IDENTITY_KEY,
+    RESUME_FIELD,
+    changed_fields,
+    describe,
+    identity,
+    whose,
+)
 from kubetune_trainer.loss import loss_sum
 from kubetune_trainer.metrics import ADDR_ENV, DEFAULT_ADDR, TrainerMetrics
 from kubetune_trainer.modeling import (
@@ -336,11 +344,17 @@ class FineTuneRecipe:
 
     def _resume(self) -> None:
         """Resume from the newest checkpoint that matches its manifest and loads; quarantine
-        the ones that do not and try the next older one."""
+        the ones that do not and try the next older one. Another job's checkpoints are moved
+        aside first (`_claim_checkpoints`)."""
         from torch.distributed.checkpoint.api import CheckpointException
 
         ck = self.checkpointer
         ck.remove_leftovers()
+        if not self._claim_checkpoints():
+            return
+        configured = [
+            {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups
+        ]
         failed: list[str] = []
         for step, path in reversed(complete_checkpoints(ck.root)):
             problem = ck.verify(path)
@@ -379,6 +393,7 @@ class FineTuneRecipe:
                 continue
             assert state is not None
             self.scheduler.load_state_dict(state["scheduler"])
+            self._configured_hyperparameters(configured)
             self.step = int(state["step"])
             self.batches.position = DataPosition(**state["data"])
             self.tokens_seen = int(state["tokens_seen"])
@@ -406,6 +421,112 @@ class FineTuneRecipe:
                 "could not be loaded earlier and was quarantined. To fix: delete the "
                 "quarantined folders to start over from step 0, or put a good step-N folder back"
             )
+
+    def _claim_checkpoints(self) -> bool:
+        """Whose the checkpoints in the folder are, by the newest one's identity. This job's,
+        the job `checkpoint.resume_from_uid` names (adopted) and an older trainer's (no
+        identity) are resumed: True. Another job's are moved aside: False, start at step 0."""
+        cfg, ck, main = self.cfg, self.checkpointer, self.env.is_main
+        newest = ck.newest_identity()
+        if newest is None:
+            self._wanted_not_found(None)
+            return True
+        path, saved = newest
+        owner = whose(saved, cfg)
+        if saved is None or owner == "unknown":
+            if main:
+                log.warning(
+                    "%s records no job uid (an older trainer, or a run without one, wrote it): "
+                    "resumed as this job's",
+                    path,
+                )
+            return True
+        old_uid, old_job = str(saved["job_uid"]), saved.get("job_name")
+        changed = changed_fields(saved, cfg)
+        if owner == "own":
+            if changed and main:
+                log.info(
+                    "resuming this job's checkpoints; changed since they were written: %s",
+                    describe(changed),
+                )
+            return True
+        if owner == "adopted":
+            self.metrics.event(
+                "checkpoint_adopted",
+                old_uid=old_uid,
+                old_job=old_job,
+                checkpoint=path.name,
+                changed=changed,
+            )
+            if main:
+                log.warning(
+                    "resuming the checkpoints of job %s (uid %s), as %s asks; changed since "
+                    "they were written: %s",
+                    old_job,
+                    old_uid,
+                    RESUME_FIELD,
+                    describe(changed),
+                )
+            return True
+        target, count = ck.move_aside(old_uid, Path(cfg.output.dir))
+        self.metrics.event(
+            "checkpoints_moved_aside",
+            old_uid=old_uid,
+            old_job=old_job,
+            moved_to=str(target),
+            count=count,
+        )
+        if main:
+            log.warning(
+                "%s held checkpoints of another job, %s (uid %s, newest %s): moved to %s "
+                "and this run starts at step 0. To resume them instead, set %s: %s on "
+                "this job",
+                ck.root,
+                old_job,
+                old_uid,
+                path.name,
+                target,
+                RESUME_FIELD,
+                old_uid,
+            )
+        self._wanted_not_found(old_uid)
+        return False
+
+    def _wanted_not_found(self, found_uid: str | None) -> None:
+        """Warn when `checkpoint.resume_from_uid` names a job none of whose checkpoints is
+        here (the run starts at step 0)."""
+        wanted = self.cfg.checkpoint.resume_from_uid
+        if not wanted or wanted == self.cfg.job.uid:
+            return
+        self.metrics.event(
+            "resume_from_uid_not_found",
+            resume_from_uid=wanted,
+            found_uid=found_uid,
+            checkpoint_dir=str(self.checkpointer.root),
+        )
+        if self.env.is_main:
+            log.warning(
+                "%s is %s but %s holds no checkpoint of that job: this run starts at step 0",
+                RESUME_FIELD,
+                wanted,
+                self.checkpointer.root,
+            )
+
+    def _configured_hyperparameters(self, configured: list[dict[str, Any]]) -> None:
+        """Loading a checkpoint restores the optimizer's learning rate, weight decay and the
+        like; this run's config sets them (they differ only in an adopted checkpoint of another
+        job), the checkpoint only the place in the schedule."""
+        sched = self.scheduler
+        groups = self.optimizer.param_groups
+        for group, mine in zip(groups, configured, strict=True):
+            group.update(mine)
+        sched.base_lrs = [g["initial_lr"] for g in groups]
+        lrs = [
+            b * f(sched.last_epoch) for b, f in zip(sched.base_lrs, sched.lr_lambdas, strict=True)
+        ]
+        for group, lr in zip(groups, lrs, strict=True):
+            group["lr"] = lr
+        sched._last_lr = lrs
 
     # ------------------------------------------------------------------ train
 
@@ -662,6 +783,7 @@ class FineTuneRecipe:
             "global_batch": self.batches.global_batch,
             "loss": None if math.isnan(self.last_loss) else self.last_loss,
             "job": self.cfg.job.name,
+            IDENTITY_KEY: identity(self.cfg),
         }
         path, seconds = self.checkpointer.save(
             self.step, self.model, self.optimizer, state, capture_rng()
