@@ -162,6 +162,11 @@ class CheckpointConfig(_Strict):
     interval_steps: int | None = None
     interval_minutes: float = 30.0
     keep: int = 2
+    resume_from_uid: str | None = Field(
+        default=None,
+        description="UID of another (earlier) job whose checkpoints in `dir` this job resumes; "
+        "unset: checkpoints another job wrote are moved aside and the run starts at step 0.",
+    )
 
 
 class OutputConfig(_Strict):

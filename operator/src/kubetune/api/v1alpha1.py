@@ -345,6 +345,17 @@ class CheckpointSettings(_Model):
     storage: CheckpointStorage = Field(
         default_factory=CheckpointStorage, description="Volume that holds checkpoints."
     )
+    resume_from_uid: str | None = Field(
+        default=None,
+        alias="resumeFromUID",
+        pattern=r"^[0-9a-fA-F-]{1,64}$",
+        max_length=64,
+        description=(
+            "UID of an earlier FineTuneJob of the same name whose checkpoints, left on the "
+            "retained checkpoint volume, this job resumes. Unset: checkpoints another job left "
+            "there are moved aside (to `foreign/` on the volume) and training starts at step 0."
+        ),
+    )
 
 
 class OutputSettings(_Model):

@@ -555,8 +555,10 @@ class _Reconciler:
             self.fail(
                 Reason.BUDGET_EXCEEDED,
                 f"accrued ${self.s.cost.accrued_usd:,.2f} reached maxCostUSD ${budget:,.2f}; "
-                "the trainer checkpoints on stop. To fix: raise spec.resources.maxCostUSD "
-                "and create a new job to resume from the checkpoint volume",
+                "the trainer checkpoints on stop. To fix: delete this job and create it again "
+                "under the same name with a higher spec.resources.maxCostUSD and "
+                f"spec.checkpoint.resumeFromUID: {self.job.metadata.get('uid')} to resume from "
+                "its checkpoint",
             )
             return True
         deadline = self.spec.resources.deadline
