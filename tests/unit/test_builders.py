@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from kubetune.api.errors import SpecError
 from kubetune.api.v1alpha1 import FineTuneJob, GPUPool, PlanStatus
@@ -580,7 +581,6 @@ def test_trainer_config_lora_defaults_for_auto_choice() -> None:
     [
         ("meta-llama/Llama-3.1-8B", "hub", "meta-llama/Llama-3.1-8B", None),
         ("hf://Qwen/Qwen2.5-7B@v1.0", "hub", "Qwen/Qwen2.5-7B", "v1.0"),
-        ("s3://bucket/models/llama", "s3", "s3://bucket/models/llama", None),
         ("/models/llama", "path", "/models/llama", None),
         ("pvc://models", "path", "/mnt/pvc/models", None),
         ("pvc://models/llama/", "path", "/mnt/pvc/models/llama", None),
@@ -591,6 +591,13 @@ def test_model_uri_mapping(uri: str, kind: str, source: str, revision: str | Non
     job.spec.model.uri = uri
     model = build_trainer_config(job, tiny_lora_plan(), SETTINGS, 1).model
     assert (model.kind, model.source, model.revision) == (kind, source, revision)
+
+
+@pytest.mark.parametrize("field", ["model", "dataset", "output"])
+def test_s3_uris_are_refused_before_any_gpu_is_spent(field: str) -> None:
+    job = tiny_lora_job()
+    with pytest.raises(ValidationError, match=r"s3:// URIs are not supported yet.*To fix: copy"):
+        getattr(job.spec, field).uri = "s3://bucket/prefix"
 
 
 # --------------------------------------------------------------------------- batch Job

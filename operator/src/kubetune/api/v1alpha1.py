@@ -36,6 +36,24 @@ QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
 # and `\S` means ASCII whitespace only in RE2 but any Unicode whitespace in Python.
 _NOT_SPACE = r"[^\t\n\f\r ]"
 URI_PATTERN = rf"^((hf|pvc|s3)://{_NOT_SPACE}+|[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?|/{_NOT_SPACE}*)$"
+S3_NOT_YET = (
+    "s3:// URIs are not supported yet: the trainer cannot read or write S3, and the job would "
+    "fail once its GPUs are allocated. To fix: copy the files to a PersistentVolumeClaim in the "
+    "job's namespace and use pvc://<claim>/<path> (docs/getting-started.md)"
+)
+
+
+def _no_s3(value: str | None) -> str | None:
+    """Refuse `s3://` before any GPU is spent (the same rule as the CRD's CEL rule)."""
+    if value is not None and value.startswith("s3://"):
+        raise ValueError(S3_NOT_YET)
+    return value
+
+
+def _uri_rules() -> dict[str, Any]:
+    return _validations(_cel("!self.startsWith('s3://')", S3_NOT_YET))
+
+
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 INT64_MAX = 2**63 - 1
 
@@ -91,14 +109,17 @@ class SecretKeyRef(_Model):
 
 
 class ModelSource(_Model):
+    _refuse_s3 = field_validator("uri")(_no_s3)
+
     uri: str = Field(
         description=(
             "Base model to fine-tune: a Hugging Face id (`meta-llama/Llama-3.1-8B`, same as "
-            "`hf://meta-llama/Llama-3.1-8B`), `pvc://<claim>/<path>` for a model directory on a "
-            "PersistentVolumeClaim, or `s3://bucket/prefix`."
+            "`hf://meta-llama/Llama-3.1-8B`), or `pvc://<claim>/<path>` for a model directory on "
+            "a PersistentVolumeClaim. (`s3://` is refused until the trainer reads S3.)"
         ),
         pattern=URI_PATTERN,
         max_length=512,
+        json_schema_extra=_uri_rules(),
     )
     revision: str | None = Field(
         default=None, description="Git revision (branch, tag or commit) of a hub model."
@@ -117,13 +138,17 @@ class ModelSource(_Model):
 
 
 class DatasetSource(_Model):
+    _refuse_s3 = field_validator("uri")(_no_s3)
+
     uri: str = Field(
         description=(
             "Training data: a JSONL/JSON/Parquet file or directory as `pvc://<claim>/<path>`, "
-            "`s3://...`, a local path inside the trainer image, or a `datasets` hub id."
+            "a local path inside the trainer image, or a `datasets` hub id. (`s3://` is refused "
+            "until the trainer reads S3.)"
         ),
         pattern=URI_PATTERN,
         max_length=512,
+        json_schema_extra=_uri_rules(),
     )
     format: DatasetFormat = Field(
         default="alpaca",
@@ -359,13 +384,17 @@ class CheckpointSettings(_Model):
 
 
 class OutputSettings(_Model):
+    _refuse_s3 = field_validator("uri")(_no_s3)
+
     uri: str | None = Field(
         default=None,
         pattern=URI_PATTERN,
         description=(
-            "Where the adapter (and merged model) go: `pvc://<claim>/<path>` or `s3://...`; "
-            "unset keeps them in the checkpoint volume under `output/`."
+            "Where the adapter (and merged model) go: `pvc://<claim>/<path>`; unset keeps them "
+            "in the checkpoint volume under `output/`. (`s3://` is refused until the trainer "
+            "writes S3.)"
         ),
+        json_schema_extra=_uri_rules(),
     )
     merge_adapter: bool = Field(
         default=False, description="Also write the base model with the adapter merged in."
