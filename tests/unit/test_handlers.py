@@ -34,6 +34,7 @@ from lightkube.config.models import Cluster, User
 from lightkube.core.exceptions import ApiError, ConfigError
 from lightkube.resources.core_v1 import Node
 
+from kubetune.api.tenancy import Tenant
 from kubetune.api.v1alpha1 import FineTuneJob, GPUPool
 from kubetune.api.vocabulary import ConditionType, EventType, Reason
 from kubetune.control.builders import child_names, labels, owner_reference
@@ -73,6 +74,7 @@ PODS = "v1/pods"
 JOBS = "batch/v1/jobs"
 PVCS = "v1/persistentvolumeclaims"
 CONFIGMAPS = "v1/configmaps"
+SECRETS = "v1/secrets"
 SERVICES = "v1/services"
 NETWORKPOLICIES = "networking.k8s.io/v1/networkpolicies"
 EVENTS = "v1/events"
@@ -162,9 +164,22 @@ def pool_nodes() -> list[dict[str, Any]]:
     return nodes
 
 
+DEMO_CLAIM = "kubetune-demo"
+"""The claim examples/tiny-cpu-lora.yaml reads its model and data from."""
+
+
+def claim(name: str, namespace: str = NAMESPACE) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}},
+    }
+
+
 def example_cluster() -> list[dict[str, Any]]:
-    """The example GPUPools with a free node each."""
-    return [*example_pools(), *pool_nodes()]
+    """The example GPUPools with a free node each, and the claim the tiny job reads."""
+    return [*example_pools(), *pool_nodes(), claim(DEMO_CLAIM)]
 
 
 def pool(name: str) -> dict[str, Any]:
@@ -734,7 +749,7 @@ def loop(apiserver: ApiServerEmulator, kube: Kube, clock: type[Clock]) -> Loop:
 
 def children(server: kmock.KubernetesEmulator) -> dict[str, list[str]]:
     return {
-        "pvc": stored(server, PVCS, NAMESPACE),
+        "pvc": [name for name in stored(server, PVCS, NAMESPACE) if name != DEMO_CLAIM],
         "configmap": stored(server, CONFIGMAPS, NAMESPACE),
         "service": stored(server, SERVICES, NAMESPACE),
         "job": stored(server, JOBS, NAMESPACE),
@@ -873,11 +888,11 @@ async def test_looking_again_creates_nothing_and_writes_the_cost_clock_only_when
     loop.state.written_at -= ControllerSettings().progress_write_seconds
     await loop.look()
 
-    rate = first["cost"]["rateUSDPerHour"]
+    # No trainer pod runs here (no kubelet): the clock moves, the cost does not.
     assert loop.status_patches()[-1] == {
         "cost": {
             **first["cost"],
-            "accruedUSD": round(rate / 60, 6),
+            "accruedUSD": 0.0,
             "updatedAt": "2026-11-22T12:01:00Z",
         }
     }
@@ -928,7 +943,7 @@ async def test_a_child_owned_by_someone_else_fails_the_job(
 
 
 async def test_job_with_no_pools_waits_for_them(apiserver: ApiServerEmulator, loop: Loop) -> None:
-    seed(apiserver, tiny_job())
+    seed(apiserver, tiny_job(), claim(DEMO_CLAIM))
 
     delay = await loop.look()
 
@@ -942,6 +957,54 @@ async def test_job_with_no_pools_waits_for_them(apiserver: ApiServerEmulator, lo
     # Waiting for pools counts as queued: a new pool wakes it; otherwise it retries.
     assert loop.key in loop.runtime.queued
     assert delay == ControllerSettings().queue_retry_seconds
+
+
+async def test_a_job_whose_claim_is_missing_is_held_until_it_exists(
+    apiserver: ApiServerEmulator, loop: Loop
+) -> None:
+    seed(apiserver, *example_pools(), *pool_nodes(), tiny_job())
+
+    delay = await loop.look()
+
+    assert children(apiserver) == {"pvc": [], "configmap": [], "service": [], "job": []}
+    status = loop.status()
+    assert status["phase"] == "Pending"
+    held = condition(status, ConditionType.INPUTS_READY)
+    assert (held["status"], held["reason"]) == ("False", Reason.MISSING_VOLUME)
+    assert (
+        f"PersistentVolumeClaim {DEMO_CLAIM!r} (spec.model.uri) does not exist" in held["message"]
+    )
+    assert [(t, r) for t, r, _ in loop.events] == [("Warning", Reason.MISSING_VOLUME)]
+    assert delay == ControllerSettings().queue_retry_seconds
+
+    seed(apiserver, claim(DEMO_CLAIM))
+    await loop.look()
+
+    status = loop.status()
+    assert status["phase"] == "Running"
+    assert condition(status, ConditionType.INPUTS_READY)["reason"] == Reason.INPUTS_FOUND
+    assert children(apiserver)["job"] == [child_names("tiny-cpu-lora", 1).job]
+
+
+async def test_a_secret_the_operator_may_not_read_is_not_checked(
+    apiserver: ApiServerEmulator, loop: Loop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = tiny_job()
+    job["spec"]["model"]["tokenSecretRef"] = {"name": "hf", "key": "token"}
+    seed(apiserver, *example_cluster(), job)
+    consented = Tenant(NAMESPACE, allowed_secrets=frozenset({"hf"}))
+    monkeypatch.setattr(Caches, "tenant", lambda self, namespace: consented)
+    apiserver[f"get /api/v1/namespaces/{NAMESPACE}/secrets/hf"] << kmock.KubernetesError(
+        403, "Forbidden", "secrets is forbidden"
+    )
+
+    await loop.look()
+
+    # The preflight asked, was refused (no rbac.secretPreflight rule) and let the job go:
+    # the pods' errors tell of a missing Secret instead.
+    asked = [r for r in apiserver if r.method == "GET" and r.resource == kmock.resource(SECRETS)]
+    assert len(asked) == 1
+    assert loop.status()["phase"] == "Running"
 
 
 async def test_a_job_from_a_newer_crd_is_left_alone_with_a_warning(

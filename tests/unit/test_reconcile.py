@@ -64,7 +64,7 @@ def test_new_job_is_planned_and_launched() -> None:
 
 def test_reconcile_is_idempotent_once_running() -> None:
     job, _ = run(make_job())
-    running = observed(batch_job(active=1, ready=1))
+    running = observed(batch_job(active=1, ready=1), [pod("demo-a1-0")])
     job, d1 = run(job, running, now=T0 + timedelta(seconds=10))
     job2, d2 = run(job, running, now=T0 + timedelta(seconds=20))
     assert d1.create == [] and d2.create == []
@@ -410,7 +410,7 @@ def test_budget_stops_the_job() -> None:
     job, _ = run(make_job(resources={"maxCostUSD": 1.0}))
     rate = job.status.cost.rate_usd_per_hour  # type: ignore[union-attr]
     assert rate is not None and rate > 0
-    running = observed(batch_job(active=1, ready=1))
+    running = observed(batch_job(active=1, ready=1), [pod("demo-a1-0")])
     job, d = run(job, running, now=T0 + timedelta(hours=0.5 / rate))
     assert job.status is not None and job.status.phase == "Running"
     job, d = run(job, running, now=T0 + timedelta(hours=1.01 / rate))
@@ -444,7 +444,7 @@ def test_cost_accrual_does_not_drift_with_sub_second_ticks() -> None:
     job, _ = run(make_job())
     rate = job.status.cost.rate_usd_per_hour  # type: ignore[union-attr]
     assert rate is not None
-    running = observed(batch_job(active=1, ready=1))
+    running = observed(batch_job(active=1, ready=1), [pod("demo-a1-0")])
     now = T0
     for _ in range(360):  # one hour of ticks every 10.4 s
         now += timedelta(seconds=10, milliseconds=400)

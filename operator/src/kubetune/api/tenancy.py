@@ -5,7 +5,8 @@ the namespace's labels). A namespace's owner names the Secrets its FineTuneJobs 
 trainer pods with an annotation on the Namespace, `kubetune.io/allowed-secrets: a,b`: a
 Secret becomes a job's token only with that consent. The consent lives on the Namespace,
 not on the Secret, because the operator must be able to read it: RBAC cannot grant reading a
-Secret's labels without its contents, and the operator never reads Secrets.
+Secret's labels without its contents: the operator reads a Secret only once the namespace
+consented to it, to check before a launch that it exists (docs/security.md).
 """
 
 from __future__ import annotations

@@ -45,6 +45,9 @@ class ConditionType(StrEnum):
     SUSPENDED = "Suspended"
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
+    INPUTS_READY = "InputsReady"
+    """False while an object the job reads (a `pvc://` claim, the token Secret) is missing;
+    set only once one was found missing."""
 
 
 class Reason(StrEnum):
@@ -59,12 +62,26 @@ class Reason(StrEnum):
     UNKNOWN_ARCHITECTURE = "UnknownArchitecture"
     INSUFFICIENT_CAPACITY = "InsufficientCapacity"
     CAPACITY_AVAILABLE = "CapacityAvailable"
+    # the launch preflight
+    MISSING_VOLUME = "MissingVolume"
+    """A PersistentVolumeClaim a `pvc://` URI names does not exist in the job's namespace."""
+    MISSING_SECRET = "MissingSecret"
+    """The Secret (or its key) spec.model.tokenSecretRef names does not exist."""
+    INPUTS_FOUND = "InputsFound"
     # running
     LAUNCHED = "Launched"
     PODS_STARTING = "PodsStarting"
     TRAINING = "Training"
     CHECKPOINT = "Checkpoint"
     ADOPTED = "Adopted"
+    IMAGE_PULL_FAILED = "ImagePullFailed"
+    """A trainer pod's image cannot be pulled (ErrImagePull, ImagePullBackOff)."""
+    CONTAINER_CONFIG_ERROR = "ContainerConfigError"
+    """The kubelet cannot create the trainer container (a Secret, key or ConfigMap missing)."""
+    UNSCHEDULABLE = "Unschedulable"
+    """A trainer pod waits for room: the scheduler's message says why."""
+    STARTUP_TIMEOUT = "StartupTimeout"
+    """A trainer pod bound to a node did not start within the startup timeout."""
     SUSPEND_REQUESTED = "SuspendRequested"
     RESUMED = "Resumed"
     # recovery

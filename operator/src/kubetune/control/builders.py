@@ -291,6 +291,40 @@ def _output_location(job: FineTuneJob) -> _Location | None:
     return _locate(uri) if uri and uri.startswith("pvc://") else None
 
 
+@dataclass(frozen=True)
+class InputRef:
+    """An object in the job's namespace that its trainer pods need and the operator does not
+    create: a claim a `pvc://` URI names, or the Secret holding the hub token. Checked before
+    a launch (the launch preflight), so that a job whose inputs are missing never holds GPUs."""
+
+    kind: Literal["PersistentVolumeClaim", "Secret"]
+    name: str
+    field: str
+    """The spec field that names it (`spec.dataset.uri`)."""
+    key: str | None = None
+    """The Secret's key the trainer reads."""
+
+
+def input_refs(job: FineTuneJob) -> list[InputRef]:
+    """What the job's trainer pods mount or read from its namespace, in spec order."""
+    spec = job.spec
+    refs: list[InputRef] = []
+    seen: set[str] = set()
+    for field, uri in (
+        ("spec.model.uri", spec.model.uri),
+        ("spec.dataset.uri", spec.dataset.uri),
+        ("spec.output.uri", spec.output.uri),
+    ):
+        claim = _locate(uri).claim if uri and uri.startswith("pvc://") else None
+        if claim is not None and claim not in seen:
+            seen.add(claim)
+            refs.append(InputRef("PersistentVolumeClaim", claim, field))
+    token = spec.model.token_secret_ref
+    if token is not None:
+        refs.append(InputRef("Secret", token.name, "spec.model.tokenSecretRef", token.key))
+    return refs
+
+
 def _pvc_claims(job: FineTuneJob) -> dict[str, bool]:
     """Claims named by `pvc://` URIs → read-only (only model/dataset read from them)."""
     claims: dict[str, bool] = {}

@@ -2,9 +2,9 @@
 
 The reconcile logic asks these questions of the objects the controller observed: did the
 batch Job finish or fail, how did the trainer exit (the contract's exit codes, and the
-termination message), was a pod preempted, has a pending pod been unschedulable, and which
-pods of this attempt ended since the last look. Everything here reads plain dicts in the
-Kubernetes wire format and returns named values.
+termination message), was a pod preempted, has a pending pod been unschedulable, does its
+trainer container run or why not, and which pods of this attempt ended since the last look.
+Everything here reads plain dicts in the Kubernetes wire format and returns named values.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from enum import StrEnum
 from typing import Any
 
 from kubetune.api.v1alpha1 import Recovery
-from kubetune.api.vocabulary import RecoveryReason
+from kubetune.api.vocabulary import Reason, RecoveryReason
 from kubetune_trainer.contract import (
     EXIT_CHECKPOINT_FAILED,
     EXIT_CONFIG_ERROR,
@@ -200,6 +200,101 @@ def unschedulable_since(pod: Mapping[str, Any]) -> datetime | None:
         ):
             return parse_time(cond.get("lastTransitionTime"))
     return None
+
+
+def _trainer_status(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        if cs.get("name") == TRAINER_CONTAINER:
+            return cs  # type: ignore[no-any-return]
+    return None
+
+
+def trainer_running(pod: Mapping[str, Any]) -> bool:
+    """The pod's trainer container runs. (A Running pod that reports no status for it, as
+    some test doubles do, counts as running: its only container is the trainer.)"""
+    if pod_phase(pod) != PodPhase.RUNNING:
+        return False
+    cs = _trainer_status(pod)
+    return cs is None or "running" in (cs.get("state") or {})
+
+
+IMAGE_PULL_WAITING = frozenset(
+    {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"}
+)
+"""The kubelet's waiting reasons for an image it cannot pull."""
+CONFIG_WAITING = frozenset({"CreateContainerConfigError", "CreateContainerError"})
+"""The kubelet's waiting reasons for a container it cannot create (a Secret, a key, a
+ConfigMap missing; a bad mount)."""
+
+
+@dataclass(frozen=True)
+class Startup:
+    """Why a trainer pod of the attempt does not run yet."""
+
+    pod: str
+    reason: Reason
+    """IMAGE_PULL_FAILED, CONTAINER_CONFIG_ERROR, UNSCHEDULABLE or PODS_STARTING."""
+    message: str
+    since: datetime | None
+    """Since when it could have started: bound to its node, else created."""
+    for_room: bool
+    """It waits for room in the pool (unschedulable for lack of GPUs, not for a volume):
+    the queue and the move to another pool deal with that, not the startup timeout."""
+
+    @property
+    def user_error(self) -> bool:
+        """A cause only the job's owner or the cluster's admin can fix: relaunching the
+        same pods does not help."""
+        return self.reason in (Reason.IMAGE_PULL_FAILED, Reason.CONTAINER_CONFIG_ERROR)
+
+
+_STARTUP_ORDER = (
+    Reason.IMAGE_PULL_FAILED,
+    Reason.CONTAINER_CONFIG_ERROR,
+    Reason.UNSCHEDULABLE,
+    Reason.PODS_STARTING,
+)
+
+
+def startup(pod: Mapping[str, Any]) -> Startup | None:
+    """Why the pod's trainer does not run yet; None when it runs or the pod ended."""
+    if pod_phase(pod) in POD_DONE or trainer_running(pod):
+        return None
+    name = pod_name(pod)
+    meta = pod.get("metadata") or {}
+    status = pod.get("status") or {}
+    since = parse_time(meta.get("creationTimestamp"))
+    for cond in status.get("conditions") or []:
+        if cond.get("type") != "PodScheduled":
+            continue
+        if cond.get("status") == "True":
+            since = parse_time(cond.get("lastTransitionTime")) or since
+        elif cond.get("reason") == "Unschedulable":
+            why = str(cond.get("message") or "no node fits")
+            return Startup(
+                name,
+                Reason.UNSCHEDULABLE,
+                f"pod {name} is unschedulable: {why}",
+                since,
+                for_room=unschedulable_since(pod) is not None,
+            )
+    waiting = ((_trainer_status(pod) or {}).get("state") or {}).get("waiting") or {}
+    reason = str(waiting.get("reason") or "")
+    detail = f"{reason}: {waiting.get('message')}" if waiting.get("message") else reason
+    if reason in IMAGE_PULL_WAITING:
+        return Startup(name, Reason.IMAGE_PULL_FAILED, f"pod {name}: {detail}", since, False)
+    if reason in CONFIG_WAITING:
+        return Startup(name, Reason.CONTAINER_CONFIG_ERROR, f"pod {name}: {detail}", since, False)
+    doing = detail or str(status.get("phase") or PodPhase.PENDING)
+    return Startup(name, Reason.PODS_STARTING, f"pod {name}: {doing}", since, False)
+
+
+def most_telling(startups: Sequence[Startup]) -> Startup | None:
+    """The startup problem to show first: an image or config error before waiting for room
+    before an ordinary start."""
+    if not startups:
+        return None
+    return min(startups, key=lambda s: (_STARTUP_ORDER.index(s.reason), s.pod))
 
 
 @dataclass(frozen=True)

@@ -63,19 +63,22 @@ def stalled_for(status: FineTuneJobStatus, now: datetime) -> float | None:
     return None if since is None else (now - since).total_seconds()
 
 
-def accrue(cost: CostStatus | None, now: datetime) -> None:
-    """Add the plan's price for the time since the last update while the batch Job existed.
+def accrue(cost: CostStatus | None, now: datetime, share: float) -> None:
+    """Add the plan's price for the time since the last update, times `share`: the fraction
+    of the attempt's trainer pods whose trainer runs now.
 
-    GPUs are billed from the moment pods are bound, so Pending pods count too. Timestamps
-    have one-second resolution: measure against the whole second that is recorded, or every
-    update would add up to a second too much.
+    A job counts as training, and costs, only while its trainers run: a pod that waits for
+    room, for its image or for a Secret costs the job nothing (the startup timeout bounds how
+    long a bound pod may wait). Timestamps have one-second resolution: measure against the
+    whole second that is recorded, or every update would add up to a second too much.
     """
     if cost is None or cost.rate_usd_per_hour is None:
         return
     whole = now.replace(microsecond=0)
     last = parse_time(cost.updated_at) or whole
     seconds = max(0.0, (whole - last).total_seconds())
-    cost.accrued_usd = round(cost.accrued_usd + cost.rate_usd_per_hour * seconds / 3600, 6)
+    share = min(1.0, max(0.0, share))
+    cost.accrued_usd = round(cost.accrued_usd + cost.rate_usd_per_hour * seconds * share / 3600, 6)
     cost.updated_at = now_rfc3339(whole)
 
 

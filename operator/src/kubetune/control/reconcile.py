@@ -13,10 +13,11 @@ phases and the legal moves between them):
     finished (Succeeded, Failed)  → stop what still runs, delete old attempts, TTL
     spec.suspend                  → Suspended: stop the trainer (it checkpoints first)
     Suspended, resumed            → relaunch from the checkpoint (plan first if never planned)
-    Pending, Planning, Queued     → plan; launch, or queue for capacity
+    Pending, Planning, Queued     → preflight (the claims and Secret it reads exist), plan;
+                                    launch, or queue for capacity
     Running                       → follow: success, failure (OOM re-plan, config error,
                                     relaunch), ended pods, a move to another pool, budget and
-                                    deadline, progress
+                                    deadline, progress, pods that do not start (and why)
 
 The helpers in control/pods.py read the batch Job and pods; control/progress.py keeps
 progress, checkpoint and cost; `lifecycle.Transitions` makes every phase change.
@@ -56,6 +57,7 @@ from kubetune.control import progress
 from kubetune.control.builders import (
     ANNOTATION_TEST_FAULTS,
     BuildSettings,
+    InputRef,
     build_children,
     child_names,
 )
@@ -123,6 +125,23 @@ class ControllerSettings:
     """Worker threads that run reconciles (planning) off the operator's event loop."""
     scrape_concurrency: int = 16
     """Trainer metrics endpoints scraped at once."""
+    startup_timeout_seconds: float = 900.0
+    """A trainer pod that has a node (or a job whose claim or Secret is missing) and whose
+    trainer has not started this long fails the attempt: the job fails when the cause is its
+    image or its config, else the attempt is relaunched as a restart."""
+
+
+@dataclass(frozen=True)
+class MissingInput:
+    """An object the job reads that the launch preflight did not find."""
+
+    ref: InputRef
+    problem: str
+    """`does not exist`, `has no key 'token'`."""
+
+    def describe(self, namespace: str) -> str:
+        ref = self.ref
+        return f"{ref.kind} {ref.name!r} ({ref.field}) {self.problem} in namespace {namespace}"
 
 
 @dataclass(frozen=True)
@@ -145,6 +164,9 @@ class Observed:
     tenant: Tenant | None = None
     """The job's namespace: the pools it may use, the Secrets it may reference (None: not
     known; every pool is eligible and no Secret is checked)."""
+    missing_inputs: Sequence[MissingInput] = ()
+    """What the launch preflight found missing of `builders.input_refs(job)` (read only
+    before a launch; empty when all exist or they could not be read)."""
 
 
 @dataclass(frozen=True)
@@ -174,6 +196,15 @@ class NewPlan:
 
     status: PlanStatus
     queued: bool
+
+
+def needs_preflight(job: FineTuneJob) -> bool:
+    """Whether a reconcile of `job` may launch a new attempt from where it is (not yet
+    running, or suspended): only then are the claims and Secret it reads looked up."""
+    phase = job.status.phase if job.status is not None else Phase.PENDING
+    if job.spec.suspend:
+        return False
+    return phase in (Phase.PENDING, Phase.PLANNING, Phase.QUEUED, Phase.SUSPENDED)
 
 
 def reconcile(
@@ -246,10 +277,11 @@ class _Reconciler:
             self.adopt_lost_launch()
         self.delete_stale_attempts()
         if self.s.phase == Phase.SUSPENDED:
-            self.resume()
+            if not self.inputs_missing():
+                self.resume()
             return
         if self.s.plan is None or self.s.phase in (Phase.PENDING, Phase.PLANNING, Phase.QUEUED):
-            if self.refused():
+            if self.refused() or self.inputs_missing():
                 return
             self.plan_and_launch()
             return
@@ -293,7 +325,7 @@ class _Reconciler:
         if self.s.phase != Phase.SUSPENDED:
             self.go.suspend()
             self.d.event(Reason.SUSPEND_REQUESTED, "Stopping the trainer; it checkpoints first")
-            progress.accrue(self.s.cost, self.now)
+            progress.accrue(self.s.cost, self.now, self.training_share())
         self.stop_trainer()
         self.delete_stale_attempts(newer_too=True)
 
@@ -378,6 +410,43 @@ class _Reconciler:
         if image == self.settings.build.trainer_image:
             return True
         return any(fnmatchcase(image, pattern) for pattern in self.settings.allowed_trainer_images)
+
+    # ------------------------------------------------------------------ launch preflight
+
+    def inputs_missing(self) -> bool:
+        """Hold a job whose claims or token Secret do not exist (before any GPU is asked
+        for): condition InputsReady=False naming each, until they exist; after the startup
+        timeout the job fails. True while it holds the job."""
+        missing = self.observed.missing_inputs
+        before = get_condition(self.s.conditions, ConditionType.INPUTS_READY)
+        if not missing:
+            if before is not None and before.status != "True":
+                self.go.condition(
+                    ConditionType.INPUTS_READY, True, Reason.INPUTS_FOUND, "every input exists"
+                )
+                self.d.event(Reason.INPUTS_FOUND, "Every claim and Secret the job reads exists")
+            return False
+        namespace = str(self.job.metadata.get("namespace") or "default")
+        volume = any(m.ref.kind == "PersistentVolumeClaim" for m in missing)
+        reason = Reason.MISSING_VOLUME if volume else Reason.MISSING_SECRET
+        timeout = self.settings.startup_timeout_seconds
+        what = "; ".join(m.describe(namespace) for m in missing)
+        message = f"{what}. To fix: {_fix_missing(missing)}"
+        since = p.parse_time(before.last_transition_time) if before is not None else None
+        if before is None or before.status == "True" or since is None:
+            since = self.now
+        waited = (self.now - since).total_seconds()
+        if waited >= timeout:
+            self.go.condition(ConditionType.INPUTS_READY, False, reason, message)
+            self.fail(reason, f"still missing after {waited:.0f}s: {message}")
+            return True
+        held = f"{message}; the job starts once it exists (it fails after {timeout:.0f}s)"
+        if before is None or before.status == "True" or before.message != held:
+            self.d.event(reason, held, warning=True)
+        self.go.condition(ConditionType.INPUTS_READY, False, reason, held)
+        self.s.message = held
+        self.d.requeue_after = self.settings.queue_retry_seconds
+        return True
 
     def for_tenant(self, planner: PlannerSettings) -> PlannerSettings:
         """Planner settings that keep the job off pools its namespace may not use."""
@@ -510,7 +579,7 @@ class _Reconciler:
         if job is None:
             self.recreate_children(plan)
             return
-        progress.accrue(self.s.cost, self.now)
+        progress.accrue(self.s.cost, self.now, self.training_share())
         job_status = job.get("status") or {}
         if p.job_succeeded(job_status):
             self.succeed()
@@ -528,13 +597,58 @@ class _Reconciler:
                 self.d.event(Reason.CHECKPOINT, f"checkpoint at step {step} is complete")
         if self.relaunch_if_stalled(plan):
             return
-        running = max(job_status.get("ready") or 0, job_status.get("active") or 0)
-        if running >= plan.nodes:
+        if self.running_trainers() >= plan.nodes:
             if not is_true(self.s.conditions, ConditionType.RUNNING):
                 self.d.event(Reason.TRAINING, f"{plan.nodes} trainer pod(s) running")
+                self.s.message = f"attempt {self.s.attempt} training"
             self.go.condition(
                 ConditionType.RUNNING, True, Reason.TRAINING, f"attempt {self.s.attempt} training"
             )
+            return
+        self.follow_startup()
+
+    def running_trainers(self) -> int:
+        return sum(1 for pod in self.observed.pods if p.trainer_running(pod))
+
+    def training_share(self) -> float:
+        """The fraction of the attempt's trainer pods that train now (what the job costs)."""
+        plan = self.s.plan
+        return self.running_trainers() / plan.nodes if plan is not None else 0.0
+
+    def follow_startup(self) -> None:
+        """Some trainers do not run: say why (condition Running=False with the reason,
+        status.message, an Event when the reason changes), and fail the attempt when a pod
+        with a node has not started within the startup timeout."""
+        startups = [s for s in map(p.startup, self.observed.pods) if s is not None]
+        shown = p.most_telling(startups)
+        if shown is None:
+            return  # pods not created yet (or not in the cache yet)
+        before = get_condition(self.s.conditions, ConditionType.RUNNING)
+        changed = before is None or before.reason != shown.reason
+        if changed and shown.reason != Reason.PODS_STARTING:
+            self.d.event(shown.reason, shown.message, warning=True)
+        self.go.condition(ConditionType.RUNNING, False, shown.reason, shown.message)
+        self.s.message = f"attempt {self.s.attempt}: {shown.message}"
+        timeout = self.settings.startup_timeout_seconds
+        late = [
+            s
+            for s in startups
+            if not s.for_room and s.since and (self.now - s.since).total_seconds() >= timeout
+        ]
+        stuck = p.most_telling(late)
+        if stuck is None:
+            return
+        why = f"{stuck.message} (not started after {timeout:.0f}s)"
+        if stuck.user_error:
+            self.fail(Reason.STARTUP_TIMEOUT, f"{why}. To fix: {_fix_startup(stuck.reason)}")
+            return
+        if self.out_of_restarts(f"trainer did not start: {why}"):
+            return
+        self.s.restarts += 1
+        self.add_recovery(RecoveryReason.POD_FAILURE, why, pod=stuck.pod)
+        self.d.event(Reason.STARTUP_TIMEOUT, f"{why}; relaunching", warning=True)
+        self.stop_trainer()
+        self.launch()
 
     def recreate_children(self, plan: PlanStatus) -> None:
         """The batch Job was deleted behind our back, or is not in the cache yet:
@@ -795,6 +909,32 @@ class _Reconciler:
             self.d.requeue_after = self.settings.queue_retry_seconds
             return
         self.launch()
+
+
+def _fix_missing(missing: Sequence[MissingInput]) -> str:
+    fixes = []
+    for m in missing:
+        if m.ref.kind == "Secret":
+            key = m.ref.key or "token"
+            fixes.append(
+                f"create it (`kubectl create secret generic {m.ref.name} "
+                f"--from-literal={key}=<token>`) or correct {m.ref.field}"
+            )
+        else:
+            fixes.append(f"create the claim {m.ref.name!r} or correct {m.ref.field}")
+    return "; ".join(dict.fromkeys(fixes))
+
+
+def _fix_startup(reason: Reason) -> str:
+    if reason == Reason.IMAGE_PULL_FAILED:
+        return (
+            "check the image name and that the nodes can pull it (an imagePullSecret on the "
+            "namespace's default ServiceAccount for a private registry)"
+        )
+    return (
+        "create the Secret or ConfigMap the kubelet names, or correct the job; "
+        "`kubectl describe pod` shows the kubelet's message"
+    )
 
 
 OVERDUE_DELETION_SECONDS = 60

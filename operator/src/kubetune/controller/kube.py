@@ -2,7 +2,8 @@
 
 Reconciles read the cluster from watch-fed caches (controller/cache.py); what goes through
 here are the writes (`create_if_absent`, `delete_batch_job`, `patch_status`, ...), the one
-read that resolves a create conflict (`owner_uids`) and the trainer metrics scrape.
+read that resolves a create conflict (`owner_uids`), the launch preflight's reads of the
+claims and Secret a job names (`missing_inputs`) and the trainer metrics scrape.
 Every call retries what a retry can fix (throttling, server errors, lost connections, and
 for status writes conflicts) a few times before it gives up; `patch_status` raises
 `StatusRejected` for what it cannot (the apiserver's 422).
@@ -22,14 +23,15 @@ from lightkube import AsyncClient, codecs
 from lightkube.core.exceptions import ApiError
 from lightkube.generic_resource import create_global_resource, create_namespaced_resource
 from lightkube.resources.batch_v1 import Job
-from lightkube.resources.core_v1 import ConfigMap, PersistentVolumeClaim, Service
+from lightkube.resources.core_v1 import ConfigMap, PersistentVolumeClaim, Secret, Service
 from lightkube.resources.networking_v1 import NetworkPolicy
 from lightkube.types import CascadeType, PatchType
 from prometheus_client.parser import text_string_to_metric_families
 
 from kubetune.api.v1alpha1 import GROUP, VERSION
-from kubetune.control.builders import COMPLETION_INDEX_ANNOTATION
+from kubetune.control.builders import COMPLETION_INDEX_ANNOTATION, InputRef
 from kubetune.control.pods import PodPhase
+from kubetune.control.reconcile import MissingInput
 
 log = logging.getLogger("kubetune")
 
@@ -106,6 +108,7 @@ class Kube:
         self.scrape_timeout_s = scrape_timeout_s
         self.may_write = may_write
         """Asked before every write; False (the leader lease is lost) stops it with `Fenced`."""
+        self._unreadable_warned: set[int] = set()
 
     def _check_fence(self) -> None:
         if not self.may_write():
@@ -152,6 +155,45 @@ class Kube:
             raise
         refs = obj.metadata.ownerReferences if obj.metadata else None
         return {ref.uid for ref in refs or []}
+
+    async def missing_inputs(self, namespace: str, refs: Sequence[InputRef]) -> list[MissingInput]:
+        """Which of `refs` do not exist in `namespace` (a Secret also when it lacks the key).
+        What cannot be read (no RBAC permission, the API server's trouble) counts as present:
+        the pods' own errors tell of it after the launch."""
+        missing = []
+        for ref in refs:
+            kind: Any = Secret if ref.kind == "Secret" else PersistentVolumeClaim
+
+            async def read(kind: Any = kind, name: str = ref.name) -> Any:
+                return await self.client.get(kind, name=name, namespace=namespace)
+
+            try:
+                obj = await self._retrying(
+                    f"read of {ref.kind} {namespace}/{ref.name}", read, write=False
+                )
+            except ApiError as exc:
+                code = exc.status.code or 0
+                if code == 404:
+                    missing.append(MissingInput(ref, "does not exist"))
+                elif code not in self._unreadable_warned:
+                    self._unreadable_warned.add(code)
+                    log.warning(
+                        "cannot read %s %s/%s before a launch (HTTP %s); not checking it",
+                        ref.kind,
+                        namespace,
+                        ref.name,
+                        code,
+                    )
+                continue
+            except (httpx2.HTTPError, OSError) as exc:
+                log.info("cannot read %s %s/%s (%s); not checking it", ref.kind, namespace,
+                         ref.name, exc)  # fmt: skip
+                continue
+            if ref.key is not None and isinstance(obj, Secret):
+                keys = set(obj.data or {}) | set(obj.stringData or {})
+                if ref.key not in keys:
+                    missing.append(MissingInput(ref, f"has no key {ref.key!r}"))
+        return missing
 
     async def _retrying(
         self,

@@ -46,10 +46,11 @@ from kubetune.api.v1alpha1 import (
     PlanStatus,
 )
 from kubetune.api.vocabulary import TERMINAL_PHASES, EventType, Phase, PoolConditionType, Reason
+from kubetune.control.builders import input_refs
 from kubetune.control.conditions import now_rfc3339
 from kubetune.control.lifecycle import failed
 from kubetune.control.queue import Ticket, count_ahead, free_after, wait_reason
-from kubetune.control.reconcile import ControllerSettings, Decision, reconcile
+from kubetune.control.reconcile import ControllerSettings, Decision, needs_preflight, reconcile
 from kubetune.controller import metrics
 from kubetune.controller.cache import Caches, JobKey, job_key, job_key_of, parse_pool, with_capacity
 from kubetune.controller.kube import Fenced, Kube, StatusRejected
@@ -511,6 +512,16 @@ class Runtime:
         version = self.view_version
         pools, capacity = self.live_pools()
         observed = self.caches.observe(job, pools)
+        refs = [
+            ref
+            for ref in (input_refs(job) if needs_preflight(job) else [])
+            # A Secret is read only once its namespace consented to it (api/tenancy.py).
+            if ref.kind != "Secret"
+            or (observed.tenant is not None and ref.name in observed.tenant.allowed_secrets)
+        ]
+        if refs:
+            missing = await self.kube.missing_inputs(namespace, refs)
+            observed = replace(observed, missing_inputs=missing)
         if job.status and job.status.phase == Phase.RUNNING and observed.pods:
             async with self.scrapes:
                 scraped = await self.kube.trainer_metrics(observed.pods)

@@ -15,6 +15,8 @@ KUBETUNE_RESYNC_SECONDS             every unfinished job is looked at at least t
 KUBETUNE_PROGRESS_WRITE_SECONDS     progress/cost-only status writes at most this often (60)
 KUBETUNE_STALL_SECONDS              liveness fails when reconciles stalled this long (300)
 KUBETUNE_TRAINING_STALL_SECONDS     relaunch an attempt whose step stopped moving this long (1800)
+KUBETUNE_STARTUP_TIMEOUT_SECONDS    fail an attempt whose trainer has a node and has not started
+                                    this long, or a job whose inputs are missing this long (900)
 KUBETUNE_PLANNER_WORKERS            threads that run reconciles off the event loop (2)
 KUBETUNE_SCRAPE_CONCURRENCY         trainer metrics endpoints read at once (16)
 KUBETUNE_ALLOW_NETWORK              fetch config.json of unknown hub models (false)
@@ -202,6 +204,9 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> ControllerSetting
         stall_seconds=_positive(env, "KUBETUNE_STALL_SECONDS", ControllerSettings.stall_seconds),
         training_stall_seconds=_positive(
             env, "KUBETUNE_TRAINING_STALL_SECONDS", ControllerSettings.training_stall_seconds
+        ),
+        startup_timeout_seconds=_positive(
+            env, "KUBETUNE_STARTUP_TIMEOUT_SECONDS", ControllerSettings.startup_timeout_seconds
         ),
         planner_workers=int(
             _positive(env, "KUBETUNE_PLANNER_WORKERS", ControllerSettings.planner_workers)
