@@ -34,7 +34,7 @@ Sharding = Literal["full", "grad-op", "none"]
 """FSDP FULL_SHARD (parameters, gradients and optimizer states / N), SHARD_GRAD_OP
 (gradients and optimizer states / N), or none (one GPU)."""
 DatasetFormat = Literal["alpaca", "sharegpt", "chat", "instruction-response", "text"]
-SourceKind = Literal["path", "hub", "s3"]
+SourceKind = Literal["path", "hub", "s3", "https"]
 
 METHODS: tuple[Method, ...] = get_args(Method)
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
@@ -215,6 +215,56 @@ class TrainerConfig(_Strict):
 
     def to_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True)
+
+
+class StageInConfig(_Strict):
+    """What the stage-in step fetches, checks and measures before any GPU is asked for.
+
+    The operator runs it as a CPU-only pod (`python -m kubetune_trainer.stagein --config F`)
+    with the shared cache volume mounted at `cache_dir`. It fetches the model and the dataset
+    into the cache (once per source and revision, whichever job asks first), checks them
+    (config.json, tokenizer, records) and measures the dataset with the model's tokenizer;
+    it writes a `StageInResult` as JSON to `result_path` and, compact, to the termination
+    message. Exit 0: staged; EXIT_CONFIG_ERROR: a permanent failure (no access, no such
+    object, bad data, a different architecture than planned) named in the termination
+    message; anything else: transient (the batch Job retries it).
+
+    Credentials come from the environment, as the clients read them: `HF_TOKEN` (the env var
+    `model.token_env` names) for the hub; `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
+    `AWS_REGION` and `AWS_ENDPOINT_URL` (an S3-compatible store) for S3.
+    """
+
+    contract_version: int = CONTRACT_VERSION
+    job: JobRef
+    model: ModelRef
+    dataset: DatasetRef
+    cache_dir: str = "/cache"
+    result_path: str = Field(description="Where the StageInResult JSON is written.")
+    method: Method
+    sequence_length: int = 2048
+    packing: bool = True
+    model_type: str | None = Field(
+        default=None,
+        description="The config.json `model_type` the plan assumed; a different one fails.",
+    )
+
+
+class StageInResult(_Strict):
+    """What the stage-in step found: where the files are and what the data measures."""
+
+    model_path: str = Field(description="The model directory, inside cache_dir.")
+    dataset_path: str = Field(description="The dataset file or directory, inside cache_dir.")
+    model_config_json: dict[str, object] = Field(
+        default_factory=dict, description="The model's config.json, as fetched."
+    )
+    examples: int = Field(description="Records in the training split.")
+    tokens: int = Field(description="Tokens in one epoch of the training split, templated.")
+    packed_sequences: int = Field(
+        description="Sequences of sequence_length one epoch packs into (records, unpacked)."
+    )
+    downloaded_bytes: int = 0
+    reused_bytes: int = Field(default=0, description="Bytes found in the cache already.")
+    seconds: float = 0.0
 
 
 class ContractError(ValueError):
