@@ -127,10 +127,14 @@ def test_a_secret_needs_the_namespace_owners_consent(
         "kubetune.io/allowed-secrets=hf-token`"
     )
     created_nothing(cluster, "gated", namespace)
-    # The fix the message gives works: with consent, the next job launches.
+    # The fix the message gives works: with consent (and the Secret, which the launch
+    # preflight checks), the next job launches.
     cluster.kubectl(
         "annotate", "namespace", namespace, "--overwrite", "kubetune.io/allowed-secrets=hf-token"
     )
+    token = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "hf-token"},
+             "stringData": {"token": "hf_x"}}  # fmt: skip
+    assert cluster.apply(token, namespace=namespace).returncode == 0
     doc["metadata"]["name"] = "gated-2"
     assert cluster.apply(doc, namespace=namespace).returncode == 0
     obj = wait_phase(cluster, "gated-2", namespace, "Running", "Succeeded", "Failed")

@@ -418,19 +418,26 @@ def test_schema_rejects_bad_values(helm: Helm, sets: list[str], message: str) ->
     assert message in out.stderr, out.stderr
 
 
-def test_rbac_has_no_wildcards_and_no_secrets(helm: Helm, tmp_path: Path) -> None:
-    for docs in (
-        render(helm),
-        render(helm, values=ALL_ON, tmp=tmp_path),
-        render(helm, "leaderElection.enabled=true"),
+def test_rbac_has_no_wildcards_and_reads_secrets_only_by_name(helm: Helm, tmp_path: Path) -> None:
+    for docs, secret_get in (
+        (render(helm), True),
+        (render(helm, values=ALL_ON, tmp=tmp_path), True),
+        (render(helm, "leaderElection.enabled=true"), True),
+        (render(helm, "rbac.secretPreflight=false"), False),
     ):
+        secret_rules = []
         for role, rule in rules(docs):
             where = f"{role['kind']} {role['metadata']['name']}: {rule}"
             assert "*" not in rule["verbs"] and "*" not in rule["resources"], where
             assert "*" not in rule.get("apiGroups", []), where
-            assert "secrets" not in rule["resources"], where
+            if "secrets" in rule["resources"]:
+                # The launch preflight's read by name: never list or watch (which would
+                # hand the operator every Secret), never a write.
+                assert rule["resources"] == ["secrets"] and rule["verbs"] == ["get"], where
+                secret_rules.append(rule)
             assert not set(rule["verbs"]) & {"escalate", "bind", "impersonate"}, where
             assert "nonResourceURLs" not in rule, where
+        assert bool(secret_rules) == secret_get
 
 
 def test_rbac_rules_are_the_documented_set(helm: Helm) -> None:
@@ -458,6 +465,7 @@ def test_rbac_rules_are_the_documented_set(helm: Helm) -> None:
             for v in ("get", "create")
         ),
         ("", "events", "create"),
+        ("", "secrets", "get"),  # the launch preflight (rbac.secretPreflight)
         ("networking.k8s.io", "networkpolicies", "get"),
         ("networking.k8s.io", "networkpolicies", "create"),
         ("", "nodes", "list"),

@@ -280,12 +280,14 @@ def test_service_account_can_do_what_the_operator_needs_and_no_more(
         ("list", "pods", "-A"),
         ("list", "nodes"),
         ("create", "events", "-n", "default"),
+        # The launch preflight reads a (consented) token Secret by name (rbac.secretPreflight).
+        ("get", "secrets", "-n", "default"),
     ]
     for args in allowed:
         assert can_i(cluster, sa, *args), args
     denied = [
-        ("get", "secrets", "-n", "default"),
         ("list", "secrets", "-A"),
+        ("watch", "secrets", "-n", "default"),
         ("delete", "pods", "-n", "default"),
         ("create", "pods", "-n", "default"),
         ("update", "deployments.apps", "-n", RELEASE_NS),

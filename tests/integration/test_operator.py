@@ -83,8 +83,9 @@ def test_admission_takes_a_known_gpu_by_name_and_wants_numbers_for_others(
         assert "spec.gpu.memoryGiB and spec.gpu.bf16TFLOPS are required" in out.stderr
         assert "NVIDIA-H200" in out.stderr
     finally:
+        # Waited for: a pool still being deleted would show in the next tests' pool lists.
         cluster.kubectl(
-            "delete", "gpupool", "by-name-h200", "--ignore-not-found", "--wait=false", check=False
+            "delete", "gpupool", "by-name-h200", "--ignore-not-found", "--timeout=60s", check=False
         )
 
 
