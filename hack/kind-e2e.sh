@@ -188,7 +188,8 @@ helm install kubetune charts/kubetune --namespace kubetune-system --wait \
   --set operator.progressWriteSeconds=1 \
   --set operator.terminationGraceSeconds=60 --set operator.rescheduleSeconds=5 \
   --set operator.trainerCPUPerGPU=250m --set operator.trainerMemoryPerGPU=1Gi \
-  --set operator.allowTestFaults=true
+  --set operator.allowTestFaults=true --set operator.startupTimeoutSeconds=90 \
+  --set 'operator.allowedTrainerImages={localhost/kubetune-missing:0}'
 
 stamp "helm test"
 helm test kubetune --namespace kubetune-system --logs --timeout 3m

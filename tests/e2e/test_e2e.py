@@ -677,6 +677,70 @@ def test_suspend_checkpoints_and_resume_continues(target: Target) -> None:
     delete_job(target, name)
 
 
+def test_a_job_created_again_under_its_old_name_starts_over_unless_told_to_resume(
+    target: Target,
+) -> None:
+    # The checkpoint volume is retained, so a new job of the same name mounts the old one's
+    # checkpoints: it must not take them for its own (a v2 with new data would train 0 steps
+    # and export v1's adapter).
+    name, steps = "again", 20
+    target.apply(job_doc(name, steps=steps))
+    wait_phase(target, name, "Succeeded")
+    v1 = target.get("finetunejob", name)["metadata"]["uid"]  # type: ignore[index]
+    delete_job(target, name)
+
+    target.apply(job_doc(name, steps=steps, training={"learningRate": 1e-3}))
+    wait_phase(target, name, "Succeeded")
+    v2 = target.get("finetunejob", name)["metadata"]["uid"]  # type: ignore[index]
+    runs = runs_of(train_log(target, name))
+    assert runs[-1].resumed_from == 0 and runs[-1].steps == list(range(1, steps + 1)), runs
+    moved = [p for p in target.list_volume(f"{name}-ckpt", "") if p.startswith("foreign/")]
+    assert any(p.startswith(f"foreign/{v1}-") and f"/step-{steps}/" in p for p in moved), moved
+    delete_job(target, name)
+
+    # Named explicitly, another job's checkpoints are resumed: v2 had finished, so v3 resumes
+    # at its last step and trains none.
+    target.apply(job_doc(name, steps=steps, checkpoint={"resumeFromUID": v2}))
+    wait_phase(target, name, "Succeeded")
+    runs = runs_of(train_log(target, name))
+    assert runs[-1].resumed_from == steps and runs[-1].steps == [], runs
+    REPORT.append(
+        f"re-created under its old name: v2 trained {steps} steps from 0 (v1's checkpoints moved "
+        f"to foreign/); v3 with resumeFromUID resumed at step {steps}"
+    )
+    delete_job(target, name)
+    target.kubectl("delete", "pvc", f"{name}-ckpt", "-n", NAMESPACE, "--wait=false")
+
+
+MISSING_IMAGE = "localhost/kubetune-missing:0"
+"""An image no node has (hack/kind-e2e.sh allows it as a trainer image)."""
+
+
+def test_an_image_that_cannot_be_pulled_is_shown_costs_nothing_and_fails(target: Target) -> None:
+    if not target.pulls_images:
+        pytest.skip(f"on {target.name}, no kubelet pulls images: the pod runner ignores them")
+    name = "nopull"
+    target.apply(job_doc(name, trainerImage=MISSING_IMAGE))
+
+    def shown() -> dict[str, Any] | None:
+        s = status(target, name)
+        cond = next((c for c in s.get("conditions", []) if c["type"] == "Running"), {})
+        return s if cond.get("reason") == "ImagePullFailed" else None
+
+    s = wait_for("the pull failure shown", shown, 120)
+    assert MISSING_IMAGE in s["message"], s["message"]
+    assert float((s.get("cost") or {}).get("accruedUSD") or 0) == 0.0
+    s = wait_phase(target, name, "Failed", timeout=240)
+    failed = next(c for c in s["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "StartupTimeout", outcome(target, name)
+    assert "To fix: check the image name" in failed["message"]
+    assert float((s.get("cost") or {}).get("accruedUSD") or 0) == 0.0
+    wait_for("trainer pods gone", lambda: not active_pods(target, name), 90)
+    REPORT.append(f"unpullable image: {failed['message'][:160]}")
+    delete_job(target, name)
+    target.kubectl("delete", "pvc", f"{name}-ckpt", "-n", NAMESPACE, "--wait=false")
+
+
 @pytest.mark.parametrize("retention", ["delete", "retain"])
 def test_delete_mid_run_collects_children(target: Target, retention: str) -> None:
     name = f"gone-{retention}"

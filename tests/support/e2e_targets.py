@@ -104,6 +104,8 @@ class Target:
     pools takes its checkpoint volume along)."""
     cheap_volume_reads = True
     """Whether reading a file of a volume is quick (a local folder), not a pod per read."""
+    pulls_images = False
+    """Whether a kubelet pulls the pods' images (the local pod runner ignores them)."""
 
     def kubectl_argv(self) -> list[str]:
         """kubectl with the target's kubeconfig, for commands run as their own process."""
@@ -265,6 +267,7 @@ class KindTarget(Target):
     name = "kind"
     volumes_follow_pods = False  # kind's local-path volumes are pinned to the node
     cheap_volume_reads = False  # each read is a pod
+    pulls_images = True
     OPERATOR_NAMESPACE = "kubetune-system"
     OPERATOR_SELECTOR = "app.kubernetes.io/name=kubetune"
 
