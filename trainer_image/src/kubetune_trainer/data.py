@@ -99,6 +99,7 @@ class Rows:
 class DataStats:
     records: int = 0
     examples: int = 0
+    train_examples: int = 0  # examples left for training once validation is split off
     truncated: int = 0
     dropped_no_target: int = 0
     train_rows: int = 0
@@ -110,9 +111,19 @@ class DataStats:
 # --------------------------------------------------------------------------- reading
 
 
+def _hidden(path: Path, source: Path) -> bool:
+    """A dot-file or dot-folder inside the dataset folder (`.git/`, a cache's bookkeeping such
+    as the stage-in's `.kubetune-entry.json`): never data."""
+    return any(part.startswith(".") for part in path.relative_to(source).parts)
+
+
 def _files(source: Path) -> list[Path]:
     if source.is_dir():
-        files = sorted(p for p in source.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
+        files = sorted(
+            p
+            for p in source.rglob("*")
+            if p.is_file() and p.suffix in SUFFIXES and not _hidden(p, source)
+        )
         if not files:
             raise DataError(
                 f"{source}: no data files (looked for {', '.join(SUFFIXES)}); to fix: point "
@@ -529,6 +540,7 @@ def prepare_data(
         pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     train_rows = _rows(train, packing, sequence_length, pad_id)
     val_rows = _rows(val, packing, sequence_length, pad_id) if val else None
+    stats.train_examples = len(train)
     stats.train_rows = len(train_rows)
     stats.validation_rows = len(val_rows) if val_rows else 0
     stats.train_tokens = sum(len(e.input_ids) for e in train)
