@@ -1,0 +1,599 @@
+"""The stage-in step (`python -m kubetune_trainer.stagein`): a tiny model and an alpaca dataset
+fetched from a volume path, from a real S3 server (versitygw, support/s3server.py) and from
+the hub stand-in (support/hubserver.py) into the cache, checked, and measured.
+
+What is pinned: the staged files and a StageInResult whose counts equal what data.py computes
+for the same data and tokenizer; a second stage-in downloads nothing; two at once download
+once; permanent failures (wrong S3 keys, a missing object, a malformed line, another
+architecture than planned) exit 2 with the URI and "To fix" in the termination message; a
+transient hub failure is retried; a path is read in place.
+
+The S3 tests need versitygw, built from Go modules on first use (about 2 minutes, then cached);
+they are skipped, with the reason, where it cannot be built.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch", reason="trainer tests need the trainer extra (torch)")
+pytest.importorskip("boto3", reason="the stage-in needs boto3 (the trainer extra)")
+pytest.importorskip("huggingface_hub", reason="trainer tests need the trainer extra")
+
+from huggingface_hub import HfApi
+
+from kubetune_trainer import hub as hub_module
+from kubetune_trainer.contract import (
+    EXIT_CONFIG_ERROR,
+    StageInConfig,
+    StageInResult,
+    TrainingConfig,
+)
+from kubetune_trainer.data import prepare_data, read_records
+from kubetune_trainer.stagein import cache_entries, stage_in
+from kubetune_trainer.stagein import fetch as fetch_module
+from kubetune_trainer.stagein.__main__ import main
+from kubetune_trainer.stagein.cache import ENTRY_FILE
+from kubetune_trainer.tiny import make_records, write_jsonl
+from support.hubserver import HubServer, hub_server
+from support.s3server import S3Server, s3_server
+from support.trainer import worker_env
+
+pytestmark = pytest.mark.trainer
+
+SEQUENCE_LENGTH = 128
+VALIDATION_SPLIT = 0.1
+RECORDS = 160
+MODEL_REPO = "org/tiny-llama"
+DATASET_REPO = "org/alpaca"
+
+
+# ------------------------------------------------------------------ helpers
+
+
+@pytest.fixture(autouse=True)
+def _short_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hub_module, "RETRY_DELAYS_S", (0.05, 0.05, 0.05))
+    monkeypatch.setattr(fetch_module, "RETRY_DELAYS_S", (0.05, 0.05, 0.05))
+
+
+def stagein_config(
+    tmp: Path, model: dict[str, Any], dataset: dict[str, Any], **extra: Any
+) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "contract_version": 1,
+        "job": {"name": "tune", "namespace": "default", "uid": "u1"},
+        "model": model,
+        "dataset": {"format": "alpaca", "validation_split": VALIDATION_SPLIT, **dataset},
+        "cache_dir": str(tmp / "cache"),
+        "result_path": str(tmp / "out" / "result.json"),
+        "method": "lora",
+        "sequence_length": SEQUENCE_LENGTH,
+        "packing": True,
+        "model_type": "llama",
+    }
+    cfg.update(extra)
+    return cfg
+
+
+def run_stagein(tmp: Path, cfg: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> tuple[int, str]:
+    """`main` in this process: (exit code, termination message)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    config = tmp / "stagein.json"
+    config.write_text(json.dumps(cfg))
+    log = tmp / "termination-log"
+    log.unlink(missing_ok=True)
+    monkeypatch.setenv("KUBETUNE_TERMINATION_LOG", str(log))
+    code = main(["--config", str(config)])
+    return code, log.read_text() if log.exists() else ""
+
+
+def result_of(cfg: dict[str, Any], message: str) -> StageInResult:
+    """The result file, checked against the termination message (the same, compact)."""
+    result = StageInResult.model_validate_json(Path(cfg["result_path"]).read_text())
+    assert len(message.encode()) <= 4096
+    assert StageInResult.model_validate_json(message) == result
+    return result
+
+
+@pytest.fixture(scope="module")
+def alpaca(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_jsonl(
+        tmp_path_factory.mktemp("stagein-data") / "alpaca.jsonl", make_records("alpaca", RECORDS)
+    )
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama: Path, alpaca: Path) -> dict[str, int]:
+    """What data.py makes of the dataset with the model's tokenizer: training-split examples
+    and their tokens (unpacked rows), and the rows one epoch packs into."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama))
+    records = read_records(str(alpaca))
+    seed = TrainingConfig.model_fields["seed"].default
+
+    def rows(packing: bool) -> Any:
+        return prepare_data(
+            records,
+            fmt="alpaca",
+            tokenizer=tokenizer,
+            sequence_length=SEQUENCE_LENGTH,
+            packing=packing,
+            validation_split=VALIDATION_SPLIT,
+            seed=seed,
+        ).train
+
+    unpacked = rows(False)
+    return {
+        "examples": len(unpacked),
+        "tokens": sum(unpacked.lengths),
+        "packed_sequences": len(rows(True)),
+    }
+
+
+def counts(result: StageInResult) -> dict[str, int]:
+    return {
+        "examples": result.examples,
+        "tokens": result.tokens,
+        "packed_sequences": result.packed_sequences,
+    }
+
+
+def files_of(folder: Path) -> set[str]:
+    return {
+        p.relative_to(folder).as_posix()
+        for p in folder.rglob("*")
+        if p.is_file() and p.name != ENTRY_FILE
+    }
+
+
+def tree_bytes(folder: Path) -> dict[str, bytes]:
+    return {
+        p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()
+    }
+
+
+# ------------------------------------------------------------------ a path: read in place
+
+
+def test_path_kind_is_read_in_place(
+    tmp_path: Path,
+    tiny_llama: Path,
+    alpaca: Path,
+    expected: dict[str, int],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cfg = stagein_config(
+        tmp_path,
+        {"source": str(tiny_llama), "kind": "path"},
+        {"source": str(alpaca), "kind": "path"},
+    )
+    code, message = run_stagein(tmp_path, cfg, monkeypatch)
+    assert code == 0, message
+    result = result_of(cfg, message)
+    assert result.model_path == str(tiny_llama)
+    assert result.dataset_path == str(alpaca)
+    assert counts(result) == expected
+    assert result.model_config_json["model_type"] == "llama"
+    assert (result.downloaded_bytes, result.reused_bytes) == (0, 0)
+    cache = tmp_path / "cache"
+    assert not (cache / "models").exists() and not (cache / "datasets").exists()
+
+
+# ------------------------------------------------------------------ the hub
+
+
+@pytest.fixture
+def hub(
+    monkeypatch: pytest.MonkeyPatch, tiny_llama: Path, alpaca: Path, tmp_path: Path
+) -> Iterator[HubServer]:
+    """The hub stand-in with the tiny model (and files training does not read) and the
+    dataset (a train and a test split), this process's client pointed at it."""
+    with hub_server() as server:
+        server.patch(monkeypatch, cache_dir=tmp_path / "hf-cache")
+        files = {p.name: p.read_bytes() for p in tiny_llama.iterdir() if p.is_file()}
+        files["pytorch_model.bin"] = b"\0" * 4096  # safetensors exist: never fetched
+        files["original/consolidated.00.pth"] = b"\0" * 4096
+        files["onnx/model.onnx"] = b"\0" * 4096
+        files["README.md"] = b"# tiny\n"
+        server.add_model(MODEL_REPO, files)
+        lines = alpaca.read_bytes()
+        server.add_dataset(
+            DATASET_REPO,
+            {
+                "data/train.jsonl": lines,
+                "data/test.jsonl": b"".join(lines.splitlines(keepends=True)[:5]),
+                "README.md": b"# alpaca\n",
+            },
+        )
+        yield server
+
+
+def hub_config(tmp: Path, **extra: Any) -> dict[str, Any]:
+    return stagein_config(
+        tmp,
+        {"source": MODEL_REPO, "kind": "hub"},
+        {"source": DATASET_REPO, "kind": "hub"},
+        **extra,
+    )
+
+
+def test_hub_model_and_dataset_staged_then_reused(
+    tmp_path: Path,
+    hub: HubServer,
+    tiny_llama: Path,
+    expected: dict[str, int],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cfg = hub_config(tmp_path)
+    code, message = run_stagein(tmp_path / "first", cfg, monkeypatch)
+    assert code == 0, message
+    first = result_of(cfg, message)
+    model_dir = Path(first.model_path)
+    assert model_dir.parent == tmp_path / "cache" / "models"
+    # Only what training reads: no .bin beside safetensors, no original/ or onnx/, no README.
+    assert files_of(model_dir) == {p.name for p in tiny_llama.iterdir() if p.is_file()}
+    assert files_of(Path(first.dataset_path)) == {"data/train.jsonl"}  # the train split
+    assert counts(first) == expected
+    assert first.model_config_json == json.loads((tiny_llama / "config.json").read_text())
+    downloads = hub.downloads()
+    assert downloads == len(files_of(model_dir)) + 1
+    assert first.downloaded_bytes > 500_000 and first.reused_bytes == 0
+
+    entry = json.loads((model_dir / ENTRY_FILE).read_text())
+    assert entry["source"] == MODEL_REPO and entry["kind"] == "hub"
+    assert entry["commit"] == HfApi().model_info(MODEL_REPO).sha
+    assert {f["path"] for f in entry["files"]} == files_of(model_dir)
+    assert entry["bytes"] == sum(f["bytes"] for f in entry["files"])
+
+    time.sleep(0.01)
+    cfg2 = hub_config(tmp_path, result_path=str(tmp_path / "out2" / "result.json"))
+    code, message = run_stagein(tmp_path / "second", cfg2, monkeypatch)
+    assert code == 0, message
+    second = result_of(cfg2, message)
+    assert hub.downloads() == downloads  # nothing fetched again
+    assert second.downloaded_bytes == 0
+    assert second.reused_bytes == first.downloaded_bytes
+    assert (second.model_path, second.dataset_path) == (first.model_path, first.dataset_path)
+    assert counts(second) == expected
+    again = json.loads((model_dir / ENTRY_FILE).read_text())
+    assert again["last_used"] > entry["last_used"] and again["fetched_at"] == entry["fetched_at"]
+
+    listed = cache_entries(tmp_path / "cache")
+    assert {(e.category, e.source) for e in listed} == {
+        ("models", MODEL_REPO),
+        ("datasets", DATASET_REPO),
+    }
+    assert sum(e.bytes for e in listed) == second.reused_bytes
+
+
+def test_two_stage_ins_at_once_download_once(
+    tmp_path: Path, hub: HubServer, expected: dict[str, int]
+) -> None:
+    results: dict[int, StageInResult] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(2)
+
+    def one(i: int) -> None:
+        cfg = StageInConfig.model_validate(
+            hub_config(tmp_path, result_path=str(tmp_path / f"r{i}.json"))
+        )
+        try:
+            start.wait()
+            results[i] = stage_in(cfg)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert hub.downloads() == len(files_of(Path(results[0].model_path))) + 1  # once
+    # Each source was fetched by one of them (whichever took its lock first) and found in
+    # the cache by the other.
+    total = results[0].downloaded_bytes + results[0].reused_bytes
+    assert total == results[1].downloaded_bytes + results[1].reused_bytes
+    assert sum(r.downloaded_bytes for r in results.values()) == total
+    assert all(counts(r) == expected for r in results.values())
+    assert not list((tmp_path / "cache" / "models").glob(".tmp-*"))
+
+
+def test_transient_hub_errors_are_retried(
+    tmp_path: Path, hub: HubServer, expected: dict[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hub.fail_next(2, 503)
+    cfg = hub_config(tmp_path)
+    code, message = run_stagein(tmp_path, cfg, monkeypatch)
+    assert code == 0, message
+    assert counts(result_of(cfg, message)) == expected
+    assert [r.status for r in hub.requests()[:2]] == [503, 503]
+
+
+def test_hub_that_stays_down_is_transient(
+    tmp_path: Path, hub: HubServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hub.fail_next(100, 503)
+    code, message = run_stagein(tmp_path, hub_config(tmp_path), monkeypatch)
+    assert code == 1
+    assert message.startswith("transient dataset org/alpaca: the hub could not be reached")
+
+
+def test_another_architecture_fails_before_the_weights(
+    tmp_path: Path, hub: HubServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    code, message = run_stagein(tmp_path, hub_config(tmp_path, model_type="qwen2"), monkeypatch)
+    assert code == EXIT_CONFIG_ERROR
+    assert message.startswith(f"config_error model {MODEL_REPO}: ")
+    assert "model_type 'llama'" in message and "'qwen2'" in message and "To fix" in message
+    assert not any(r.path.endswith("model.safetensors") for r in hub.requests())  # no weights
+
+
+def test_missing_hub_repository_is_permanent(
+    tmp_path: Path, hub: HubServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = hub_config(tmp_path)
+    cfg["model"]["source"] = "org/no-such-model"
+    code, message = run_stagein(tmp_path, cfg, monkeypatch)
+    assert code == EXIT_CONFIG_ERROR
+    assert "org/no-such-model: no such repository" in message and "To fix" in message
+    assert not list((tmp_path / "cache" / "models").iterdir())  # nothing left behind
+
+
+def test_malformed_line_names_the_file_and_line(
+    tmp_path: Path, hub: HubServer, alpaca: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lines = alpaca.read_bytes().splitlines(keepends=True)
+    lines[6] = b'{"instruction": "repeat", "output": \n'
+    hub.add_dataset("org/broken", {"train.jsonl": b"".join(lines)})
+    cfg = hub_config(tmp_path)
+    cfg["dataset"]["source"] = "org/broken"
+    code, message = run_stagein(tmp_path, cfg, monkeypatch)
+    assert code == EXIT_CONFIG_ERROR
+    assert "hf://datasets/org/broken/train.jsonl:7: not valid JSON" in message
+    assert "To fix" in message
+    assert hub.downloads(MODEL_REPO) == 0  # the dataset fails before the model is fetched
+
+
+# ------------------------------------------------------------------ S3
+
+
+@pytest.fixture(scope="module")
+def s3(
+    tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path, alpaca: Path
+) -> Iterator[S3Server]:
+    """versitygw with the model under s3://models/tiny-llama/ and the dataset as one object,
+    s3://data/alpaca.jsonl (skipped where versitygw cannot be built)."""
+    with s3_server(tmp_path_factory.mktemp("s3")) as server:
+        server.make_bucket("models")
+        server.put_tree("models", "tiny-llama", tiny_llama)
+        server.make_bucket("data")
+        server.client().upload_file(str(alpaca), "data", "alpaca.jsonl")
+        yield server
+
+
+@pytest.fixture
+def s3_env(s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
+    def use(**keys: str) -> None:
+        for key, value in s3.env(**keys).items():
+            monkeypatch.setenv(key, value)
+
+    use()
+    return use
+
+
+def s3_config(tmp: Path, **extra: Any) -> dict[str, Any]:
+    return stagein_config(
+        tmp,
+        {"source": "s3://models/tiny-llama", "kind": "s3"},
+        {"source": "s3://data/alpaca.jsonl", "kind": "s3"},
+        **extra,
+    )
+
+
+def test_s3_model_and_dataset_staged_then_reused(
+    tmp_path: Path,
+    s3: S3Server,
+    s3_env: Callable[..., None],
+    tiny_llama: Path,
+    alpaca: Path,
+    expected: dict[str, int],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model_gets, data_gets = s3.gets("models", "tiny-llama/"), s3.gets("data", "alpaca.jsonl")
+    cfg = s3_config(tmp_path)
+    code, message = run_stagein(tmp_path / "first", cfg, monkeypatch)
+    assert code == 0, message
+    first = result_of(cfg, message)
+    model_dir = Path(first.model_path)
+    assert tree_bytes(tiny_llama) == {
+        k: v for k, v in tree_bytes(model_dir).items() if k != ENTRY_FILE
+    }
+    assert Path(first.dataset_path).read_bytes() == alpaca.read_bytes()
+    assert Path(first.dataset_path).name == "alpaca.jsonl"
+    assert counts(first) == expected
+    assert s3.gets("models", "tiny-llama/") - model_gets >= len(files_of(model_dir))
+    assert s3.gets("data", "alpaca.jsonl") - data_gets == 1
+    fetched = s3.gets()
+
+    cfg2 = s3_config(tmp_path, result_path=str(tmp_path / "out2" / "result.json"))
+    code, message = run_stagein(tmp_path / "second", cfg2, monkeypatch)
+    assert code == 0, message
+    second = result_of(cfg2, message)
+    assert s3.gets() == fetched  # not one object fetched again
+    assert second.downloaded_bytes == 0 and second.reused_bytes == first.downloaded_bytes > 0
+    assert counts(second) == expected
+
+
+def test_s3_two_processes_at_once_fetch_once(
+    tmp_path: Path, s3: S3Server, s3_env: Callable[..., None], tiny_llama: Path
+) -> None:
+    """Two stage-in processes on one cache volume: the file lock makes one fetch each source
+    while the other waits, then finds it in the cache."""
+    model_gets, data_gets = s3.gets("models", "tiny-llama/"), s3.gets("data", "alpaca.jsonl")
+    procs, configs = [], []
+    for i in range(2):
+        cfg = s3_config(tmp_path, result_path=str(tmp_path / f"out{i}" / "result.json"))
+        config = tmp_path / f"stagein-{i}.json"
+        config.write_text(json.dumps(cfg))
+        configs.append(cfg)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "kubetune_trainer.stagein", "--config", str(config)],
+                env=worker_env(),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    for proc in procs:
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 0, stderr[-2000:]
+    results = [
+        StageInResult.model_validate_json(Path(c["result_path"]).read_text()) for c in configs
+    ]
+    n_files = sum(1 for p in tiny_llama.iterdir() if p.is_file())
+    assert s3.gets("models", "tiny-llama/") - model_gets == n_files  # each object once
+    assert s3.gets("data", "alpaca.jsonl") - data_gets == 1
+    total = results[0].downloaded_bytes + results[0].reused_bytes
+    assert sum(r.downloaded_bytes for r in results) == total > 0
+
+
+def test_s3_wrong_credentials_fail_fast_with_the_uri(
+    tmp_path: Path, s3: S3Server, s3_env: Callable[..., None]
+) -> None:
+    """The real entry point, in its own process, with a wrong secret key."""
+    cfg = s3_config(tmp_path)
+    config = tmp_path / "stagein.json"
+    config.write_text(json.dumps(cfg))
+    log = tmp_path / "termination-log"
+    env = worker_env(KUBETUNE_TERMINATION_LOG=str(log), **s3.env(secret_key="not-the-secret-key"))
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "kubetune_trainer.stagein", "--config", str(config)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == EXIT_CONFIG_ERROR, proc.stderr[-2000:]
+    assert elapsed < 60
+    message = log.read_text()
+    assert message.startswith("config_error dataset s3://data/alpaca.jsonl: S3 refused access")
+    assert "SignatureDoesNotMatch" in message and "To fix" in message
+    assert not Path(cfg["result_path"]).exists()
+
+
+def test_s3_missing_object_is_permanent(
+    tmp_path: Path, s3: S3Server, s3_env: Callable[..., None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = s3_config(tmp_path)
+    cfg["dataset"]["source"] = "s3://data/nothing-here.jsonl"
+    code, message = run_stagein(tmp_path, cfg, monkeypatch)
+    assert code == EXIT_CONFIG_ERROR
+    assert "dataset s3://data/nothing-here.jsonl: no objects under it" in message
+    assert "To fix" in message
+
+    cfg["dataset"]["source"] = "s3://no-such-bucket/alpaca.jsonl"
+    code, message = run_stagein(tmp_path, cfg, monkeypatch)
+    assert code == EXIT_CONFIG_ERROR
+    assert "there is no bucket 'no-such-bucket'" in message and "To fix" in message
+
+
+def test_s3_malformed_record_names_the_object_and_line(
+    tmp_path: Path,
+    s3: S3Server,
+    s3_env: Callable[..., None],
+    alpaca: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    lines = alpaca.read_bytes().splitlines(keepends=True)
+    lines[2] = b'{"instruction": "copy"}\n'  # valid JSON, no output
+    broken = tmp_path / "broken"
+    write = broken / "part-0.jsonl"
+    write.parent.mkdir()
+    write.write_bytes(b"".join(lines))
+    s3.put_tree("data", "broken", broken)
+    cfg = s3_config(tmp_path)
+    cfg["dataset"]["source"] = "s3://data/broken/"
+    code, message = run_stagein(tmp_path, cfg, monkeypatch)
+    assert code == EXIT_CONFIG_ERROR
+    assert "s3://data/broken/part-0.jsonl:3: alpaca record needs a string field 'output'" in (
+        message
+    )
+    assert "To fix" in message
+
+
+# ------------------------------------------------------------------ https
+
+
+@pytest.fixture
+def web(alpaca: Path) -> Iterator[tuple[str, list[int]]]:
+    """A plain HTTP server on loopback serving /data/alpaca.jsonl, whose first answer is a
+    503; (base URL, the statuses it answered)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    statuses: list[int] = []
+    body = alpaca.read_bytes()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            status = 503 if not statuses else 200 if self.path == "/data/alpaca.jsonl" else 404
+            statuses.append(status)
+            data = body if status == 200 else b"no"
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", statuses
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_https_dataset_is_streamed_with_retries(
+    tmp_path: Path,
+    web: tuple[str, list[int]],
+    tiny_llama: Path,
+    alpaca: Path,
+    expected: dict[str, int],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    base, statuses = web
+    cfg = stagein_config(
+        tmp_path,
+        {"source": str(tiny_llama), "kind": "path"},
+        {"source": f"{base}/data/alpaca.jsonl", "kind": "https"},
+    )
+    code, message = run_stagein(tmp_path, cfg, monkeypatch)
+    assert code == 0, message
+    result = result_of(cfg, message)
+    assert statuses == [503, 200]
+    assert Path(result.dataset_path).read_bytes() == alpaca.read_bytes()
+    assert counts(result) == expected
+
+    cfg["dataset"]["source"] = f"{base}/data/missing.jsonl"
+    code, message = run_stagein(tmp_path, cfg, monkeypatch)
+    assert code == EXIT_CONFIG_ERROR
+    assert f"dataset {base}/data/missing.jsonl: the server answered HTTP 404" in message
+    assert "To fix" in message

@@ -1,0 +1,23 @@
+"""Stage-in: fetch, check and measure a job's model and dataset before any GPU is asked for.
+
+    python -m kubetune_trainer.stagein --config /etc/kubetune/stagein.json
+
+runs in a CPU-only pod with the shared cache volume at `StageInConfig.cache_dir`. It fetches
+the dataset and the model into the cache (`cache`: once per source and revision, whichever
+job asks first; `fetch`: the hub, S3, https, with failures sorted into permanent and
+transient), checks them and measures the dataset with the model's tokenizer through the
+trainer's own data code (`check`), and writes a `StageInResult` to `result_path` and, as
+compact JSON, to the termination message (`__main__`).
+
+Exit codes: 0 staged; EXIT_CONFIG_ERROR (2) a permanent failure (no access, no such
+repository, bucket or object, bad data, another architecture than planned), with what,
+where and "To fix:" in the termination message; 1 a transient one after retries (the
+batch Job runs the pod again, which resumes the fetch) or a crash.
+"""
+
+from __future__ import annotations
+
+from kubetune_trainer.stagein.cache import CacheEntry, cache_entries, cache_key
+from kubetune_trainer.stagein.stage import stage_in
+
+__all__ = ["CacheEntry", "cache_entries", "cache_key", "stage_in"]

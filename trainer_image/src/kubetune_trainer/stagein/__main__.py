@@ -1,0 +1,133 @@
+"""Entry point: `python -m kubetune_trainer.stagein --config FILE` (or
+`$KUBETUNE_STAGEIN_CONFIG`).
+
+On success the termination message is the `StageInResult` as compact JSON (without
+`model_config_json` when the whole would pass Kubernetes' 4096 bytes); on failure it is
+`config_error <message>` (exit 2), `transient <message>` (exit 1) or `crash <error>` (exit 1).
+The file is the trainer's (`$KUBETUNE_TERMINATION_LOG`, else /dev/termination-log).
+Progress goes to stdout, one JSON line per file fetched; the log to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import sys
+import traceback
+from pathlib import Path
+
+from kubetune_trainer.__main__ import TERMINATION_LOG, crash_message
+from kubetune_trainer.contract import (
+    CONTRACT_VERSION,
+    EXIT_CONFIG_ERROR,
+    EXIT_OK,
+    StageInConfig,
+    StageInResult,
+)
+
+CONFIG_ENV = "KUBETUNE_STAGEIN_CONFIG"
+TERMINATION_BYTES = 4096
+"""What Kubernetes keeps of a termination message."""
+log = logging.getLogger("kubetune_trainer.stagein")
+
+
+def write_termination_message(text: str) -> None:
+    """Replace the termination message, if there is a file for it (as the trainer decides)."""
+    explicit = os.environ.get("KUBETUNE_TERMINATION_LOG")
+    path = Path(explicit or TERMINATION_LOG)
+    if not (explicit and path.parent.is_dir()) and not path.exists():
+        return
+    data = text.strip().encode()[:TERMINATION_BYTES].decode(errors="ignore")
+    with contextlib.suppress(OSError):
+        path.write_text(data)
+
+
+def compact(result: StageInResult) -> str:
+    """The result as one line of JSON under TERMINATION_BYTES: model_config_json goes first."""
+    text = json.dumps(result.model_dump(mode="json"), separators=(",", ":"), sort_keys=True)
+    if len(text.encode()) <= TERMINATION_BYTES:
+        return text
+    smaller = result.model_copy(update={"model_config_json": {}})
+    return json.dumps(smaller.model_dump(mode="json"), separators=(",", ":"), sort_keys=True)
+
+
+def load_config(path: str) -> StageInConfig:
+    raw = json.loads(Path(path).read_text())
+    version = raw.get("contract_version") if isinstance(raw, dict) else None
+    if version != CONTRACT_VERSION:
+        raise ValueError(
+            f"contract_version {version!r}, this trainer image understands {CONTRACT_VERSION}. "
+            "To fix: use a trainer image that matches the operator"
+        )
+    return StageInConfig.model_validate(raw)
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s stagein %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    for noisy in ("httpx", "httpx2", "urllib3", "filelock", "botocore", "s3transfer", "boto3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kubetune_trainer.stagein")
+    parser.add_argument("--config", default=os.environ.get(CONFIG_ENV))
+    args = parser.parse_args(argv)
+    _setup_logging()
+    if not args.config:
+        message = f"no config: pass --config FILE or set {CONFIG_ENV}"
+        log.error("%s", message)
+        write_termination_message(f"config_error {message}")
+        return EXIT_CONFIG_ERROR
+    try:
+        cfg = load_config(args.config)
+    except (OSError, ValueError) as e:  # pydantic's ValidationError is a ValueError
+        message = f"config {args.config}: {e}"
+        log.error("%s", message)
+        write_termination_message(f"config_error {message}")
+        return EXIT_CONFIG_ERROR
+
+    from kubetune_trainer.errors import ConfigError, TrainerExit
+    from kubetune_trainer.stagein.stage import stage_in
+
+    try:
+        result = stage_in(cfg)
+        path = Path(cfg.result_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(result.model_dump_json(indent=2) + "\n")
+    except ConfigError as e:
+        log.error("%s", e)
+        write_termination_message(f"config_error {e}")
+        return e.exit_code
+    except TrainerExit as e:
+        log.warning("%s", e)
+        write_termination_message(f"transient {e}")
+        return e.exit_code
+    except Exception as e:
+        traceback.print_exc()
+        write_termination_message(crash_message(e))
+        return 1
+    write_termination_message(compact(result))
+    log.info(
+        "staged: %d examples, %d tokens, %d sequences; %.1f MB downloaded, %.1f MB reused, "
+        "in %.1fs",
+        result.examples,
+        result.tokens,
+        result.packed_sequences,
+        result.downloaded_bytes / 1e6,
+        result.reused_bytes / 1e6,
+        result.seconds,
+    )
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

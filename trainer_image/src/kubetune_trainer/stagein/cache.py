@@ -1,0 +1,200 @@
+"""The stage-in cache on the shared volume: one entry per (kind, source, revision).
+
+    <cache_dir>/models/<key>/            a model folder, as fetched
+    <cache_dir>/datasets/<key>/          a dataset folder (or the one file it holds)
+    <cache_dir>/<models|datasets>/.tmp-<key>/   the fetch in progress (resumed after a restart)
+    <cache_dir>/locks/<key>.lock         held (flock) while <key> is fetched
+
+`key` is a readable name and a short sha256 of (kind, source, revision). A fetch goes into
+`.tmp-<key>/` on the same volume; `.kubetune-entry.json` is written there last, and the folder
+is then renamed to `<key>/` in one step, so an entry either is complete or does not exist.
+The lock makes two stage-ins of the same source fetch once: the second waits, then finds the
+entry. Every use rewrites `last_used` in the entry file (for an eviction by least recent use).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+ENTRY_FILE = ".kubetune-entry.json"
+ENTRY_VERSION = 1
+LOCKS = "locks"
+CATEGORIES = ("models", "datasets")
+TMP_PREFIX = ".tmp-"
+NAME_CHARS = 48
+
+
+def cache_key(kind: str, source: str, revision: str | None) -> str:
+    """`<readable name>-<12 hex digits of sha256(kind, source, revision)>`."""
+    digest = hashlib.sha256(json.dumps([kind, source, revision or ""]).encode()).hexdigest()
+    parts = [p for p in source.split("://", 1)[-1].split("/") if p]
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", "--".join(parts[-2:])).strip(".-")
+    return f"{name[:NAME_CHARS] or 'source'}-{digest[:12]}"
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _parse_iso(text: object) -> datetime:
+    try:
+        return datetime.strptime(str(text), "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC)
+    except ValueError:
+        return datetime.fromtimestamp(0, UTC)
+
+
+def _write_json_atomic(path: Path, value: dict[str, Any]) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A finished cache entry."""
+
+    path: Path
+    meta: dict[str, Any]
+
+    @property
+    def target(self) -> Path:
+        """What a job reads: the folder, or the single file a one-object dataset is."""
+        return self.path / str(self.meta.get("target", "."))
+
+    @property
+    def bytes(self) -> int:
+        return int(self.meta.get("bytes", 0))
+
+
+def lookup(root: Path, key: str) -> Entry | None:
+    """The finished entry `<root>/<key>`, or None."""
+    try:
+        meta = json.loads((root / key / ENTRY_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return Entry(root / key, meta) if isinstance(meta, dict) else None
+
+
+def touch(entry: Entry) -> Entry:
+    """Record a use of the entry (`last_used`); a read-only volume only costs the record."""
+    meta = {**entry.meta, "last_used": now_iso()}
+    try:
+        _write_json_atomic(entry.path / ENTRY_FILE, meta)
+    except OSError as e:
+        log.warning("%s: could not record its use (%s)", entry.path, e)
+    return Entry(entry.path, meta)
+
+
+@contextlib.contextmanager
+def locked(cache_dir: Path, key: str, what: str) -> Iterator[None]:
+    """Hold `<cache_dir>/locks/<key>.lock` exclusively (waiting for whoever holds it)."""
+    locks = cache_dir / LOCKS
+    locks.mkdir(parents=True, exist_ok=True)
+    fd = os.open(locks / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o664)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            log.info("%s: another stage-in is fetching it; waiting for it to finish", what)
+            t0 = time.monotonic()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            log.info("%s: the other stage-in finished after %.1fs", what, time.monotonic() - t0)
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def temp_dir(root: Path, key: str) -> Path:
+    """Where `key` is fetched (call with the lock held); what a failed try left is kept, so
+    a restart resumes it."""
+    tmp = root / f"{TMP_PREFIX}{key}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    return tmp
+
+
+def discard(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def listing(folder: Path) -> list[dict[str, Any]]:
+    """Every file under `folder` but the entry file, as {path, bytes}."""
+    out = []
+    for p in sorted(folder.rglob("*")):
+        rel = p.relative_to(folder).as_posix()
+        if p.is_file() and rel != ENTRY_FILE:
+            out.append({"path": rel, "bytes": p.stat().st_size})
+    return out
+
+
+def publish(tmp: Path, root: Path, key: str, meta: dict[str, Any]) -> Entry:
+    """Write the entry file into `tmp` and rename it to `<root>/<key>` (lock held)."""
+    files = listing(tmp)
+    stamp = now_iso()
+    full = {
+        "version": ENTRY_VERSION,
+        **meta,
+        "files": files,
+        "bytes": sum(f["bytes"] for f in files),
+        "fetched_at": stamp,
+        "last_used": stamp,
+    }
+    _write_json_atomic(tmp / ENTRY_FILE, full)
+    final = root / key
+    if final.exists():  # a folder without an entry file: not ours to trust
+        discard(final)
+    os.rename(tmp, final)
+    return Entry(final, full)
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """One entry, as an eviction by least recent use needs it."""
+
+    path: Path
+    category: str  # "models" or "datasets"
+    source: str
+    bytes: int
+    last_used: datetime
+
+
+def cache_entries(cache_dir: str | Path) -> list[CacheEntry]:
+    """The finished entries under `cache_dir`, least recently used first."""
+    out = []
+    for category in CATEGORIES:
+        root = Path(cache_dir) / category
+        if not root.is_dir():
+            continue
+        for d in root.iterdir():
+            entry = None if d.name.startswith(".") else lookup(root, d.name)
+            if entry is None:
+                continue
+            out.append(
+                CacheEntry(
+                    path=entry.path,
+                    category=category,
+                    source=str(entry.meta.get("source", "")),
+                    bytes=entry.bytes,
+                    last_used=_parse_iso(entry.meta.get("last_used")),
+                )
+            )
+    return sorted(out, key=lambda e: (e.last_used, str(e.path)))

@@ -1,0 +1,217 @@
+"""One stage-in: the dataset, then the model, into the cache; checked, then measured."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kubetune_trainer.contract import StageInConfig, StageInResult
+from kubetune_trainer.data import HUB_TOKEN_ENV
+from kubetune_trainer.errors import ConfigError
+from kubetune_trainer.stagein.cache import cache_key, discard, locked, lookup, publish, temp_dir
+from kubetune_trainer.stagein.cache import touch as touch_entry
+from kubetune_trainer.stagein.check import (
+    Renames,
+    check_config,
+    check_model,
+    measure,
+    read_dataset,
+)
+from kubetune_trainer.stagein.fetch import Fetched, Progress, fetch_https, fetch_hub, fetch_s3
+
+log = logging.getLogger(__name__)
+
+EarlyCheck = Callable[[Path], None]
+"""Run on a model's folder once config.json is in, before the weights are fetched."""
+
+
+@dataclass(frozen=True)
+class Staged:
+    path: str  # what a job reads: the folder, or a dataset's single file
+    downloaded_bytes: int
+    reused_bytes: int
+    renames: Renames  # the cache's path → the source, for messages
+
+
+def _hub_token(token_env: str | None, what: str, uri: str) -> str | None:
+    if not token_env:
+        return None
+    token = os.environ.get(token_env)
+    if not token:
+        raise ConfigError(
+            f"{what} {uri}: model.token_env {token_env} is not set or empty. To fix: put the "
+            "hub token in the Secret model.tokenSecretRef names"
+        )
+    return token
+
+
+def _fetch(
+    what: str,
+    kind: str,
+    source: str,
+    revision: str | None,
+    token_env: str | None,
+    dest: Path,
+    progress: Progress,
+    early: EarlyCheck | None,
+) -> Fetched:
+    field = f"{what}.uri"
+    if kind == "hub":
+        if what == "model":
+            token = _hub_token(token_env, what, source)
+        else:
+            token = os.environ.get(HUB_TOKEN_ENV) or None
+            token_env = HUB_TOKEN_ENV if token else None
+        return fetch_hub(
+            source,
+            repo_type=what,
+            revision=revision,
+            token=token,
+            token_env=token_env,
+            field=field,
+            what=what,
+            dest=dest,
+            progress=progress,
+            early=early,
+        )
+    if kind == "s3":
+        return fetch_s3(source, what=what, field=field, dest=dest, progress=progress, early=early)
+    if kind == "https" and what == "dataset":
+        return fetch_https(source, what=what, field=field, dest=dest, progress=progress)
+    raise ConfigError(
+        f"{what} {source}: a {what} cannot come from {kind}. To fix: use the hub, s3:// or a "
+        "volume (pvc://)"
+    )
+
+
+def _renames(what: str, kind: str, source: str, entry_path: Path, target: Path) -> Renames:
+    if what != "dataset":
+        return None
+    if target != entry_path:
+        return str(target), source  # one object or one URL: the file is the source
+    if kind == "hub":
+        return str(entry_path), f"hf://datasets/{source}"
+    return str(entry_path), source.rstrip("/")
+
+
+def stage_source(
+    cache_dir: Path,
+    what: str,
+    kind: str,
+    source: str,
+    *,
+    revision: str | None = None,
+    token_env: str | None = None,
+    early: EarlyCheck | None = None,
+) -> Staged:
+    """The model or dataset (`what`) in the cache: found there, or fetched into it once."""
+    if kind == "path":
+        if not Path(source).exists():
+            raise ConfigError(
+                f"{what} {source}: no such file or directory. To fix: check {what}.uri (the "
+                "volume claim and the path in it)"
+            )
+        return Staged(source, 0, 0, None)
+    root = cache_dir / f"{what}s"
+    key = cache_key(kind, source, revision)
+    entry = lookup(root, key)
+    if entry is None:
+        with locked(cache_dir, key, f"{what} {source}"):
+            entry = lookup(root, key)
+            if entry is None:
+                tmp = temp_dir(root, key)
+                progress = Progress(what, source)
+                t0 = time.monotonic()
+                try:
+                    fetched = _fetch(what, kind, source, revision, token_env, tmp, progress, early)
+                except ConfigError:
+                    discard(tmp)  # nothing worth resuming
+                    raise
+                entry = publish(
+                    tmp,
+                    root,
+                    key,
+                    {
+                        "kind": kind,
+                        "source": source,
+                        "revision": revision,
+                        "commit": fetched.commit,
+                        "target": fetched.target,
+                    },
+                )
+                seconds = time.monotonic() - t0
+                log.info(
+                    "%s %s: fetched %d files, %.1f MB (%.1f MB downloaded) in %.1fs into %s",
+                    what,
+                    source,
+                    len(entry.meta["files"]),
+                    entry.bytes / 1e6,
+                    progress.downloaded_bytes / 1e6,
+                    seconds,
+                    entry.path,
+                )
+                return Staged(
+                    str(entry.target),
+                    progress.downloaded_bytes,
+                    max(0, entry.bytes - progress.downloaded_bytes),
+                    _renames(what, kind, source, entry.path, entry.target),
+                )
+    entry = touch_entry(entry)
+    log.info("%s %s: in the cache (%s, %.1f MB)", what, source, entry.path, entry.bytes / 1e6)
+    return Staged(
+        str(entry.target),
+        0,
+        entry.bytes,
+        _renames(what, kind, source, entry.path, entry.target),
+    )
+
+
+def stage_in(cfg: StageInConfig) -> StageInResult:
+    """Fetch (or find), check and measure; ConfigError for what retrying cannot fix."""
+    t0 = time.monotonic()
+    cache_dir = Path(cfg.cache_dir)
+    ds = cfg.dataset
+    # The dataset first: it is small, and a line that is not JSON fails the job before the
+    # model's gigabytes are fetched.
+    # DatasetRef carries no revision (yet): a hub dataset is fetched at its default branch.
+    dataset = stage_source(
+        cache_dir, "dataset", ds.kind, ds.source, revision=getattr(ds, "revision", None)
+    )
+    records = read_dataset(dataset.path, uri=ds.source, renames=dataset.renames)
+    ref = cfg.model
+
+    def early(folder: Path) -> None:  # a different architecture fails before the weights
+        check_config(str(folder), uri=ref.source, model_type=cfg.model_type)
+
+    model = stage_source(
+        cache_dir,
+        "model",
+        ref.kind,
+        ref.source,
+        revision=ref.revision,
+        token_env=ref.token_env,
+        early=early,
+    )
+    config, tokenizer = check_model(model.path, uri=ref.source, model_type=cfg.model_type)
+    counts = measure(records, cfg, tokenizer, renames=dataset.renames)
+    result = StageInResult(
+        model_path=model.path,
+        dataset_path=dataset.path,
+        model_config_json=config,
+        examples=counts.examples,
+        tokens=counts.tokens,
+        packed_sequences=counts.packed_sequences,
+        downloaded_bytes=model.downloaded_bytes + dataset.downloaded_bytes,
+        reused_bytes=model.reused_bytes + dataset.reused_bytes,
+        seconds=round(time.monotonic() - t0, 3),
+    )
+    done = result.model_dump(mode="json", exclude={"model_config_json"})
+    sys.stdout.write(json.dumps({"event": "stagein_done", **done}) + "\n")
+    sys.stdout.flush()
+    return result
