@@ -55,6 +55,7 @@ VALIDATION_SPLIT = 0.1
 RECORDS = 160
 MODEL_REPO = "org/tiny-llama"
 DATASET_REPO = "org/alpaca"
+PRODUCTION_DELAYS_S = fetch_module.RETRY_DELAYS_S
 
 
 # ------------------------------------------------------------------ helpers
@@ -277,6 +278,32 @@ def test_hub_model_and_dataset_staged_then_reused(
     assert sum(e.bytes for e in listed) == second.reused_bytes
 
 
+def test_cached_private_model_needs_its_token(
+    tmp_path: Path,
+    hub: HubServer,
+    tiny_llama: Path,
+    expected: dict[str, int],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A private repository fetched for one job is not served from the cache to a job without
+    a token that may read it."""
+    hub.add_model("org/private-llama", tiny_llama, token="hf_private_token")
+    monkeypatch.setenv("MODEL_TOKEN", "hf_private_token")
+    cfg = hub_config(tmp_path)
+    cfg["model"] = {"source": "org/private-llama", "kind": "hub", "token_env": "MODEL_TOKEN"}
+    code, message = run_stagein(tmp_path / "with-token", cfg, monkeypatch)
+    assert code == 0, message
+    assert counts(result_of(cfg, message)) == expected
+    downloads = hub.downloads()
+
+    cfg["model"] = {"source": "org/private-llama", "kind": "hub"}
+    code, message = run_stagein(tmp_path / "without", cfg, monkeypatch)
+    assert code == EXIT_CONFIG_ERROR
+    assert message.startswith("config_error model org/private-llama: no such repository")
+    assert "To fix" in message
+    assert hub.downloads() == downloads
+
+
 def test_two_stage_ins_at_once_download_once(
     tmp_path: Path, hub: HubServer, expected: dict[str, int]
 ) -> None:
@@ -435,12 +462,19 @@ def test_s3_model_and_dataset_staged_then_reused(
     assert second.downloaded_bytes == 0 and second.reused_bytes == first.downloaded_bytes > 0
     assert counts(second) == expected
 
+    # The cache is shared, access is not: keys that cannot read the bucket get nothing from it.
+    s3_env(secret_key="not-the-secret-key")
+    code, message = run_stagein(tmp_path / "third", cfg2, monkeypatch)
+    assert code == EXIT_CONFIG_ERROR
+    assert message.startswith("config_error dataset s3://data/alpaca.jsonl: S3 refused access")
+    assert s3.gets() == fetched
+
 
 def test_s3_two_processes_at_once_fetch_once(
     tmp_path: Path, s3: S3Server, s3_env: Callable[..., None], tiny_llama: Path
 ) -> None:
-    """Two stage-in processes on one cache volume: the file lock makes one fetch each source
-    while the other waits, then finds it in the cache."""
+    """Two stage-in processes (the real entry point) on one cache volume: the file lock makes
+    one fetch each source while the other waits, then finds it in the cache."""
     model_gets, data_gets = s3.gets("models", "tiny-llama/"), s3.gets("data", "alpaca.jsonl")
     procs, configs = [], []
     for i in range(2):
@@ -471,26 +505,21 @@ def test_s3_two_processes_at_once_fetch_once(
 
 
 def test_s3_wrong_credentials_fail_fast_with_the_uri(
-    tmp_path: Path, s3: S3Server, s3_env: Callable[..., None]
+    tmp_path: Path,
+    s3: S3Server,
+    s3_env: Callable[..., None],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The real entry point, in its own process, with a wrong secret key."""
+    """A wrong secret key is refused at once: with the production retry delays (5, 15, 45 s)
+    in place, a refusal that were retried could not end within a minute."""
+    monkeypatch.setattr(fetch_module, "RETRY_DELAYS_S", PRODUCTION_DELAYS_S)
+    monkeypatch.setattr(hub_module, "RETRY_DELAYS_S", PRODUCTION_DELAYS_S)
+    s3_env(secret_key="not-the-secret-key")
     cfg = s3_config(tmp_path)
-    config = tmp_path / "stagein.json"
-    config.write_text(json.dumps(cfg))
-    log = tmp_path / "termination-log"
-    env = worker_env(KUBETUNE_TERMINATION_LOG=str(log), **s3.env(secret_key="not-the-secret-key"))
     t0 = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "kubetune_trainer.stagein", "--config", str(config)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    elapsed = time.monotonic() - t0
-    assert proc.returncode == EXIT_CONFIG_ERROR, proc.stderr[-2000:]
-    assert elapsed < 60
-    message = log.read_text()
+    code, message = run_stagein(tmp_path, cfg, monkeypatch)
+    assert code == EXIT_CONFIG_ERROR
+    assert time.monotonic() - t0 < 60
     assert message.startswith("config_error dataset s3://data/alpaca.jsonl: S3 refused access")
     assert "SignatureDoesNotMatch" in message and "To fix" in message
     assert not Path(cfg["result_path"]).exists()

@@ -406,6 +406,33 @@ def fetch_hub(
     return Fetched(commit=commit)
 
 
+def check_hub_access(
+    repo_id: str,
+    *,
+    repo_type: str,
+    commit: str | None,
+    path: str,
+    token: str | None,
+    token_env: str | None,
+    field: str,
+    what: str,
+) -> None:
+    """Whether this job's token may read `path` of the repository (a HEAD, no download): a
+    gated or private repository in the cache is not served to a job that could not fetch it."""
+    import huggingface_hub
+
+    hub: Any = huggingface_hub
+    url = hub.hf_hub_url(repo_id, path, repo_type=repo_type, revision=commit)
+    hub_call(
+        lambda: hub.get_hf_file_metadata(url, token=token),
+        what=what,
+        uri=repo_id,
+        field=field,
+        revision=commit,
+        token_env=token_env,
+    )
+
+
 def _glob_escape(name: str) -> str:
     return re.sub(r"([*?\[])", r"[\1]", name)
 
@@ -520,7 +547,9 @@ def s3_client() -> Any:
         read_timeout=60,
         max_pool_connections=32,
     )
-    return boto3.client("s3", region_name=os.environ.get("AWS_REGION") or None, config=config)
+    # A session of its own: the default one keeps the credentials it read first.
+    session = boto3.session.Session(region_name=os.environ.get("AWS_REGION") or None)
+    return session.client("s3", config=config)
 
 
 def transfer_config() -> Any:
@@ -542,6 +571,28 @@ def _relative(key: str, folder: str, what: str, uri: str) -> str:
             f"{what} {uri}: object key {key!r} cannot be a file name. To fix: rename the object"
         )
     return rel
+
+
+def check_s3_access(uri: str, key: str, *, what: str, field: str) -> None:
+    """Whether this job's credentials may read object `key` of the bucket (a HEAD, no
+    download): an object in the cache is not served to a job that could not fetch it."""
+    bucket, _ = parse_s3(uri, field)
+    client = s3_client()
+    retrying(
+        lambda: client.head_object(Bucket=bucket, Key=key),
+        lambda e: classify_s3(e, what=what, uri=uri, bucket=bucket, field=field),
+        what=what,
+        uri=uri,
+    )
+
+
+def s3_key(uri: str, target: str, first_file: str, field: str) -> str:
+    """The key of an entry's file: the object itself, or the first one under the prefix."""
+    _, prefix = parse_s3(uri, field)
+    if target != ".":
+        return prefix
+    folder = prefix if not prefix or prefix.endswith("/") else prefix + "/"
+    return folder + first_file
 
 
 def fetch_s3(

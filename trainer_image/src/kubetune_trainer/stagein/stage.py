@@ -14,7 +14,15 @@ from pathlib import Path
 from kubetune_trainer.contract import StageInConfig, StageInResult
 from kubetune_trainer.data import HUB_TOKEN_ENV
 from kubetune_trainer.errors import ConfigError
-from kubetune_trainer.stagein.cache import cache_key, discard, locked, lookup, publish, temp_dir
+from kubetune_trainer.stagein.cache import (
+    Entry,
+    cache_key,
+    discard,
+    locked,
+    lookup,
+    publish,
+    temp_dir,
+)
 from kubetune_trainer.stagein.cache import touch as touch_entry
 from kubetune_trainer.stagein.check import (
     Renames,
@@ -23,7 +31,16 @@ from kubetune_trainer.stagein.check import (
     measure,
     read_dataset,
 )
-from kubetune_trainer.stagein.fetch import Fetched, Progress, fetch_https, fetch_hub, fetch_s3
+from kubetune_trainer.stagein.fetch import (
+    Fetched,
+    Progress,
+    check_hub_access,
+    check_s3_access,
+    fetch_https,
+    fetch_hub,
+    fetch_s3,
+    s3_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +68,40 @@ def _hub_token(token_env: str | None, what: str, uri: str) -> str | None:
     return token
 
 
+def _hub_credentials(
+    what: str, source: str, token_env: str | None
+) -> tuple[str | None, str | None]:
+    """(token, the env var it came from) for a hub model (model.token_env) or dataset (HF_TOKEN)."""
+    if what == "model":
+        return _hub_token(token_env, what, source), token_env
+    token = os.environ.get(HUB_TOKEN_ENV) or None
+    return token, HUB_TOKEN_ENV if token else None
+
+
+def _check_access(what: str, kind: str, source: str, token_env: str | None, entry: Entry) -> None:
+    """A cache hit is served only to a job whose own credentials may read the source: the
+    cache volume is shared, the access rights are not."""
+    files = [str(f["path"]) for f in entry.meta.get("files", [])]
+    if not files:
+        return
+    field = f"{what}.uri"
+    if kind == "hub":
+        token, env = _hub_credentials(what, source, token_env)
+        check_hub_access(
+            source,
+            repo_type=what,
+            commit=entry.meta.get("commit"),
+            path="config.json" if "config.json" in files else files[0],
+            token=token,
+            token_env=env,
+            field=field,
+            what=what,
+        )
+    elif kind == "s3":
+        key = s3_key(source, str(entry.meta.get("target", ".")), files[0], field)
+        check_s3_access(source, key, what=what, field=field)
+
+
 def _fetch(
     what: str,
     kind: str,
@@ -63,11 +114,7 @@ def _fetch(
 ) -> Fetched:
     field = f"{what}.uri"
     if kind == "hub":
-        if what == "model":
-            token = _hub_token(token_env, what, source)
-        else:
-            token = os.environ.get(HUB_TOKEN_ENV) or None
-            token_env = HUB_TOKEN_ENV if token else None
+        token, token_env = _hub_credentials(what, source, token_env)
         return fetch_hub(
             source,
             repo_type=what,
@@ -162,6 +209,7 @@ def stage_source(
                     max(0, entry.bytes - progress.downloaded_bytes),
                     _renames(what, kind, source, entry.path, entry.target),
                 )
+    _check_access(what, kind, source, token_env, entry)
     entry = touch_entry(entry)
     log.info("%s %s: in the cache (%s, %.1f MB)", what, source, entry.path, entry.bytes / 1e6)
     return Staged(
