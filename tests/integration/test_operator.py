@@ -41,8 +41,7 @@ def phase(cluster: Cluster, name: str, ns: str) -> str | None:
         ({"training": {"globalBatchSize": 10, "microBatchSize": 4}}, "multiple of"),
         ({"method": "dpo"}, 'Unsupported value: "dpo"'),
         ({"resources": {"maxCostUSD": 0}}, "maxCostUSD"),
-        ({"dataset": {"uri": "s3://bucket/train.jsonl"}}, "s3:// URIs are not supported yet"),
-        ({"output": {"uri": "s3://bucket/out"}}, "use pvc://<claim>/<path>"),
+        ({"output": {"uri": "s3://bucket/out"}}, "s3:// output URIs are not supported yet"),
     ],
 )
 def test_admission_rejects_bad_specs(

@@ -37,14 +37,15 @@ QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
 _NOT_SPACE = r"[^\t\n\f\r ]"
 URI_PATTERN = rf"^((hf|pvc|s3)://{_NOT_SPACE}+|[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?|/{_NOT_SPACE}*)$"
 S3_NOT_YET = (
-    "s3:// URIs are not supported yet: the trainer cannot read or write S3, and the job would "
-    "fail once its GPUs are allocated. To fix: copy the files to a PersistentVolumeClaim in the "
-    "job's namespace and use pvc://<claim>/<path> (docs/getting-started.md)"
+    "s3:// output URIs are not supported yet: the trainer does not upload to S3, and the "
+    "result would stay on a volume. To fix: use pvc://<claim>/<path>, or leave spec.output.uri "
+    "unset (the result stays on the checkpoint volume) and copy it from there (docs/data.md)"
 )
 
 
 def _no_s3(value: str | None) -> str | None:
-    """Refuse `s3://` before any GPU is spent (the same rule as the CRD's CEL rule)."""
+    """Refuse an `s3://` output before any GPU is spent (the same rule as the CRD's CEL
+    rule); models and data come from S3 through the stage-in step."""
     if value is not None and value.startswith("s3://"):
         raise ValueError(S3_NOT_YET)
     return value
@@ -109,17 +110,15 @@ class SecretKeyRef(_Model):
 
 
 class ModelSource(_Model):
-    _refuse_s3 = field_validator("uri")(_no_s3)
-
     uri: str = Field(
         description=(
             "Base model to fine-tune: a Hugging Face id (`meta-llama/Llama-3.1-8B`, same as "
-            "`hf://meta-llama/Llama-3.1-8B`), or `pvc://<claim>/<path>` for a model directory on "
-            "a PersistentVolumeClaim. (`s3://` is refused until the trainer reads S3.)"
+            "`hf://meta-llama/Llama-3.1-8B`), `pvc://<claim>/<path>` for a model directory on "
+            "a PersistentVolumeClaim, or `s3://bucket/prefix` (fetched into the namespace's "
+            "model cache by the stage-in step; spec.s3 says how to reach the store)."
         ),
         pattern=URI_PATTERN,
         max_length=512,
-        json_schema_extra=_uri_rules(),
     )
     revision: str | None = Field(
         default=None, description="Git revision (branch, tag or commit) of a hub model."
@@ -138,17 +137,14 @@ class ModelSource(_Model):
 
 
 class DatasetSource(_Model):
-    _refuse_s3 = field_validator("uri")(_no_s3)
-
     uri: str = Field(
         description=(
             "Training data: a JSONL/JSON/Parquet file or directory as `pvc://<claim>/<path>`, "
-            "a local path inside the trainer image, or a `datasets` hub id. (`s3://` is refused "
-            "until the trainer reads S3.)"
+            "`s3://bucket/key-or-prefix` (fetched, checked and measured by the stage-in step), "
+            "a local path inside the trainer image, or a `datasets` hub id."
         ),
         pattern=URI_PATTERN,
         max_length=512,
-        json_schema_extra=_uri_rules(),
     )
     format: DatasetFormat = Field(
         default="alpaca",
@@ -392,7 +388,7 @@ class OutputSettings(_Model):
         description=(
             "Where the adapter (and merged model) go: `pvc://<claim>/<path>`; unset keeps them "
             "in the checkpoint volume under `output/`. (`s3://` is refused until the trainer "
-            "writes S3.)"
+            "uploads to S3.)"
         ),
         json_schema_extra=_uri_rules(),
     )
@@ -433,6 +429,31 @@ class RecoverySettings(_Model):
     )
 
 
+class S3Settings(_Model):
+    """How the stage-in step reaches the S3 store that `s3://` URIs name."""
+
+    credentials_secret: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=253,
+        pattern=DNS_SUBDOMAIN_PATTERN,
+        description=(
+            "Secret in the job's namespace with keys AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY (the namespace must allow it, like the hub token: "
+            "docs/security.md). Unset: the pod's own identity (IRSA, an instance role)."
+        ),
+    )
+    region: str | None = Field(
+        default=None, pattern=r"^[a-z0-9-]{1,40}$", description="Region, e.g. `eu-west-1`."
+    )
+    endpoint: str | None = Field(
+        default=None,
+        pattern=rf"^https?://[^\t\n\f\r /]+(/{_NOT_SPACE}*)?$",
+        max_length=512,
+        description="Endpoint of an S3-compatible store (MinIO, Ceph RGW, R2); unset: AWS.",
+    )
+
+
 class FineTuneJobSpec(_Model):
     """Desired state of one fine-tuning run."""
 
@@ -458,6 +479,9 @@ class FineTuneJobSpec(_Model):
     )
     output: OutputSettings = Field(
         default_factory=OutputSettings, description="Where the result goes."
+    )
+    s3: S3Settings | None = Field(
+        default=None, description="Credentials, region and endpoint for `s3://` URIs."
     )
     recovery: RecoverySettings = Field(
         default_factory=RecoverySettings, description="Limits on automatic recovery."
@@ -677,6 +701,21 @@ class ProgressStatus(_Model):
     )
 
 
+class StageInStatus(_Model):
+    """What the stage-in step fetched and measured (status.stageIn)."""
+
+    model_path: str | None = Field(default=None, description="The model folder the trainer reads.")
+    dataset_path: str | None = Field(default=None, description="The data the trainer reads.")
+    examples: int | None = Field(default=None, description="Records measured (training split).")
+    tokens: int | None = Field(default=None, description="Tokens of one epoch, measured.")
+    assumed_tokens: int | None = Field(
+        default=None, description="Tokens of one epoch the plan assumed before measuring."
+    )
+    downloaded_bytes: int | None = Field(default=None, description="Bytes fetched.")
+    reused_bytes: int | None = Field(default=None, description="Bytes found in the cache.")
+    seconds: float | None = Field(default=None, description="How long the stage-in took.")
+
+
 class CheckpointStatus(_Model):
     latest_step: int = Field(description="Step of the newest complete checkpoint.")
     time: str = Field(description="When it was written (RFC 3339).")
@@ -724,6 +763,9 @@ class FineTuneJobStatus(_Model):
     message: str | None = Field(default=None, description="Latest human-readable news.")
     conditions: list[Condition] = Field(default_factory=list, description="Current conditions.")
     plan: PlanStatus | None = Field(default=None, description="The plan being executed.")
+    stage_in: StageInStatus | None = Field(
+        default=None, description="What the stage-in step fetched and measured."
+    )
     progress: ProgressStatus | None = Field(default=None, description="Training progress.")
     checkpoint: CheckpointStatus | None = Field(default=None, description="Newest checkpoint.")
     attempt: int = Field(

@@ -45,6 +45,9 @@ class ConditionType(StrEnum):
     SUSPENDED = "Suspended"
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
+    STAGED_IN = "StagedIn"
+    """The stage-in step fetched, checked and measured the model and data (False while it
+    runs); set only on jobs that read from a remote store."""
     INPUTS_READY = "InputsReady"
     """False while an object the job reads (a `pvc://` claim, the token Secret) is missing;
     set only once one was found missing."""
@@ -68,6 +71,12 @@ class Reason(StrEnum):
     MISSING_SECRET = "MissingSecret"
     """The Secret (or its key) spec.model.tokenSecretRef names does not exist."""
     INPUTS_FOUND = "InputsFound"
+    # the stage-in step
+    STAGING_IN = "StagingIn"
+    STAGED_IN = "StagedIn"
+    STAGE_IN_FAILED = "StageInFailed"
+    """The stage-in step could not fetch, check or measure the model or data: a permanent
+    failure (no access, no such object, bad data) or too many transient ones."""
     # running
     LAUNCHED = "Launched"
     PODS_STARTING = "PodsStarting"

@@ -30,8 +30,8 @@ from decimal import Decimal
 from typing import Any, Literal
 
 from kubetune.api.errors import SpecError
-from kubetune.api.v1alpha1 import API_VERSION, FineTuneJob, GPUPool, PlanStatus
-from kubetune.control.pods import TRAINER_CONTAINER
+from kubetune.api.v1alpha1 import API_VERSION, FineTuneJob, GPUPool, PlanStatus, StageInStatus
+from kubetune.control.pods import STAGE_IN_CONTAINER, TRAINER_CONTAINER
 from kubetune_trainer.contract import (
     EXIT_CHECKPOINT_FAILED,
     EXIT_CONFIG_ERROR,
@@ -47,6 +47,7 @@ from kubetune_trainer.contract import (
     ModelRef,
     OutputConfig,
     ParallelConfig,
+    StageInConfig,
     TrainerConfig,
     TrainingConfig,
 )
@@ -64,6 +65,13 @@ TRAIN_LOG = f"{CHECKPOINT_DIR}/train-log.jsonl"
 that it survives pods and attempts (docs/trainer.md describes the records)."""
 HF_HOME = f"{CHECKPOINT_DIR}/.hf-cache"
 PVC_ROOT = "/mnt/pvc"
+CACHE_CLAIM = "kubetune-cache"
+"""The namespace's model and data cache: one claim shared by every job of the namespace,
+written by stage-in pods, mounted read-only by trainer pods; no job owns it."""
+CACHE_DIR = "/cache"
+STAGE_IN_CONFIG_KEY = "stagein.json"
+LABEL_STEP = "kubetune.io/step"
+"""`stage-in` on the stage-in step's Job and pod (trainer pods carry `kubetune.io/attempt`)."""
 TOKEN_ENV = "HF_TOKEN"
 GPU_RESOURCE = "nvidia.com/gpu"
 RUN_AS_ID = 1000
@@ -133,6 +141,14 @@ class BuildSettings:
     """How long the first pod waits for its peers to be scheduled before giving up."""
     allow_test_faults: bool = False
     """Obey the `kubetune.io/test-faults` annotation (test clusters only): off, it is ignored."""
+    cache_size: str = "200Gi"
+    """Size of a namespace's model and data cache claim (`kubetune-cache`) when created."""
+    cache_storage_class: str | None = None
+    """StorageClass of the cache claim (it must offer ReadWriteMany where trainer pods of
+    several nodes read it); unset: the checkpoint StorageClass, else the cluster default."""
+    stage_in_cpu: str = "2"
+    stage_in_memory: str = "8Gi"
+    """CPU and memory requests of a stage-in pod (it downloads and tokenizes the data)."""
 
 
 @dataclass(frozen=True)
@@ -322,6 +338,9 @@ def input_refs(job: FineTuneJob) -> list[InputRef]:
     token = spec.model.token_secret_ref
     if token is not None:
         refs.append(InputRef("Secret", token.name, "spec.model.tokenSecretRef", token.key))
+    if spec.s3 is not None and spec.s3.credentials_secret is not None:
+        secret = spec.s3.credentials_secret
+        refs.append(InputRef("Secret", secret, "spec.s3.credentialsSecret", "AWS_ACCESS_KEY_ID"))
     return refs
 
 
@@ -420,6 +439,10 @@ def build_trainer_config(
     spec = job.spec
     model_loc = _locate(spec.model.uri, split_revision=True)
     dataset_loc = _locate(spec.dataset.uri)
+    staged = _staged(job)
+    if staged is not None:  # the stage-in step put them in the cache (or read them in place)
+        model_loc = _Location("path", str(staged.model_path))
+        dataset_loc = _Location("path", str(staged.dataset_path or dataset_loc.source))
     output_loc = _output_location(job)
     lora = None
     if plan.method != "full":
@@ -772,6 +795,10 @@ def build_indexed_job(
             mount["readOnly"] = True
         volumes.append({"name": volume_name, "persistentVolumeClaim": source})
         mounts.append(mount)
+    if _staged(job) is not None:
+        cache = {"claimName": CACHE_CLAIM, "readOnly": True}
+        volumes.append({"name": "cache", "persistentVolumeClaim": cache})
+        mounts.append({"name": "cache", "mountPath": CACHE_DIR, "readOnly": True})
 
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
@@ -857,6 +884,193 @@ def build_indexed_job(
             },
         },
     }
+
+
+# --------------------------------------------------------------------------- stage-in
+
+
+def needs_stage_in(job: FineTuneJob) -> bool:
+    """Whether the model or the dataset comes from a store the trainer pods do not read
+    (S3): a CPU-only stage-in step fetches it into the namespace's cache first."""
+    return any(_locate(uri).kind == "s3" for uri in (job.spec.model.uri, job.spec.dataset.uri))
+
+
+def stage_in_name(job_name: str) -> str:
+    """Name of the stage-in step's Job and ConfigMap."""
+    return f"{_base_name(job_name)}-stagein"
+
+
+def build_stage_in_config(job: FineTuneJob) -> StageInConfig:
+    name, namespace, uid = _metadata(job)
+    spec = job.spec
+    model = _locate(spec.model.uri, split_revision=True)
+    dataset = _locate(spec.dataset.uri)
+    return StageInConfig(
+        job=JobRef(name=name, namespace=namespace, uid=uid),
+        model=ModelRef(
+            source=model.source,
+            kind=model.kind,
+            revision=spec.model.revision or model.revision,
+            token_env=TOKEN_ENV if spec.model.token_secret_ref is not None else None,
+        ),
+        dataset=DatasetRef(
+            source=dataset.source,
+            kind=dataset.kind,
+            format=spec.dataset.format,
+            validation_split=spec.dataset.validation_split,
+        ),
+        cache_dir=CACHE_DIR,
+        result_path=f"{CACHE_DIR}/jobs/{uid or name}/stage-in.json",
+        # The data measure the same whatever the adapter; `auto` is measured as LoRA.
+        method="lora" if spec.method == "auto" else spec.method,
+        sequence_length=spec.training.sequence_length,
+        packing=spec.training.packing,
+    )
+
+
+def _s3_env(job: FineTuneJob) -> list[dict[str, Any]]:
+    s3 = job.spec.s3
+    if s3 is None:
+        return []
+    env: list[dict[str, Any]] = []
+    if s3.credentials_secret is not None:
+        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            ref = {"name": s3.credentials_secret, "key": key}
+            env.append({"name": key, "valueFrom": {"secretKeyRef": ref}})
+    if s3.region is not None:
+        env.append({"name": "AWS_REGION", "value": s3.region})
+    if s3.endpoint is not None:
+        env.append({"name": "AWS_ENDPOINT_URL", "value": s3.endpoint})
+    return env
+
+
+def build_cache_pvc(job: FineTuneJob, settings: BuildSettings) -> dict[str, Any]:
+    """The namespace's cache claim, created by the first job that needs it and owned by
+    none (deleting a job never deletes the cache)."""
+    _, namespace, _ = _metadata(job)
+    spec: dict[str, Any] = {
+        "accessModes": ["ReadWriteMany"],
+        "resources": {"requests": {"storage": settings.cache_size}},
+    }
+    storage_class = settings.cache_storage_class or settings.checkpoint_storage_class
+    if storage_class:
+        spec["storageClassName"] = storage_class
+    meta = {
+        "name": CACHE_CLAIM,
+        "namespace": namespace,
+        "labels": {LABEL_MANAGED_BY: "kubetune", LABEL_NAME: "kubetune-cache"},
+    }
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta, "spec": spec}
+
+
+def build_stage_in(job: FineTuneJob, settings: BuildSettings) -> list[dict[str, Any]]:
+    """The cache claim, the stage-in config and the stage-in Job: one CPU-only pod that
+    fetches, checks and measures the model and data (`kubetune_trainer.stagein`). It asks
+    for no GPU and prefers nodes without one; a permanent failure (exit 2) fails the Job at
+    once, a transient one is retried twice."""
+    name, _, _ = _metadata(job)
+    step = stage_in_name(name)
+    step_labels = {**labels(job), LABEL_STEP: "stage-in"}
+    config = build_stage_in_config(job)
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {**_object_meta(job, step), "labels": step_labels},
+        "data": {STAGE_IN_CONFIG_KEY: json.dumps(config.model_dump(mode="json"), indent=2)},
+    }
+    volumes: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": step}},
+        {"name": "cache", "persistentVolumeClaim": {"claimName": CACHE_CLAIM}},
+        {"name": "tmp", "emptyDir": {"sizeLimit": settings.tmp_size}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "cache", "mountPath": CACHE_DIR},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    for claim in sorted(claim for claim, read_only in _pvc_claims(job).items() if read_only):
+        volume_name = _dns_label(f"pvc-{claim}", 63)
+        source = {"claimName": claim, "readOnly": True}
+        volumes.append({"name": volume_name, "persistentVolumeClaim": source})
+        mounts.append({"name": volume_name, "mountPath": f"{PVC_ROOT}/{claim}", "readOnly": True})
+    env: list[dict[str, Any]] = [
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "HF_HOME", "value": f"{CACHE_DIR}/.hf-home"},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+    ]
+    token = job.spec.model.token_secret_ref
+    if token is not None:
+        ref = {"name": token.name, "key": token.key}
+        env.append({"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": ref}})
+    env += _s3_env(job)
+    container = {
+        "name": STAGE_IN_CONTAINER,
+        "image": job.spec.trainer_image or settings.trainer_image,
+        "imagePullPolicy": settings.image_pull_policy,
+        "command": ["python", "-m", "kubetune_trainer.stagein"],
+        "args": ["--config", f"{CONFIG_DIR}/{STAGE_IN_CONFIG_KEY}"],
+        "env": env,
+        "resources": {
+            "requests": {"cpu": settings.stage_in_cpu, "memory": settings.stage_in_memory}
+        },
+        "volumeMounts": mounts,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "readOnlyRootFilesystem": True,
+        },
+    }
+    no_gpu = {
+        "weight": 100,
+        "preference": {
+            "matchExpressions": [
+                {"key": "nvidia.com/gpu.present", "operator": "NotIn", "values": ["true"]}
+            ]
+        },
+    }
+    pod_spec = {
+        "restartPolicy": "Never",
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_ID,
+            "runAsGroup": RUN_AS_ID,
+            "fsGroup": RUN_AS_ID,
+            "fsGroupChangePolicy": "OnRootMismatch",
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [no_gpu]}},
+        "containers": [container],
+        "volumes": volumes,
+    }
+    fail_on_config_error = {
+        "action": "FailJob",
+        "onExitCodes": {
+            "containerName": STAGE_IN_CONTAINER,
+            "operator": "In",
+            "values": [EXIT_CONFIG_ERROR],
+        },
+    }
+    batch = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {**_object_meta(job, step), "labels": step_labels},
+        "spec": {
+            "backoffLimit": 2,
+            "podReplacementPolicy": "Failed",
+            "podFailurePolicy": {"rules": [fail_on_config_error]},
+            "template": {"metadata": {"labels": step_labels}, "spec": pod_spec},
+        },
+    }
+    return [build_cache_pvc(job, settings), config_map, batch]
+
+
+def _staged(job: FineTuneJob) -> StageInStatus | None:
+    """What the stage-in step staged for this job, once it has."""
+    staged = job.status.stage_in if job.status is not None else None
+    return staged if staged is not None and staged.model_path is not None else None
 
 
 def build_children(

@@ -27,6 +27,7 @@ from kubetune_trainer.contract import (
 )
 
 TRAINER_CONTAINER = "trainer"
+STAGE_IN_CONTAINER = "stage-in"
 JOB_ENDING_EXITS = (EXIT_OOM, EXIT_CONFIG_ERROR, EXIT_CHECKPOINT_FAILED, EXIT_STOPPED)
 """Trainer exits on which the batch Job's podFailurePolicy fails the whole Job."""
 _TELLING_EXITS = (EXIT_OOM, EXIT_CONFIG_ERROR, EXIT_CHECKPOINT_FAILED, EXIT_STOPPED)
@@ -87,10 +88,12 @@ def job_failed(job_status: Mapping[str, Any]) -> bool:
     return job_condition(job_status, "Failed") or job_condition(job_status, "FailureTarget")
 
 
-def _trainer_terminations(pod: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+def _trainer_terminations(
+    pod: Mapping[str, Any], container: str = TRAINER_CONTAINER
+) -> list[Mapping[str, Any]]:
     out = []
     for cs in (pod.get("status") or {}).get("containerStatuses") or []:
-        if cs.get("name") != TRAINER_CONTAINER:
+        if cs.get("name") != container:
             continue
         for key in ("state", "lastState"):
             term = (cs.get(key) or {}).get("terminated")
@@ -148,6 +151,28 @@ def trainer_exit(pods: Sequence[Mapping[str, Any]]) -> TrainerExit:
     if seen:
         return seen[0]
     return TrainerExit(None, "no trainer exit code recorded")
+
+
+@dataclass(frozen=True)
+class StageInEnd:
+    """How the stage-in step's last pod ended: its exit code and termination message."""
+
+    code: int | None
+    message: str
+
+
+def stage_in_end(pods: Sequence[Mapping[str, Any]]) -> StageInEnd:
+    """The newest ended stage-in pod's exit (its termination message holds the result JSON
+    on success, the reason and the fix on failure)."""
+    ends = []
+    for pod in pods:
+        for term in _trainer_terminations(pod, STAGE_IN_CONTAINER):
+            code = term.get("exitCode")
+            ends.append((str(term.get("finishedAt") or ""), code, str(term.get("message") or "")))
+    if not ends:
+        return StageInEnd(None, "no stage-in exit recorded")
+    _, code, message = max(ends, key=lambda e: e[0])
+    return StageInEnd(None if code is None else int(code), message.strip())
 
 
 def oom_phase(detail: str) -> str | None:

@@ -13,8 +13,9 @@ phases and the legal moves between them):
     finished (Succeeded, Failed)  → stop what still runs, delete old attempts, TTL
     spec.suspend                  → Suspended: stop the trainer (it checkpoints first)
     Suspended, resumed            → relaunch from the checkpoint (plan first if never planned)
-    Pending, Planning, Queued     → preflight (the claims and Secret it reads exist), plan;
-                                    launch, or queue for capacity
+    Pending, Planning, Queued     → preflight (the claims and Secret it reads exist); the
+                                    stage-in step for S3 sources (fetch, check, measure);
+                                    plan with what was measured; launch, or queue for capacity
     Running                       → follow: success, failure (OOM re-plan, config error,
                                     relaunch), ended pods, a move to another pool, budget and
                                     deadline, progress, pods that do not start (and why)
@@ -25,6 +26,7 @@ progress, checkpoint and cost; `lifecycle.Transitions` makes every phase change.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
@@ -42,6 +44,7 @@ from kubetune.api.v1alpha1 import (
     GPUPool,
     PlanStatus,
     Recovery,
+    StageInStatus,
     parse_duration,
 )
 from kubetune.api.vocabulary import (
@@ -56,10 +59,14 @@ from kubetune.control import pods as p
 from kubetune.control import progress
 from kubetune.control.builders import (
     ANNOTATION_TEST_FAULTS,
+    CACHE_CLAIM,
     BuildSettings,
     InputRef,
     build_children,
+    build_stage_in,
     child_names,
+    input_refs,
+    needs_stage_in,
 )
 from kubetune.control.conditions import get_condition, is_true, now_rfc3339
 from kubetune.control.lifecycle import Transitions, is_finished
@@ -77,6 +84,7 @@ from kubetune_trainer.contract import (
     EXIT_CONFIG_ERROR,
     EXIT_OOM,
     EXIT_STOPPED,
+    StageInResult,
 )
 
 Manifest = dict[str, Any]
@@ -164,6 +172,10 @@ class Observed:
     tenant: Tenant | None = None
     """The job's namespace: the pools it may use, the Secrets it may reference (None: not
     known; every pool is eligible and no Secret is checked)."""
+    stage_in_job: Mapping[str, Any] | None = None
+    """The stage-in step's batch Job, if it exists (jobs with S3 sources)."""
+    stage_in_pods: Sequence[Mapping[str, Any]] = field(default_factory=list)
+    """Its pods: the ended one's termination message carries the result."""
     missing_inputs: Sequence[MissingInput] = ()
     """What the launch preflight found missing of `builders.input_refs(job)` (read only
     before a launch; empty when all exist or they could not be read)."""
@@ -241,7 +253,7 @@ class _Reconciler:
         admit: AdmitFn = wait_when_busy,
     ) -> None:
         self.job = job
-        self.spec = job.spec
+        self.spec = measured_spec(job.spec, decision.status.stage_in)
         self.observed = observed
         self.settings = settings
         self.now = now
@@ -281,7 +293,7 @@ class _Reconciler:
                 self.resume()
             return
         if self.s.plan is None or self.s.phase in (Phase.PENDING, Phase.PLANNING, Phase.QUEUED):
-            if self.refused() or self.inputs_missing():
+            if self.refused() or self.inputs_missing() or self.staging_in():
                 return
             self.plan_and_launch()
             return
@@ -398,10 +410,11 @@ class _Reconciler:
             )
             return True
         tenant = self.observed.tenant
-        token = self.spec.model.token_secret_ref
-        if tenant is not None and token is not None:
-            refusal = tenant.secret_refusal(token.name, "spec.model.tokenSecretRef")
-            if refusal is not None:
+        if tenant is None:
+            return False
+        for ref in input_refs(self.job):
+            refusal = ref.kind == "Secret" and tenant.secret_refusal(ref.name, ref.field)
+            if refusal:
                 self.fail(Reason.SECRET_NOT_ALLOWED, refusal)
                 return True
         return False
@@ -446,6 +459,66 @@ class _Reconciler:
         self.go.condition(ConditionType.INPUTS_READY, False, reason, held)
         self.s.message = held
         self.d.requeue_after = self.settings.queue_retry_seconds
+        return True
+
+    # ------------------------------------------------------------------ stage-in
+
+    def staging_in(self) -> bool:
+        """Run the stage-in step of a job with S3 sources before planning its launch: create
+        it, follow it, fail the job with its reason, or take its measurements. True while it
+        holds the job."""
+        if not needs_stage_in(self.job) or self.s.stage_in is not None:
+            return False
+        batch = self.observed.stage_in_job
+        self.d.requeue_after = self.settings.poll_seconds
+        if batch is None:
+            try:
+                self.d.create.extend(build_stage_in(self.job, self.settings.build))
+            except SpecError as exc:
+                self.fail(Reason.INVALID_SPEC, str(exc))
+                return True
+            self.go.plan()
+            what = (
+                f"fetching {self.job.spec.model.uri} and {self.job.spec.dataset.uri} into the "
+                f"namespace's cache (claim {CACHE_CLAIM}), then checking and measuring them"
+            )
+            if get_condition(self.s.conditions, ConditionType.STAGED_IN) is None:
+                self.d.event(Reason.STAGING_IN, what)
+            self.go.condition(ConditionType.STAGED_IN, False, Reason.STAGING_IN, what)
+            self.s.message = f"staging in: {what}"
+            return True
+        end = p.stage_in_end(self.observed.stage_in_pods)
+        status = batch.get("status") or {}
+        if p.job_succeeded(status):
+            staged = parse_stage_in(end.message)
+            if staged is None:
+                self.fail(
+                    Reason.STAGE_IN_FAILED,
+                    "the stage-in step ended without its result (termination message: "
+                    f"{end.message[:200]!r}). To fix: read its log (`kubectl logs "
+                    f"job/{batch.get('metadata', {}).get('name')}`) and create the job again",
+                )
+                return True
+            staged.assumed_tokens = assumed_tokens(self.job.spec)
+            self.s.stage_in = staged
+            self.spec = measured_spec(self.job.spec, staged)
+            # The trainer's children read where the files are from the job's status.
+            self.job = self.job.model_copy(update={"status": self.s})
+            summary = (
+                f"staged in: {staged.examples} examples, {staged.tokens} tokens per epoch "
+                f"(the plan assumed {staged.assumed_tokens}); {staged.downloaded_bytes} bytes "
+                f"fetched, {staged.reused_bytes} reused from the cache"
+            )
+            self.go.condition(ConditionType.STAGED_IN, True, Reason.STAGED_IN, summary)
+            self.d.event(Reason.STAGED_IN, summary)
+            return False
+        if p.job_failed(status):
+            why = "a permanent failure" if end.code == EXIT_CONFIG_ERROR else "failed repeatedly"
+            self.fail(Reason.STAGE_IN_FAILED, f"the stage-in step {why}: {end.message[-600:]}")
+            return True
+        running = [p.pod_name(pod) for pod in self.observed.stage_in_pods if p.trainer_running(pod)]
+        if running:
+            self.s.message = f"staging in: pod {running[0]} is fetching and measuring"
         return True
 
     def for_tenant(self, planner: PlannerSettings) -> PlannerSettings:
@@ -909,6 +982,49 @@ class _Reconciler:
             self.d.requeue_after = self.settings.queue_retry_seconds
             return
         self.launch()
+
+
+def parse_stage_in(message: str) -> StageInStatus | None:
+    """status.stageIn from the stage-in pod's termination message (a StageInResult as
+    JSON); None when it is not one."""
+    try:
+        raw = json.loads(message)
+        result = StageInResult.model_validate(raw)
+    except ValueError:
+        return None
+    return StageInStatus(
+        model_path=result.model_path,
+        dataset_path=result.dataset_path,
+        examples=result.examples,
+        tokens=result.tokens,
+        downloaded_bytes=result.downloaded_bytes,
+        reused_bytes=result.reused_bytes,
+        seconds=round(result.seconds, 1),
+    )
+
+
+def assumed_tokens(spec: FineTuneJobSpec) -> int | None:
+    """Tokens of one epoch the spec's hints give (None: the planner's default assumption)."""
+    data = spec.dataset
+    if data.total_tokens is not None:
+        return data.total_tokens
+    if data.num_examples is not None and data.avg_tokens_per_example is not None:
+        return data.num_examples * data.avg_tokens_per_example
+    return None
+
+
+def measured_spec(spec: FineTuneJobSpec, staged: StageInStatus | None) -> FineTuneJobSpec:
+    """The spec the planner reads: the dataset's size as the stage-in step measured it."""
+    if staged is None or not staged.tokens or not staged.examples:
+        return spec
+    dataset = spec.dataset.model_copy(
+        update={
+            "num_examples": staged.examples,
+            "avg_tokens_per_example": max(1, staged.tokens // staged.examples),
+            "total_tokens": staged.tokens,
+        }
+    )
+    return spec.model_copy(update={"dataset": dataset})
 
 
 def _fix_missing(missing: Sequence[MissingInput]) -> str:

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from kubetune.api.tenancy import Tenant
 from kubetune.api.v1alpha1 import FineTuneJob, GPUPool, GPUPoolStatus
-from kubetune.control.builders import LABEL_ATTEMPT, LABEL_JOB, label_value
+from kubetune.control.builders import LABEL_ATTEMPT, LABEL_JOB, LABEL_STEP, label_value
 from kubetune.control.capacity import NodeInfo, gpus_held, pool_capacity
 from kubetune.control.conditions import now_rfc3339
 from kubetune.control.reconcile import Observed
@@ -209,8 +209,9 @@ class Caches:
             if a != attempt and not (batch.get("metadata") or {}).get("deletionTimestamp")
         )
         tenant = self.tenant(key[0])
+        stage_in = self._stage_in(key, uid)
         if not attempt:
-            return Observed(pools=pools, other_attempts=others, tenant=tenant)
+            return Observed(pools=pools, other_attempts=others, tenant=tenant, **stage_in)
         pods = [
             pod
             for pod in self.pods.get(key) or ()
@@ -224,7 +225,23 @@ class Caches:
             attempt=attempt,
             other_attempts=others,
             tenant=tenant,
+            **stage_in,
         )
+
+    def _stage_in(self, key: JobKey, uid: Any) -> dict[str, Any]:
+        """The job's stage-in Job (owned by this object) and pods, as Observed fields."""
+        batch = None
+        for candidate in self.batch_jobs.get(key) or ():
+            meta = candidate.get("metadata") or {}
+            owners = {ref.get("uid") for ref in meta.get("ownerReferences") or []}
+            if (meta.get("labels") or {}).get(LABEL_STEP) == "stage-in" and uid in owners:
+                batch = candidate
+        pods = [
+            pod
+            for pod in self.pods.get(key) or ()
+            if ((pod.get("metadata") or {}).get("labels") or {}).get(LABEL_STEP) == "stage-in"
+        ]
+        return {"stage_in_job": batch, "stage_in_pods": pods}
 
 
 def with_capacity(pool: GPUPool, capacity: Mapping[str, Any], generation: Any) -> GPUPool:

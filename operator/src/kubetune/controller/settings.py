@@ -8,6 +8,8 @@ KUBETUNE_DEFAULT_OBJECTIVE          objective of jobs without spec.resources.obj
 KUBETUNE_TERMINATION_GRACE_SECONDS  time the trainer gets to checkpoint on stop (120)
 KUBETUNE_TRAINER_CPU_PER_GPU        CPU request of trainer pods per GPU (4)
 KUBETUNE_TRAINER_MEMORY_PER_GPU     memory request of trainer pods per GPU (16Gi)
+KUBETUNE_CACHE_SIZE                 size of a namespace's model and data cache claim (200Gi)
+KUBETUNE_CACHE_STORAGE_CLASS        its StorageClass, ReadWriteMany (the checkpoints' class)
 KUBETUNE_POLL_SECONDS               how often a running job's trainer metrics are read (10)
 KUBETUNE_QUEUE_RETRY_SECONDS        how often queued jobs are re-planned without events (15)
 KUBETUNE_RESCHEDULE_SECONDS         unschedulable trainer pods this long: move pools (120)
@@ -172,6 +174,8 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> ControllerSetting
             env, "KUBETUNE_TRAINER_MEMORY_PER_GPU", BuildSettings.memory_per_gpu
         ),
         network_policy=_bool(env, "KUBETUNE_NETWORK_POLICIES", BuildSettings.network_policy),
+        cache_size=_quantity(env, "KUBETUNE_CACHE_SIZE", BuildSettings.cache_size),
+        cache_storage_class=env.get("KUBETUNE_CACHE_STORAGE_CLASS") or None,
         operator_namespace=(
             env.get("KUBETUNE_OPERATOR_NAMESPACE") or env.get("POD_NAMESPACE") or None
         ),

@@ -1,0 +1,172 @@
+"""The stage-in step of a job with S3 sources: built CPU-only before any trainer pod, its
+result read from its pod, the plan made with what it measured, its failures the job's."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any
+
+from kubetune.api.vocabulary import ConditionType, Reason
+from kubetune.control import conditions as c
+from kubetune.control.builders import (
+    CACHE_CLAIM,
+    CACHE_DIR,
+    BuildSettings,
+    build_children,
+    build_stage_in,
+    needs_stage_in,
+)
+from kubetune.control.reconcile import Observed
+from kubetune.planning.catalog import default_pools
+from kubetune_trainer.contract import EXIT_CONFIG_ERROR, StageInConfig, StageInResult
+from support.reconcile import SETTINGS, T0, make_job, run
+
+S3_JOB: dict[str, Any] = {
+    "model": {"uri": "Qwen/Qwen2.5-7B"},
+    "dataset": {"uri": "s3://data/support/train.jsonl", "numExamples": 20000},
+    "s3": {"credentialsSecret": "s3-creds", "region": "eu-west-1",
+           "endpoint": "http://minio.storage:9000"},
+}  # fmt: skip
+RESULT = StageInResult(
+    model_path="/cache/models/qwen",
+    dataset_path="/cache/datasets/train-abc/train.jsonl",
+    examples=50_000,
+    tokens=20_000_000,
+    packed_sequences=9_800,
+    downloaded_bytes=123_456,
+    reused_bytes=0,
+    seconds=42.0,
+)
+
+
+def stage_in_job(*conditions: str) -> dict[str, Any]:
+    return {
+        "metadata": {"name": "demo-stagein"},
+        "status": {"conditions": [{"type": t, "status": "True"} for t in conditions]},
+    }
+
+
+def stage_in_pod(code: int | None, message: str = "") -> dict[str, Any]:
+    state: dict[str, Any] = {"running": {}}
+    if code is not None:
+        state = {"terminated": {"exitCode": code, "message": message, "finishedAt": "t"}}
+    return {
+        "metadata": {"name": "demo-stagein-x1"},
+        "status": {
+            "phase": "Running" if code is None else ("Succeeded" if code == 0 else "Failed"),
+            "containerStatuses": [{"name": "stage-in", "state": state}],
+        },
+    }
+
+
+def seen(job: dict[str, Any] | None = None, *pods: dict[str, Any]) -> Observed:
+    return Observed(pools=default_pools(), stage_in_job=job, stage_in_pods=list(pods))
+
+
+def test_only_s3_sources_need_a_stage_in() -> None:
+    assert needs_stage_in(make_job(**S3_JOB))
+    assert needs_stage_in(
+        make_job(model={"uri": "s3://models/qwen", "architecture": "Qwen/Qwen2.5-7B"})
+    )
+    assert not needs_stage_in(make_job())
+
+
+def test_the_stage_in_pod_asks_for_no_gpu_and_reads_the_store_with_the_jobs_credentials() -> None:
+    pvc, config_map, batch = build_stage_in(make_job(**S3_JOB), BuildSettings())
+    assert pvc["metadata"]["name"] == CACHE_CLAIM and "ownerReferences" not in pvc["metadata"]
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    config = StageInConfig.model_validate(json.loads(config_map["data"]["stagein.json"]))
+    assert (config.dataset.kind, config.dataset.source) == ("s3", "s3://data/support/train.jsonl")
+    assert config.model.kind == "hub" and config.cache_dir == CACHE_DIR
+    pod = batch["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert "nvidia.com/gpu" not in json.dumps(container["resources"])
+    assert "tolerations" not in pod  # it never lands on a tainted GPU node
+    env = {e["name"]: e.get("value") or e["valueFrom"]["secretKeyRef"] for e in container["env"]}
+    assert env["AWS_ACCESS_KEY_ID"] == {"name": "s3-creds", "key": "AWS_ACCESS_KEY_ID"}
+    assert env["AWS_REGION"] == "eu-west-1"
+    assert env["AWS_ENDPOINT_URL"] == "http://minio.storage:9000"
+    assert container["command"][-1] == "kubetune_trainer.stagein"
+    rule = batch["spec"]["podFailurePolicy"]["rules"][0]
+    assert rule["action"] == "FailJob" and rule["onExitCodes"]["values"] == [EXIT_CONFIG_ERROR]
+    assert batch["metadata"]["labels"]["kubetune.io/step"] == "stage-in"
+
+
+def test_the_stage_in_runs_before_any_trainer_and_holds_the_job() -> None:
+    job, d = run(make_job(**S3_JOB))
+    s = job.status
+    assert s is not None and s.phase == "Planning" and s.attempt == 0
+    assert [m["kind"] for m in d.create] == ["PersistentVolumeClaim", "ConfigMap", "Job"]
+    cond = c.get_condition(s.conditions, ConditionType.STAGED_IN)
+    assert cond is not None and (cond.status, cond.reason) == ("False", Reason.STAGING_IN)
+    assert [e.reason for e in d.events] == [Reason.STAGING_IN]
+
+    job, d = run(job, seen(stage_in_job(), stage_in_pod(None)), now=T0 + timedelta(seconds=10))
+    assert d.create == [] and job.status is not None and job.status.attempt == 0
+    assert "is fetching and measuring" in (job.status.message or "")
+
+
+def test_the_plan_is_made_with_what_the_stage_in_measured() -> None:
+    job, _ = run(make_job(**S3_JOB))
+    done = seen(stage_in_job("Complete"), stage_in_pod(0, RESULT.model_dump_json()))
+    job, d = run(job, done, now=T0 + timedelta(seconds=60))
+    s = job.status
+    assert s is not None and s.phase == "Running" and s.stage_in is not None
+    assert (s.stage_in.examples, s.stage_in.tokens) == (50_000, 20_000_000)
+    assert s.stage_in.assumed_tokens is None  # the spec gave examples but no tokens per example
+    assert c.is_true(s.conditions, ConditionType.STAGED_IN)
+    # The measured size made the plan: 20M tokens an epoch at 32 × 2048 per step.
+    assert s.plan is not None and s.plan.total_steps == -(-20_000_000 // (32 * 2048))
+
+    (config_map,) = [m for m in d.create if m["kind"] == "ConfigMap"]
+    config = json.loads(config_map["data"]["config.json"])
+    assert config["model"] == {**config["model"], "kind": "path", "source": RESULT.model_path}
+    assert config["dataset"]["source"] == RESULT.dataset_path
+    (batch,) = [m for m in d.create if m["kind"] == "Job"]
+    mounts = batch["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
+    assert {"name": "cache", "mountPath": CACHE_DIR, "readOnly": True} in mounts
+
+    # Looked at again, nothing is staged or created twice.
+    job, d = run(job, done, now=T0 + timedelta(seconds=70))
+    assert all(m["kind"] != "ConfigMap" or "stagein" not in m["metadata"]["name"] for m in d.create)
+
+
+def test_a_permanent_stage_in_failure_fails_the_job_with_its_reason() -> None:
+    job, _ = run(make_job(**S3_JOB))
+    why = "s3://data/support/train.jsonl: InvalidAccessKeyId. To fix: check spec.s3"
+    failed = seen(stage_in_job("Failed"), stage_in_pod(EXIT_CONFIG_ERROR, why))
+    job, d = run(job, failed, now=T0 + timedelta(seconds=20))
+    s = job.status
+    assert s is not None and s.phase == "Failed" and s.attempt == 0
+    cond = c.get_condition(s.conditions, ConditionType.FAILED)
+    assert cond is not None and cond.reason == Reason.STAGE_IN_FAILED
+    assert "a permanent failure" in cond.message and "InvalidAccessKeyId" in cond.message
+    assert not any(m["kind"] == "Job" for m in d.create)
+
+
+def test_a_stage_in_without_a_result_fails_instead_of_training_on_nothing() -> None:
+    job, _ = run(make_job(**S3_JOB))
+    job, _ = run(job, seen(stage_in_job("Complete"), stage_in_pod(0, "")), now=T0)
+    cond = c.get_condition(job.status.conditions, ConditionType.FAILED)  # type: ignore[union-attr]
+    assert cond is not None and cond.reason == Reason.STAGE_IN_FAILED
+    assert "without its result" in cond.message
+
+
+def test_the_s3_secret_needs_the_namespaces_consent_like_the_token() -> None:
+    from kubetune.api.tenancy import Tenant
+
+    refused = Observed(pools=default_pools(), tenant=Tenant("team-a"))
+    job, d = run(make_job(**S3_JOB), refused)
+    cond = c.get_condition(job.status.conditions, ConditionType.FAILED)  # type: ignore[union-attr]
+    assert cond is not None and cond.reason == Reason.SECRET_NOT_ALLOWED
+    assert "spec.s3.credentialsSecret names Secret 's3-creds'" in cond.message
+    assert d.create == []
+
+
+def test_trainer_pods_of_a_job_without_stage_in_do_not_mount_the_cache() -> None:
+    job, _ = run(make_job())
+    assert job.status is not None and job.status.plan is not None
+    pool = next(p for p in default_pools() if p.name == job.status.plan.pool)
+    children = build_children(job, job.status.plan, pool, SETTINGS.build, 1)
+    assert CACHE_CLAIM not in json.dumps(children)
