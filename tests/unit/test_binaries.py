@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
@@ -434,3 +435,145 @@ def test_cli_path(
     assert b.main(["path"]) == 0
     assert capsys.readouterr().out.strip() == str(b.bin_dir_for(b.KUBERNETES_VERSION))
     assert os.fspath(tmp_path) in str(b.bin_dir_for(b.KUBERNETES_VERSION))
+
+
+# --- the S3 server (versitygw) --------------------------------------------------------------
+
+
+def test_s3_server_component() -> None:
+    b.parse_semver(b.VERSITYGW_VERSION)
+    comp = b.s3_server_component(build_time="2026-09-04T20:21:34Z")
+    assert comp.package == "github.com/versity/versitygw/cmd/versitygw"
+    assert comp.version == b.VERSITYGW_VERSION
+    assert f"-X main.Version={b.VERSITYGW_VERSION}" in comp.ldflags
+    assert "-X main.BuildTime=2026-09-04T20:21:34Z" in comp.ldflags
+    assert all(" " not in f.removeprefix("-X ") for f in comp.ldflags)
+    # its own recipe is part of its manifest key; the build time is not
+    assert comp.source == (
+        f"github.com/versity/versitygw@{b.VERSITYGW_VERSION}"
+        f"#github.com/versity/versitygw/cmd/versitygw+r{b.BUILD_RECIPE}.{b.S3_SERVER_RECIPE}"
+    )
+    assert comp.source == b.s3_server_component().source
+    assert comp.source != b.s3_server_component("v1.7.0").source
+    # the control plane's manifest keys do not change with it (no rebuild of those)
+    assert b.components()["etcd"].source == (
+        f"{b.ETCD_MODULE}@{b.ETCD_VERSION}#{b.ETCD_MODULE}+r{b.BUILD_RECIPE}"
+    )
+
+
+def test_s3_server_has_a_bin_dir_of_its_own(tmp_path: Path) -> None:
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    expected = tmp_path / "kubetune" / "bin" / f"versitygw-{b.VERSITYGW_VERSION}"
+    assert b.s3_server_dir(env) == expected
+    assert b.s3_server_path(env) == b.s3_server_dir(env) / "versitygw"
+    assert b.s3_server_dir(env) != b.bin_dir_for(b.KUBERNETES_VERSION, env)
+    assert not b.s3_server_ready(env)
+
+
+def test_ensure_s3_server_fast_path_runs_no_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    bin_dir = b.s3_server_dir()
+    _fake_exe(bin_dir / "versitygw")
+    b.record_built(bin_dir, "versitygw", b.s3_server_component().source)
+    b.write_stamp(bin_dir, b.s3_server_expected())
+
+    def no_go(_env: object) -> str:
+        raise b.NoGoError("no Go toolchain found")
+
+    monkeypatch.setattr(b, "find_go", no_go)
+    messages: list[str] = []
+    assert b.ensure_s3_server(messages.append) == bin_dir / "versitygw"
+    assert b.s3_server_ready()
+    assert messages == []
+
+    # a new recipe makes it stale; rebuilding it needs Go, and its absence is told apart
+    monkeypatch.setattr(b, "S3_SERVER_RECIPE", b.S3_SERVER_RECIPE + 1)
+    assert not b.s3_server_ready()
+    with pytest.raises(b.NoGoError):
+        b.ensure_s3_server(messages.append)
+    assert issubclass(b.NoGoError, b.BuildError)
+
+
+FAKE_GO = """\
+#!/usr/bin/env python3
+import json, os, sys
+from pathlib import Path
+root = Path(os.environ["FAKE_GO_ROOT"])
+args = sys.argv[1:]
+with (root / "calls.jsonl").open("a") as log:
+    log.write(json.dumps({"args": args, "cwd": os.getcwd()}) + "\\n")
+if args[:2] == ["env", "GOVERSION"]:
+    print("go1.26.8")
+elif args[:3] == ["mod", "download", "-json"]:
+    module, version = args[3].split("@")
+    (root / "up.mod").write_text(f"module {module}\\n\\ngo 1.25.0\\n")
+    (root / "up.info").write_text(json.dumps({"Version": version, "Time": "2026-09-04T20:21:34Z"}))
+    print(json.dumps({"Path": module, "Version": version, "GoMod": str(root / "up.mod"),
+                      "Info": str(root / "up.info"), "Dir": str(root)}))
+elif args[:1] == ["build"]:
+    out = Path(args[args.index("-o") + 1])
+    out.write_text("#!/bin/sh\\necho versitygw\\n")
+    out.chmod(0o755)
+else:
+    sys.exit(f"unexpected: {args}")
+"""
+
+
+def test_ensure_s3_server_builds_from_the_module(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The build as it runs go: the release fetched, a wrapper module, the version stamped
+    with the release's time, the result recorded and stamped; a second call builds nothing."""
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    go = fake / "go"
+    go.write_text(FAKE_GO)
+    go.chmod(0o755)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("GO", str(go))
+    monkeypatch.setenv("FAKE_GO_ROOT", str(fake))
+    for var in ("GOCACHE", "GOMODCACHE", "GOTMPDIR", "GOFLAGS"):
+        monkeypatch.delenv(var, raising=False)
+    messages: list[str] = []
+
+    path = b.ensure_s3_server(messages.append)
+
+    assert path == b.s3_server_path() and b.s3_server_ready()
+    calls = [json.loads(line) for line in (fake / "calls.jsonl").read_text().splitlines()]
+    assert calls[1]["args"] == [
+        "mod",
+        "download",
+        "-json",
+        f"github.com/versity/versitygw@{b.VERSITYGW_VERSION}",
+    ]
+    build = calls[2]["args"]
+    assert build[0] == "build" and build[-1] == "github.com/versity/versitygw/cmd/versitygw"
+    assert "-trimpath" in build
+    ldflags = next(a for a in build if a.startswith("-ldflags="))
+    assert "-X main.BuildTime=2026-09-04T20:21:34Z" in ldflags
+    assert f"-X main.Version={b.VERSITYGW_VERSION}" in ldflags
+    workdir = Path(calls[2]["cwd"])
+    assert workdir == b.cache_root() / "work" / f"versitygw-{b.VERSITYGW_VERSION}"
+    assert (
+        f"require github.com/versity/versitygw {b.VERSITYGW_VERSION}"
+        in (workdir / "go.mod").read_text()
+    )
+    assert b.read_manifest(path.parent) == b.s3_server_expected()
+    assert any("versitygw: built in" in m for m in messages)
+
+    assert b.ensure_s3_server(messages.append) == path
+    assert len((fake / "calls.jsonl").read_text().splitlines()) == len(calls)
+
+
+def test_cli_s3_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    bin_dir = b.s3_server_dir()
+    _fake_exe(bin_dir / "versitygw")
+    b.record_built(bin_dir, "versitygw", b.s3_server_component().source)
+    b.write_stamp(bin_dir, b.s3_server_expected())
+    assert b.main(["s3-server"]) == 0
+    assert capsys.readouterr().out.strip() == str(bin_dir / "versitygw")

@@ -1,4 +1,4 @@
-"""Build, cache and locate the control-plane binaries used by the integration tests.
+"""Build, cache and locate the control-plane binaries (and the S3 server) used by the tests.
 
 The integration tier runs a real control plane on loopback: etcd, kube-apiserver,
 kube-controller-manager and kube-scheduler, with kwok simulating GPU nodes, plus kubectl and helm
@@ -11,13 +11,21 @@ when their pin changes. When ``KUBEBUILDER_ASSETS`` points at a setup-envtest di
 etcd, kube-apiserver and kubectl are used and only the rest is built (at the Kubernetes version that
 directory's kube-apiserver reports).
 
+The tests' S3 server, versitygw (an S3 gateway over a posix directory), is built the same way but
+on its own (``ensure_s3_server``), into
+``${XDG_CACHE_HOME:-~/.cache}/kubetune/bin/versitygw-<version>/`` with its own manifest, stamp
+and lock: it does not depend on the Kubernetes version, and the control plane is neither rebuilt
+for it nor needed by it.
+
 Command line::
 
     python -m kubetune_dev.binaries build      # build what is missing, then print the bin dir
     python -m kubetune_dev.binaries path       # print the bin dir (builds nothing)
     python -m kubetune_dev.binaries versions   # pinned versions and what the built binaries report
+    python -m kubetune_dev.binaries s3-server  # build versitygw if missing, print its path
 
-See docs/control-plane-build.md for timings and the flags that start the control plane.
+See docs/control-plane-build.md for timings and the flags that start the control plane, and
+docs/data.md ("Testing with a local S3 store") for the S3 server.
 """
 
 from __future__ import annotations
@@ -55,14 +63,21 @@ KWOK_VERSION = "v0.8.0"
 #: helm.sh/helm/v<major>; the module path follows the major version.
 HELM_VERSION = "v4.3.1"
 
+#: github.com/versity/versitygw, the S3 server of the tests (tests/support/s3server.py).
+VERSITYGW_VERSION = "v1.8.0"
+
 #: Bump when the build recipe (flags, ldflags) changes so cached binaries are rebuilt.
 BUILD_RECIPE = 1
+#: Bump when versitygw's own recipe (its ldflags) changes: rebuilds it, not the control plane.
+S3_SERVER_RECIPE = 1
 
 # --------------------------------------------------------------------------------------------
 
 KUBERNETES_MODULE = "k8s.io/kubernetes"
 ETCD_MODULE = "go.etcd.io/etcd/server/v3"
 KWOK_MODULE = "sigs.k8s.io/kwok"
+VERSITYGW_MODULE = "github.com/versity/versitygw"
+S3_SERVER_NAME = "versitygw"
 
 #: Every binary, in build order (the Kubernetes ones first: they share most of the build cache).
 BINARY_NAMES: tuple[str, ...] = (
@@ -105,6 +120,10 @@ _KUBE_VERSION_RE = re.compile(r"\bv(\d+)\.(\d+)\.(\d+)")
 
 class BuildError(RuntimeError):
     """A binary could not be built or located; the message says which and why."""
+
+
+class NoGoError(BuildError):
+    """No Go toolchain to build with (as opposed to a build that was tried and failed)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -344,11 +363,14 @@ class Component:
     version: str
     package: str
     ldflags: tuple[str, ...] = ()
+    recipe: int = 0
+    """The binary's own recipe number, on top of BUILD_RECIPE (0: none)."""
 
     @property
     def source(self) -> str:
         """Recorded in the manifest; a cached binary is reused only if this matches."""
-        return f"{self.module}@{self.version}#{self.package}+r{BUILD_RECIPE}"
+        own = f".{self.recipe}" if self.recipe else ""
+        return f"{self.module}@{self.version}#{self.package}+r{BUILD_RECIPE}{own}"
 
 
 def kubernetes_ldflags(kube_version: str, build_date: str) -> tuple[str, ...]:
@@ -402,6 +424,30 @@ def components(
     return {name: result[name] for name in BINARY_NAMES}
 
 
+def versitygw_ldflags(version: str, build_time: str) -> tuple[str, ...]:
+    """The stamps upstream's Makefile sets, so ``versitygw --version`` names the release (the
+    module proxy knows no commit: ``Build`` says where the source came from instead)."""
+    return (
+        f"-X main.Version={version}",
+        "-X main.Build=goproxy",
+        f"-X main.BuildTime={build_time}",
+    )
+
+
+def s3_server_component(
+    version: str = VERSITYGW_VERSION, *, build_time: str = "1970-01-01T00:00:00Z"
+) -> Component:
+    """versitygw, the tests' S3 server (ldflags need the release's time)."""
+    return Component(
+        S3_SERVER_NAME,
+        VERSITYGW_MODULE,
+        version,
+        f"{VERSITYGW_MODULE}/cmd/versitygw",
+        versitygw_ldflags(version, build_time),
+        recipe=S3_SERVER_RECIPE,
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # Cache layout, manifest and stamp
 # --------------------------------------------------------------------------------------------
@@ -415,6 +461,16 @@ def cache_root(env: Mapping[str, str] | None = None) -> Path:
 
 def bin_dir_for(kube_version: str, env: Mapping[str, str] | None = None) -> Path:
     return cache_root(env) / "bin" / f"k8s-{kube_version}"
+
+
+def s3_server_dir(env: Mapping[str, str] | None = None) -> Path:
+    """Where versitygw is built: a bin dir of its own, named after its version."""
+    return cache_root(env) / "bin" / f"{S3_SERVER_NAME}-{VERSITYGW_VERSION}"
+
+
+def s3_server_expected() -> dict[str, str]:
+    """The stamp of a complete versitygw bin dir."""
+    return {S3_SERVER_NAME: s3_server_component().source}
 
 
 def is_executable(path: Path) -> bool:
@@ -587,7 +643,7 @@ def find_go(env: Mapping[str, str]) -> str:
     for cand in candidates:
         if cand and is_executable(Path(cand)):
             return cand
-    raise BuildError(
+    raise NoGoError(
         "no Go toolchain found: install Go (1.21 or newer; newer toolchains are fetched from the "
         "Go module proxy as needed) or set GO=/path/to/go"
     )
@@ -751,19 +807,28 @@ def kwok_stages_text(kwok_source: Path) -> str:
     return "---\n".join(docs)
 
 
+def _release_time(info: Mapping[str, Any]) -> str:
+    """When the module version was published (the proxy's ``.info``), as RFC 3339."""
+    try:
+        return str(json.loads(Path(info["Info"]).read_text())["Time"])
+    except (KeyError, OSError, ValueError):
+        return "1970-01-01T00:00:00Z"
+
+
 def _build_one(go: _Go, comp: Component, out: Path) -> None:
     label = comp.name
     info = go.download(comp.module, comp.version, label=label)
     upstream = Path(info["GoMod"]).read_text()
+    # Stamp the release's date rather than the build's, so builds are reproducible.
     if comp.module == KUBERNETES_MODULE:
         workdir = go.root / "work" / f"kubernetes-{comp.version}"
         gomod = render_kubernetes_gomod(upstream, comp.version)
-        # Stamp the release's date rather than the build's, so builds are reproducible.
-        release = json.loads(Path(info["Info"]).read_text()).get("Time", "1970-01-01T00:00:00Z")
-        comp = components(comp.version, build_date=release)[comp.name]
+        comp = components(comp.version, build_date=_release_time(info))[comp.name]
     else:
         workdir = go.root / "work" / f"{comp.name}-{comp.version}"
         gomod = render_module_gomod(comp.name, upstream, comp.module, comp.version)
+        if comp.module == VERSITYGW_MODULE:
+            comp = s3_server_component(comp.version, build_time=_release_time(info))
     _ensure_file(workdir / "go.mod", gomod)
     tmp = out.with_name(f".{out.name}.partial")
     ldflags = " ".join(["-s", "-w", *comp.ldflags])
@@ -838,14 +903,70 @@ def _locked(bin_dir: Path, progress: Progress) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def ensure_binaries(progress: Progress = print) -> Binaries:
-    """Return the control-plane binaries, building (once, then cached) whatever is missing."""
-
+def _say_flushed(progress: Progress) -> Progress:
     def say(msg: str) -> None:
         progress(msg)
         sys.stdout.flush()
         sys.stderr.flush()
 
+    return say
+
+
+def _build_into(
+    bin_dir: Path,
+    comps: Mapping[str, Component],
+    names: Sequence[str],
+    say: Progress,
+    *,
+    first_note: str,
+) -> None:
+    """Build those of ``names`` that are missing or stale in ``bin_dir``, then stamp it.
+
+    The caller holds ``bin_dir``'s lock. ``first_note`` is added to the announcement when Go's
+    build cache is empty (how long a first build takes).
+    """
+    expected = {name: comps[name].source for name in names}
+    manifest = read_manifest(bin_dir)
+    todo = [n for n in names if not is_up_to_date(bin_dir, n, comps[n].source, manifest)]
+    if not todo:  # everything is there; only the stamp was stale (e.g. other assets)
+        write_stamp(bin_dir, expected)
+        return
+    root = cache_root()
+    go_bin = find_go(os.environ)
+    jobs = build_jobs(os.environ)
+    env = go_environment(os.environ, root, jobs)
+    if "GOTMPDIR" not in os.environ:
+        # go leaves its work dir behind when interrupted; keep those under the cache, one
+        # dir per bin dir (guarded by its lock), and clear leftovers of earlier runs.
+        tmp = root / "tmp" / bin_dir.name
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        env["GOTMPDIR"] = str(tmp)
+    go = _Go(go_bin, env, root, say)
+    first = not (root / "go" / "build").exists() and "GOCACHE" not in os.environ
+    go_version = subprocess.run(
+        [go_bin, "env", "GOVERSION"], env=go.env, capture_output=True, text=True, check=False
+    ).stdout.strip()
+    say(
+        f"building {', '.join(todo)} into {bin_dir} ({go_version or go_bin}, -p={jobs})"
+        + (f"; {first_note}" if first else "")
+    )
+    total = time.monotonic()
+    for i, name in enumerate(todo, start=1):
+        comp = comps[name]
+        say(f"[{i}/{len(todo)}] {name} ({comp.module} {comp.version})")
+        start = time.monotonic()
+        _build_one(go, comp, bin_dir / name)
+        record_built(bin_dir, name, comp.source)
+        size = (bin_dir / name).stat().st_size / 2**20
+        say(f"[{i}/{len(todo)}] {name}: built in {time.monotonic() - start:.0f}s ({size:.0f} MiB)")
+    write_stamp(bin_dir, expected)
+    say(f"all binaries ready in {time.monotonic() - total:.0f}s: {bin_dir}")
+
+
+def ensure_binaries(progress: Progress = print) -> Binaries:
+    """Return the control-plane binaries, building (once, then cached) whatever is missing."""
+    say = _say_flushed(progress)
     plan = make_plan()
     expected = plan.expected()
     if is_complete(plan.bin_dir, expected):
@@ -856,51 +977,44 @@ def ensure_binaries(progress: Progress = print) -> Binaries:
             return plan.binaries()
         for note in plan.notes:
             say(note)
-        manifest = read_manifest(plan.bin_dir)
-        comps = components(plan.version)
-        todo = [
-            n
-            for n in plan.to_build
-            if not is_up_to_date(plan.bin_dir, n, comps[n].source, manifest)
-        ]
-        if not todo:  # everything is there; only the stamp was stale (e.g. other assets)
-            write_stamp(plan.bin_dir, expected)
-            return plan.binaries()
-        root = cache_root()
-        go_bin = find_go(os.environ)
-        jobs = build_jobs(os.environ)
-        env = go_environment(os.environ, root, jobs)
-        if "GOTMPDIR" not in os.environ:
-            # go leaves its work dir behind when interrupted; keep those under the cache, one
-            # dir per bin dir (guarded by its lock), and clear leftovers of earlier runs.
-            tmp = root / "tmp" / plan.bin_dir.name
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            env["GOTMPDIR"] = str(tmp)
-        go = _Go(go_bin, env, root, say)
-        first = not (root / "go" / "build").exists() and "GOCACHE" not in os.environ
-        go_version = subprocess.run(
-            [go_bin, "env", "GOVERSION"], env=go.env, capture_output=True, text=True, check=False
-        ).stdout.strip()
-        say(
-            f"building {', '.join(todo)} into {plan.bin_dir} ({go_version or go_bin}, -p={jobs})"
-            + ("; a first build takes about 10 minutes on 2 cores" if first else "")
+        _build_into(
+            plan.bin_dir,
+            components(plan.version),
+            plan.to_build,
+            say,
+            first_note="a first build takes about 10 minutes on 2 cores",
         )
-        total = time.monotonic()
-        for i, name in enumerate(todo, start=1):
-            comp = comps[name]
-            say(f"[{i}/{len(todo)}] {name} ({comp.module} {comp.version})")
-            start = time.monotonic()
-            _build_one(go, comp, plan.bin_dir / name)
-            record_built(plan.bin_dir, name, comp.source)
-            size = (plan.bin_dir / name).stat().st_size / 2**20
-            say(
-                f"[{i}/{len(todo)}] {name}: built in {time.monotonic() - start:.0f}s "
-                f"({size:.0f} MiB)"
-            )
-        write_stamp(plan.bin_dir, expected)
-        say(f"all binaries ready in {time.monotonic() - total:.0f}s: {plan.bin_dir}")
     return plan.binaries()
+
+
+def s3_server_path(env: Mapping[str, str] | None = None) -> Path:
+    """Where the versitygw binary is (or will be once built)."""
+    return s3_server_dir(env) / S3_SERVER_NAME
+
+
+def s3_server_ready(env: Mapping[str, str] | None = None) -> bool:
+    """Whether versitygw is built, stamped and current (``ensure_s3_server`` would not build)."""
+    return is_complete(s3_server_dir(env), s3_server_expected())
+
+
+def ensure_s3_server(progress: Progress = print) -> Path:
+    """Return the path of versitygw, the tests' S3 server, building it (once, then cached)
+    when missing or when its pin or recipe changed. Raises NoGoError when it has to be built
+    and there is no Go, BuildError when the build fails."""
+    say = _say_flushed(progress)
+    bin_dir = s3_server_dir()
+    if s3_server_ready():
+        return s3_server_path()
+    with _locked(bin_dir, say):
+        if not s3_server_ready():  # or another process finished it meanwhile
+            _build_into(
+                bin_dir,
+                {S3_SERVER_NAME: s3_server_component()},
+                (S3_SERVER_NAME,),
+                say,
+                first_note="a first build takes about 2 minutes on 2 cores",
+            )
+    return s3_server_path()
 
 
 # --------------------------------------------------------------------------------------------
@@ -930,6 +1044,7 @@ def _cmd_versions() -> int:
     print(f"etcd        {ETCD_VERSION}  ({ETCD_MODULE})")
     print(f"kwok        {KWOK_VERSION}  ({KWOK_MODULE})")
     print(f"helm        {HELM_VERSION}  ({helm_module()})")
+    print(f"versitygw   {VERSITYGW_VERSION}  ({VERSITYGW_MODULE}, the tests' S3 server)")
     plan = make_plan()
     paths = plan.paths()
     print(f"\nbinaries for Kubernetes {plan.version} ({plan.bin_dir}):")
@@ -937,6 +1052,9 @@ def _cmd_versions() -> int:
         path = paths[name]
         shown = reported_version(path, name) if is_executable(path) else "(not built)"
         print(f"  {name:<24} {shown}")
+    s3 = s3_server_path()
+    shown = reported_version(s3, S3_SERVER_NAME) if s3_server_ready() else "(not built)"
+    print(f"\nthe S3 server ({s3.parent}):\n  {S3_SERVER_NAME:<24} {shown}")
     return 0
 
 
@@ -949,6 +1067,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("build", help="build whatever is missing, then print the bin dir")
     sub.add_parser("path", help="print the bin dir (builds nothing)")
     sub.add_parser("versions", help="print the pinned versions and what the binaries report")
+    sub.add_parser(
+        "s3-server", help="build the tests' S3 server (versitygw) if missing, print its path"
+    )
     args = parser.parse_args(argv)
 
     try:
@@ -958,6 +1079,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "path":
             print(make_plan().bin_dir)
+            return 0
+        if args.command == "s3-server":
+            print(ensure_s3_server(lambda msg: print(msg, file=sys.stderr, flush=True)))
             return 0
         return _cmd_versions()
     except BuildError as exc:
