@@ -18,6 +18,7 @@ try (a restart of the pod) fetches only what is missing. Each finished file is r
 from __future__ import annotations
 
 import errno
+import functools
 import http.client
 import json
 import logging
@@ -537,8 +538,29 @@ def classify_s3(
     return None
 
 
-def s3_client() -> Any:
+S3_ENV = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_PROFILE",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_ENDPOINT_URL",
+)
+"""What an S3 client's credentials, region and endpoint come from."""
+
+
+@functools.lru_cache(maxsize=4)
+def _s3_session(env: tuple[str | None, ...]) -> Any:
+    """A boto3 session for these settings (boto3's default session keeps the credentials it
+    read first, even after the environment changes)."""
     import boto3
+
+    region = dict(zip(S3_ENV, env, strict=True))["AWS_REGION"]
+    return boto3.session.Session(region_name=region or None)
+
+
+def s3_client() -> Any:
     from botocore.config import Config
 
     config = Config(
@@ -547,8 +569,7 @@ def s3_client() -> Any:
         read_timeout=60,
         max_pool_connections=32,
     )
-    # A session of its own: the default one keeps the credentials it read first.
-    session = boto3.session.Session(region_name=os.environ.get("AWS_REGION") or None)
+    session = _s3_session(tuple(os.environ.get(k) for k in S3_ENV))
     return session.client("s3", config=config)
 
 
