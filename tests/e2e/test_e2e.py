@@ -712,6 +712,53 @@ def test_a_job_created_again_under_its_old_name_starts_over_unless_told_to_resum
     target.kubectl("delete", "pvc", f"{name}-ckpt", "-n", NAMESPACE, "--wait=false")
 
 
+def test_data_from_s3_is_staged_in_once_measured_and_trained_on(
+    target: Target, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    if target.name != "local":
+        pytest.skip(f"the S3 server runs on this machine's loopback, which {target.name}'s pods "
+                    "cannot reach")  # fmt: skip
+    from support.s3server import s3_server
+
+    records = (target.read_volume_file(DATA_CLAIM, DATASET_PATH) or "").splitlines()
+    assert records, "the e2e dataset is missing"
+    target.kubectl("annotate", "namespace", NAMESPACE, "--overwrite",
+                   "kubetune.io/allowed-secrets=s3-creds")  # fmt: skip
+    with s3_server(tmp_path_factory.mktemp("s3")) as s3:
+        s3.make_bucket("data")
+        s3.client().put_object(Bucket="data", Key="support/train.jsonl",
+                               Body="\n".join(records).encode() + b"\n")  # fmt: skip
+        creds = {"AWS_ACCESS_KEY_ID": s3.access_key, "AWS_SECRET_ACCESS_KEY": s3.secret_key}
+        target.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3-creds"},
+                      "stringData": creds})  # fmt: skip
+        store = {"credentialsSecret": "s3-creds", "region": s3.region, "endpoint": s3.endpoint}
+        data = {"uri": "s3://data/support/train.jsonl"}
+        timings = []
+        for name in ("from-s3", "from-s3-again"):
+            started = time.monotonic()
+            target.apply(job_doc(name, steps=10, dataset=data, s3=store))
+            wait_step(target, name, 1)
+            timings.append(time.monotonic() - started)
+            s = wait_phase(target, name, "Succeeded")
+            staged = s["stageIn"]
+            assert staged["examples"] == len([r for r in records if r.strip()]), staged
+            assert staged["tokens"] > 0 and staged["datasetPath"].startswith("/cache/")
+            assert any(c["type"] == "StagedIn" and c["status"] == "True"
+                       for c in s["conditions"])  # fmt: skip
+            runs = runs_of(train_log(target, name))
+            assert runs[-1].end == "finish" and runs[-1].last == 10, runs
+        # The second job found the data in the namespace's cache: one GET in all.
+        assert s3.gets("data", "support/") == 1
+        assert staged["downloadedBytes"] == 0 and staged["reusedBytes"] > 0
+    REPORT.append(
+        f"S3 stage-in: apply → first step {timings[0]:.1f}s (fetched), {timings[1]:.1f}s "
+        f"(from the cache); {staged['examples']} examples, {staged['tokens']} tokens measured"
+    )
+    for name in ("from-s3", "from-s3-again"):
+        delete_job(target, name)
+        target.kubectl("delete", "pvc", f"{name}-ckpt", "-n", NAMESPACE, "--wait=false")
+
+
 MISSING_IMAGE = "localhost/kubetune-missing:0"
 """An image no node has (hack/kind-e2e.sh allows it as a trainer image)."""
 

@@ -81,6 +81,8 @@ OPERATOR_SETTINGS = {
     "KUBETUNE_TRAINER_IMAGE": "kubetune/trainer:e2e",
     # The scenarios inject their faults (out of memory, slow steps) through the annotation.
     "KUBETUNE_ALLOW_TEST_FAULTS": "true",
+    # Every node here is a tainted GPU pool node: stage-in pods have nowhere else to go.
+    "KUBETUNE_STAGE_IN_TOLERATIONS": json.dumps(POOL["spec"]["tolerations"]),
 }
 
 

@@ -7,6 +7,8 @@ import json
 from datetime import timedelta
 from typing import Any
 
+import pytest
+
 from kubetune.api.vocabulary import ConditionType, Reason
 from kubetune.control import conditions as c
 from kubetune.control.builders import (
@@ -18,6 +20,7 @@ from kubetune.control.builders import (
     needs_stage_in,
 )
 from kubetune.control.reconcile import Observed
+from kubetune.controller.settings import settings_from_env
 from kubetune.planning.catalog import default_pools
 from kubetune_trainer.contract import EXIT_CONFIG_ERROR, StageInConfig, StageInResult
 from support.reconcile import SETTINGS, T0, make_job, run
@@ -170,3 +173,35 @@ def test_trainer_pods_of_a_job_without_stage_in_do_not_mount_the_cache() -> None
     pool = next(p for p in default_pools() if p.name == job.status.plan.pool)
     children = build_children(job, job.status.plan, pool, SETTINGS.build, 1)
     assert CACHE_CLAIM not in json.dumps(children)
+
+
+def test_a_stage_in_pod_that_cannot_be_scheduled_says_why() -> None:
+    job, _ = run(make_job(**S3_JOB))
+    pending = {
+        "metadata": {"name": "demo-stagein-x1"},
+        "status": {
+            "phase": "Pending",
+            "conditions": [
+                {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                 "message": "0/2 nodes are available: 2 node(s) had untolerated taint"}
+            ],
+        },
+    }  # fmt: skip
+    job, _ = run(job, seen(stage_in_job(), pending), now=T0 + timedelta(seconds=30))
+    assert "untolerated taint" in (job.status.message or "")  # type: ignore[union-attr]
+
+
+def test_stage_in_placement_comes_from_the_operator_settings() -> None:
+    env = {
+        "KUBETUNE_STAGE_IN_TOLERATIONS": '[{"key": "nvidia.com/gpu", "operator": "Exists"}]',
+        "KUBETUNE_STAGE_IN_NODE_SELECTOR": '{"node-role/cpu": "true"}',
+        "KUBETUNE_CACHE_SIZE": "1Ti",
+    }
+    settings = settings_from_env(env).build
+    pvc, _, batch = build_stage_in(make_job(**S3_JOB), settings)
+    pod = batch["spec"]["template"]["spec"]
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists"}]
+    assert pod["nodeSelector"] == {"node-role/cpu": "true"}
+    assert pvc["spec"]["resources"]["requests"]["storage"] == "1Ti"
+    with pytest.raises(ValueError, match="is not a toleration; to fix"):
+        settings_from_env({"KUBETUNE_STAGE_IN_TOLERATIONS": '[{"keyy": "x"}]'})

@@ -149,6 +149,10 @@ class BuildSettings:
     stage_in_cpu: str = "2"
     stage_in_memory: str = "8Gi"
     """CPU and memory requests of a stage-in pod (it downloads and tokenizes the data)."""
+    stage_in_node_selector: tuple[tuple[str, str], ...] = ()
+    stage_in_tolerations: tuple[dict[str, Any], ...] = ()
+    """Where stage-in pods may run: by default any node, preferring ones without a GPU; a
+    cluster whose only nodes are tainted GPU nodes gives the tolerations."""
 
 
 @dataclass(frozen=True)
@@ -1045,6 +1049,10 @@ def build_stage_in(job: FineTuneJob, settings: BuildSettings) -> list[dict[str, 
         "containers": [container],
         "volumes": volumes,
     }
+    if settings.stage_in_node_selector:
+        pod_spec["nodeSelector"] = dict(settings.stage_in_node_selector)
+    if settings.stage_in_tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in settings.stage_in_tolerations]
     fail_on_config_error = {
         "action": "FailJob",
         "onExitCodes": {

@@ -227,19 +227,21 @@ def unschedulable_since(pod: Mapping[str, Any]) -> datetime | None:
     return None
 
 
-def _trainer_status(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
+def _trainer_status(
+    pod: Mapping[str, Any], container: str = TRAINER_CONTAINER
+) -> Mapping[str, Any] | None:
     for cs in (pod.get("status") or {}).get("containerStatuses") or []:
-        if cs.get("name") == TRAINER_CONTAINER:
+        if cs.get("name") == container:
             return cs  # type: ignore[no-any-return]
     return None
 
 
-def trainer_running(pod: Mapping[str, Any]) -> bool:
-    """The pod's trainer container runs. (A Running pod that reports no status for it, as
-    some test doubles do, counts as running: its only container is the trainer.)"""
+def trainer_running(pod: Mapping[str, Any], container: str = TRAINER_CONTAINER) -> bool:
+    """The pod's trainer (or `container`) runs. (A Running pod that reports no status for
+    it, as some test doubles do, counts as running: its only container is the trainer.)"""
     if pod_phase(pod) != PodPhase.RUNNING:
         return False
-    cs = _trainer_status(pod)
+    cs = _trainer_status(pod, container)
     return cs is None or "running" in (cs.get("state") or {})
 
 
@@ -281,9 +283,10 @@ _STARTUP_ORDER = (
 )
 
 
-def startup(pod: Mapping[str, Any]) -> Startup | None:
-    """Why the pod's trainer does not run yet; None when it runs or the pod ended."""
-    if pod_phase(pod) in POD_DONE or trainer_running(pod):
+def startup(pod: Mapping[str, Any], container: str = TRAINER_CONTAINER) -> Startup | None:
+    """Why the pod's trainer (or `container`) does not run yet; None when it runs or the pod
+    ended."""
+    if pod_phase(pod) in POD_DONE or trainer_running(pod, container):
         return None
     name = pod_name(pod)
     meta = pod.get("metadata") or {}
@@ -303,7 +306,7 @@ def startup(pod: Mapping[str, Any]) -> Startup | None:
                 since,
                 for_room=unschedulable_since(pod) is not None,
             )
-    waiting = ((_trainer_status(pod) or {}).get("state") or {}).get("waiting") or {}
+    waiting = ((_trainer_status(pod, container) or {}).get("state") or {}).get("waiting") or {}
     reason = str(waiting.get("reason") or "")
     detail = f"{reason}: {waiting.get('message')}" if waiting.get("message") else reason
     if reason in IMAGE_PULL_WAITING:

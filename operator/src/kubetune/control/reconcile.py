@@ -516,9 +516,13 @@ class _Reconciler:
             why = "a permanent failure" if end.code == EXIT_CONFIG_ERROR else "failed repeatedly"
             self.fail(Reason.STAGE_IN_FAILED, f"the stage-in step {why}: {end.message[-600:]}")
             return True
-        running = [p.pod_name(pod) for pod in self.observed.stage_in_pods if p.trainer_running(pod)]
+        pods = self.observed.stage_in_pods
+        running = [p.pod_name(pod) for pod in pods if p.trainer_running(pod, p.STAGE_IN_CONTAINER)]
+        waiting = p.most_telling([s for pod in pods if (s := p.startup(pod, p.STAGE_IN_CONTAINER))])
         if running:
             self.s.message = f"staging in: pod {running[0]} is fetching and measuring"
+        elif waiting is not None:
+            self.s.message = f"staging in: {waiting.message}"
         return True
 
     def for_tenant(self, planner: PlannerSettings) -> PlannerSettings:

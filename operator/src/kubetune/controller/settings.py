@@ -10,6 +10,8 @@ KUBETUNE_TRAINER_CPU_PER_GPU        CPU request of trainer pods per GPU (4)
 KUBETUNE_TRAINER_MEMORY_PER_GPU     memory request of trainer pods per GPU (16Gi)
 KUBETUNE_CACHE_SIZE                 size of a namespace's model and data cache claim (200Gi)
 KUBETUNE_CACHE_STORAGE_CLASS        its StorageClass, ReadWriteMany (the checkpoints' class)
+KUBETUNE_STAGE_IN_NODE_SELECTOR     JSON object: node labels stage-in pods need ({})
+KUBETUNE_STAGE_IN_TOLERATIONS       JSON list: tolerations of stage-in pods ([])
 KUBETUNE_POLL_SECONDS               how often a running job's trainer metrics are read (10)
 KUBETUNE_QUEUE_RETRY_SECONDS        how often queued jobs are re-planned without events (15)
 KUBETUNE_RESCHEDULE_SECONDS         unschedulable trainer pods this long: move pools (120)
@@ -133,8 +135,7 @@ def _json(env: Mapping[str, str], name: str, expected: type, example: str) -> An
 _PEER_KEYS = {"podSelector", "namespaceSelector", "ipBlock"}
 
 
-def _operator_pod_labels(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
-    name = "KUBETUNE_OPERATOR_POD_LABELS"
+def _string_map(env: Mapping[str, str], name: str) -> tuple[tuple[str, str], ...]:
     value = _json(env, name, dict, '{"app.kubernetes.io/name": "kubetune"}') or {}
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
         raise ValueError(
@@ -142,6 +143,25 @@ def _operator_pod_labels(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
             "every value"
         )
     return tuple(sorted(value.items()))
+
+
+def _operator_pod_labels(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    return _string_map(env, "KUBETUNE_OPERATOR_POD_LABELS")
+
+
+_TOLERATION_KEYS = {"key", "operator", "value", "effect", "tolerationSeconds"}
+
+
+def _tolerations(env: Mapping[str, str], name: str) -> tuple[dict[str, Any], ...]:
+    example = '[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]'
+    value = _json(env, name, list, example) or []
+    for item in value:
+        if not isinstance(item, dict) or not item or set(item) - _TOLERATION_KEYS:
+            raise ValueError(
+                f"{name}: {item!r} is not a toleration; to fix: give each item some of "
+                f"{', '.join(sorted(_TOLERATION_KEYS))}, e.g. {example}"
+            )
+    return tuple(value)
 
 
 def _metrics_from(env: Mapping[str, str]) -> tuple[dict[str, Any], ...]:
@@ -176,6 +196,8 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> ControllerSetting
         network_policy=_bool(env, "KUBETUNE_NETWORK_POLICIES", BuildSettings.network_policy),
         cache_size=_quantity(env, "KUBETUNE_CACHE_SIZE", BuildSettings.cache_size),
         cache_storage_class=env.get("KUBETUNE_CACHE_STORAGE_CLASS") or None,
+        stage_in_node_selector=_string_map(env, "KUBETUNE_STAGE_IN_NODE_SELECTOR"),
+        stage_in_tolerations=_tolerations(env, "KUBETUNE_STAGE_IN_TOLERATIONS"),
         operator_namespace=(
             env.get("KUBETUNE_OPERATOR_NAMESPACE") or env.get("POD_NAMESPACE") or None
         ),
