@@ -459,21 +459,12 @@ def build_trainer_config(
             double_quant=settings_lora.double_quant,
         )
     training = spec.training
+    model, dataset = _source_refs(job, model_loc, dataset_loc)
     return TrainerConfig(
         job=JobRef(name=name, namespace=namespace, uid=uid),
         method=plan.method,
-        model=ModelRef(
-            source=model_loc.source,
-            kind=model_loc.kind,
-            revision=spec.model.revision or model_loc.revision,
-            token_env=TOKEN_ENV if spec.model.token_secret_ref is not None else None,
-        ),
-        dataset=DatasetRef(
-            source=dataset_loc.source,
-            kind=dataset_loc.kind,
-            format=spec.dataset.format,
-            validation_split=spec.dataset.validation_split,
-        ),
+        model=model,
+        dataset=dataset,
         lora=lora,
         training=TrainingConfig(
             epochs=training.epochs,
@@ -728,6 +719,26 @@ def _env(job: FineTuneJob, attempt: int, settings: BuildSettings) -> list[dict[s
     return env
 
 
+def _pod_security() -> dict[str, Any]:
+    """The pod security context of trainer and stage-in pods (Pod Security `restricted`)."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_ID,
+        "runAsGroup": RUN_AS_ID,
+        "fsGroup": RUN_AS_ID,
+        "fsGroupChangePolicy": "OnRootMismatch",
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _container_security() -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "readOnlyRootFilesystem": True,
+    }
+
+
 def _tolerations(pool: GPUPool) -> list[dict[str, Any]]:
     tolerations = [t.to_wire() for t in pool.spec.tolerations]
     gpu = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
@@ -826,11 +837,7 @@ def build_indexed_job(
         # The trainer writes why it ended to /dev/termination-log; when it could not (killed,
         # or the launcher itself failed), the kubelet uses the tail of the log instead.
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "capabilities": {"drop": ["ALL"]},
-            "readOnlyRootFilesystem": True,
-        },
+        "securityContext": _container_security(),
     }
 
     pod_spec: dict[str, Any] = {
@@ -839,14 +846,7 @@ def build_indexed_job(
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": settings.termination_grace_seconds,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUN_AS_ID,
-            "runAsGroup": RUN_AS_ID,
-            "fsGroup": RUN_AS_ID,
-            "fsGroupChangePolicy": "OnRootMismatch",
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": _pod_security(),
         "tolerations": _tolerations(pool),
         "containers": [container],
         "volumes": volumes,
@@ -904,25 +904,37 @@ def stage_in_name(job_name: str) -> str:
     return f"{_base_name(job_name)}-stagein"
 
 
-def build_stage_in_config(job: FineTuneJob) -> StageInConfig:
-    name, namespace, uid = _metadata(job)
+def _source_refs(
+    job: FineTuneJob, model: _Location, dataset: _Location
+) -> tuple[ModelRef, DatasetRef]:
+    """The contract's model and dataset references for where they are read from."""
     spec = job.spec
-    model = _locate(spec.model.uri, split_revision=True)
-    dataset = _locate(spec.dataset.uri)
-    return StageInConfig(
-        job=JobRef(name=name, namespace=namespace, uid=uid),
-        model=ModelRef(
+    return (
+        ModelRef(
             source=model.source,
             kind=model.kind,
             revision=spec.model.revision or model.revision,
             token_env=TOKEN_ENV if spec.model.token_secret_ref is not None else None,
         ),
-        dataset=DatasetRef(
+        DatasetRef(
             source=dataset.source,
             kind=dataset.kind,
             format=spec.dataset.format,
             validation_split=spec.dataset.validation_split,
         ),
+    )
+
+
+def build_stage_in_config(job: FineTuneJob) -> StageInConfig:
+    name, namespace, uid = _metadata(job)
+    spec = job.spec
+    model, dataset = _source_refs(
+        job, _locate(spec.model.uri, split_revision=True), _locate(spec.dataset.uri)
+    )
+    return StageInConfig(
+        job=JobRef(name=name, namespace=namespace, uid=uid),
+        model=model,
+        dataset=dataset,
         cache_dir=CACHE_DIR,
         result_path=f"{CACHE_DIR}/jobs/{uid or name}/stage-in.json",
         # The data measure the same whatever the adapter; `auto` is measured as LoRA.
@@ -1019,11 +1031,7 @@ def build_stage_in(job: FineTuneJob, settings: BuildSettings) -> list[dict[str, 
         },
         "volumeMounts": mounts,
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "capabilities": {"drop": ["ALL"]},
-            "readOnlyRootFilesystem": True,
-        },
+        "securityContext": _container_security(),
     }
     no_gpu = {
         "weight": 100,
@@ -1037,14 +1045,7 @@ def build_stage_in(job: FineTuneJob, settings: BuildSettings) -> list[dict[str, 
         "restartPolicy": "Never",
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUN_AS_ID,
-            "runAsGroup": RUN_AS_ID,
-            "fsGroup": RUN_AS_ID,
-            "fsGroupChangePolicy": "OnRootMismatch",
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": _pod_security(),
         "affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [no_gpu]}},
         "containers": [container],
         "volumes": volumes,
