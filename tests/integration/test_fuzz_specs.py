@@ -51,7 +51,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 from kubetune.api.v1alpha1 import API_VERSION, GROUP, VERSION
-from kubetune.control.builders import child_names
+from kubetune.control.builders import CACHE_CLAIM, child_names
 from kubetune.planning.models_table import MODELS
 from kubetune_dev.cli import simulated_pool_docs
 from kubetune_dev.cluster import LocalCluster, process_alive
@@ -1008,12 +1008,13 @@ def pod_creation_failures(api: Api, namespace: str, report: Report) -> None:
 
 
 def is_retained_volume(obj: dict[str, Any]) -> bool:
+    """A claim meant to outlive the jobs: a checkpoint volume kept by `retain`, or the
+    namespace's model and data cache (which no job owns, docs/data.md)."""
     meta = obj["metadata"]
-    return (
-        obj["kind"] == "PersistentVolumeClaim"
-        and (meta.get("annotations") or {}).get(RETENTION_ANNOTATION) == "retain"
-        and not meta.get("ownerReferences")
-    )
+    if obj["kind"] != "PersistentVolumeClaim" or meta.get("ownerReferences"):
+        return False
+    cache = meta.get("name") == CACHE_CLAIM
+    return cache or (meta.get("annotations") or {}).get(RETENTION_ANNOTATION) == "retain"
 
 
 def run_batch(
@@ -1116,7 +1117,8 @@ def run_batch(
                 "application/merge-patch+json",
             )
 
-    # Garbage collection removes every child but checkpoint volumes kept by `retain`.
+    # Garbage collection removes every child but checkpoint volumes kept by `retain` and the
+    # namespace's cache.
     def leftovers() -> list[dict[str, Any]]:
         return [c for c in children(api, namespace) if not is_retained_volume(c)]
 
