@@ -205,3 +205,18 @@ def test_stage_in_placement_comes_from_the_operator_settings() -> None:
     assert pvc["spec"]["resources"]["requests"]["storage"] == "1Ti"
     with pytest.raises(ValueError, match="is not a toleration; to fix"):
         settings_from_env({"KUBETUNE_STAGE_IN_TOLERATIONS": '[{"keyy": "x"}]'})
+
+
+def test_a_job_suspended_while_staging_in_stages_in_before_it_launches_on_resume() -> None:
+    job, _ = run(make_job(**S3_JOB))
+    suspended = job.model_copy(update={"spec": job.spec.model_copy(update={"suspend": True})})
+    job, _ = run(suspended, seen(stage_in_job(), stage_in_pod(None)), now=T0 + timedelta(seconds=5))
+    assert job.status is not None and job.status.phase == "Suspended"
+    resumed = job.model_copy(update={"spec": job.spec.model_copy(update={"suspend": False})})
+    job, d = run(resumed, seen(stage_in_job(), stage_in_pod(None)), now=T0 + timedelta(seconds=9))
+    assert job.status is not None and job.status.attempt == 0, job.status
+    assert not any(m["kind"] == "Job" for m in d.create)  # no trainer before the data is in
+    done = seen(stage_in_job("Complete"), stage_in_pod(0, RESULT.model_dump_json()))
+    job, d = run(job, done, now=T0 + timedelta(seconds=20))
+    assert job.status is not None and job.status.attempt == 1
+    assert job.status.stage_in is not None and job.status.stage_in.tokens == RESULT.tokens

@@ -352,9 +352,10 @@ class _Reconciler:
         self.go.resume()
         self.d.event(Reason.RESUMED, "Resuming from the latest checkpoint")
         if self.s.plan is None:
-            # Suspended before it was ever planned: plan now.
+            # Suspended before it was ever planned (or staged in): do that now.
             self.go.replan()
-            self.plan_and_launch()
+            if not self.staging_in():
+                self.plan_and_launch()
             return
         self.launch()
 
