@@ -220,3 +220,25 @@ def test_a_job_suspended_while_staging_in_stages_in_before_it_launches_on_resume
     job, d = run(job, done, now=T0 + timedelta(seconds=20))
     assert job.status is not None and job.status.attempt == 1
     assert job.status.stage_in is not None and job.status.stage_in.tokens == RESULT.tokens
+
+
+def test_a_stage_in_pod_that_never_starts_fails_the_job_after_the_startup_timeout() -> None:
+    job, _ = run(make_job(**S3_JOB))
+    stuck = {
+        "metadata": {"name": "demo-stagein-x1", "creationTimestamp": "2026-11-22T12:00:00Z"},
+        "spec": {"nodeName": "cpu-1"},
+        "status": {
+            "phase": "Pending",
+            "containerStatuses": [
+                {"name": "stage-in", "state": {"waiting": {"reason": "ImagePullBackOff"}}}
+            ],
+        },
+    }
+    later = T0 + timedelta(seconds=SETTINGS.startup_timeout_seconds + 1)
+    job, _ = run(job, seen(stage_in_job(), stuck), now=T0 + timedelta(seconds=30))
+    assert job.status is not None and job.status.phase == "Planning"
+    assert "ImagePullBackOff" in (job.status.message or "")
+    job, _ = run(job, seen(stage_in_job(), stuck), now=later)
+    cond = c.get_condition(job.status.conditions, ConditionType.FAILED)  # type: ignore[union-attr]
+    assert cond is not None and cond.reason == Reason.STAGE_IN_FAILED
+    assert "did not start within" in cond.message

@@ -524,6 +524,15 @@ class _Reconciler:
             self.s.message = f"staging in: pod {running[0]} is fetching and measuring"
         elif waiting is not None:
             self.s.message = f"staging in: {waiting.message}"
+            timeout = self.settings.startup_timeout_seconds
+            since = waiting.since
+            if not waiting.for_room and since and (self.now - since).total_seconds() >= timeout:
+                self.fail(
+                    Reason.STAGE_IN_FAILED,
+                    f"the stage-in pod did not start within {timeout:.0f}s: {waiting.message}. "
+                    "To fix: what the message names (the image, a Secret, a claim), then "
+                    "create the job again",
+                )
         return True
 
     def for_tenant(self, planner: PlannerSettings) -> PlannerSettings:
