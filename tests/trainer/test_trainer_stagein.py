@@ -278,6 +278,21 @@ def test_hub_model_and_dataset_staged_then_reused(
     assert sum(e.bytes for e in listed) == second.reused_bytes
 
 
+def test_a_hub_datasets_revision_is_the_one_staged(
+    tmp_path: Path, hub: HubServer, alpaca: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Branch "v1" holds the first 7 records only; main holds them all.
+    head = b"".join(alpaca.read_bytes().splitlines(keepends=True)[:7])
+    hub.add_dataset(DATASET_REPO, {"data/train.jsonl": head}, revision="v1")
+    dataset = {"source": DATASET_REPO, "kind": "hub", "revision": "v1", "validation_split": 0.0}
+    cfg = stagein_config(tmp_path, {"source": MODEL_REPO, "kind": "hub"}, dataset)
+    code, message = run_stagein(tmp_path / "v1", cfg, monkeypatch)
+    assert code == 0, message
+    staged = result_of(cfg, message)
+    assert staged.examples == 7
+    assert (Path(staged.dataset_path) / "data" / "train.jsonl").read_bytes() == head
+
+
 def test_cached_private_model_needs_its_token(
     tmp_path: Path,
     hub: HubServer,

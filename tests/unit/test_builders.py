@@ -828,3 +828,17 @@ def test_the_launcher_gives_up_on_workers_before_the_kubelet_does(
 def test_a_trainer_that_wrote_no_message_is_explained_by_its_log() -> None:
     built = build_indexed_job(full_8b_job(), full_8b_plan(), h100_pool(), SETTINGS, 1)
     assert _trainer(built)["terminationMessagePolicy"] == "FallbackToLogsOnError"
+
+
+def test_a_hub_datasets_revision_reaches_the_trainer_and_a_files_does_not() -> None:
+    job = tiny_lora_job()
+    job.spec.dataset.uri = "tatsu-lab/alpaca"
+    job.spec.dataset.revision = "0123abc"
+    dataset = build_trainer_config(job, tiny_lora_plan(), SETTINGS, 1).dataset
+    assert (dataset.kind, dataset.source, dataset.revision) == (
+        "hub",
+        "tatsu-lab/alpaca",
+        "0123abc",
+    )
+    job.spec.dataset.uri = "pvc://data/train.jsonl"
+    assert build_trainer_config(job, tiny_lora_plan(), SETTINGS, 1).dataset.revision is None

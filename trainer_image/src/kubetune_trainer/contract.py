@@ -114,6 +114,9 @@ class ModelRef(_Strict):
 class DatasetRef(_Strict):
     source: str
     kind: SourceKind = "path"
+    revision: str | None = Field(
+        default=None, description="Git revision of a hub dataset (the default branch if unset)."
+    )
     format: DatasetFormat = "alpaca"
     validation_split: float = 0.0
 

@@ -234,10 +234,11 @@ def _read_hub(source: str, revision: str | None = None) -> Iterator[Record]:
         yield Record(f"hub:{source} row {i}", row)
 
 
-def read_records(source: str, kind: str = "path") -> list[Record]:
-    """All records of a dataset, in file order; raises DataError on unreadable input."""
+def read_records(source: str, kind: str = "path", revision: str | None = None) -> list[Record]:
+    """All records of a dataset, in file order (a hub dataset at `revision`); raises
+    DataError on unreadable input."""
     if kind == "hub":
-        rows = list(_read_hub(source))
+        rows = list(_read_hub(source, revision))
         if not rows:
             raise DataError(f"hub dataset {source!r}: empty")
         return rows

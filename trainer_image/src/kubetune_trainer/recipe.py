@@ -232,7 +232,7 @@ class FineTuneRecipe:
         prefetch_hub_model(cfg, env)
         self.tokenizer = load_tokenizer(cfg)
         t0 = time.monotonic()
-        records = read_records(cfg.dataset.source, cfg.dataset.kind)
+        records = read_records(cfg.dataset.source, cfg.dataset.kind, cfg.dataset.revision)
         self.data: PreparedData = prepare_data(
             records,
             fmt=cfg.dataset.format,

@@ -146,6 +146,12 @@ class DatasetSource(_Model):
         pattern=URI_PATTERN,
         max_length=512,
     )
+    revision: str | None = Field(
+        default=None,
+        max_length=256,
+        description="Git revision (branch, tag or commit) of a hub dataset; unset: its default "
+        "branch. Pin a commit for a run that can be repeated.",
+    )
     format: DatasetFormat = Field(
         default="alpaca",
         description=(

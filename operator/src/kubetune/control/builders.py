@@ -919,6 +919,7 @@ def _source_refs(
         DatasetRef(
             source=dataset.source,
             kind=dataset.kind,
+            revision=spec.dataset.revision if dataset.kind == "hub" else None,
             format=spec.dataset.format,
             validation_split=spec.dataset.validation_split,
         ),

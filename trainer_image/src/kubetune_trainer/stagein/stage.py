@@ -227,10 +227,7 @@ def stage_in(cfg: StageInConfig) -> StageInResult:
     ds = cfg.dataset
     # The dataset first: it is small, and a line that is not JSON fails the job before the
     # model's gigabytes are fetched.
-    # DatasetRef carries no revision (yet): a hub dataset is fetched at its default branch.
-    dataset = stage_source(
-        cache_dir, "dataset", ds.kind, ds.source, revision=getattr(ds, "revision", None)
-    )
+    dataset = stage_source(cache_dir, "dataset", ds.kind, ds.source, revision=ds.revision)
     records = read_dataset(dataset.path, uri=ds.source, renames=dataset.renames)
     ref = cfg.model
 
