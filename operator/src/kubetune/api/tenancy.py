@@ -41,9 +41,13 @@ class Tenant:
         """Whether a pool with this `spec.namespaceSelector` takes this namespace's jobs."""
         return selector is None or selector.matches(dict(self.labels))
 
+    def allows_secret(self, secret: str) -> bool:
+        """Whether the namespace's owner consented to jobs using `secret`."""
+        return secret in self.allowed_secrets
+
     def secret_refusal(self, secret: str, field: str) -> str | None:
         """Why `secret` (named by the job's `field`) may not be used, or None when it may."""
-        if secret in self.allowed_secrets:
+        if self.allows_secret(secret):
             return None
         allowed = ", ".join(sorted(self.allowed_secrets)) or "none"
         return (

@@ -708,15 +708,37 @@ def _env(job: FineTuneJob, attempt: int, settings: BuildSettings) -> list[dict[s
         {"name": "PYTHONUNBUFFERED", "value": "1"},
         {"name": "OMP_NUM_THREADS", "value": "4"},
     ]
+    return env + _token_env(job)
+
+
+def _token_env(job: FineTuneJob) -> list[dict[str, Any]]:
+    """`HF_TOKEN` from the Secret spec.model.tokenSecretRef names, if any."""
     token = job.spec.model.token_secret_ref
-    if token is not None:
-        env.append(
-            {
-                "name": TOKEN_ENV,
-                "valueFrom": {"secretKeyRef": {"name": token.name, "key": token.key}},
-            }
-        )
-    return env
+    if token is None:
+        return []
+    ref = {"name": token.name, "key": token.key}
+    return [{"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": ref}}]
+
+
+def _claim_volumes(
+    job: FineTuneJob, *, read_only_only: bool = False
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, mounts) for the claims `pvc://` URIs name, at `/mnt/pvc/<claim>`; read-only
+    where only read. `read_only_only`: leave out the claim the output is written to."""
+    volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
+    for claim, read_only in sorted(_pvc_claims(job).items()):
+        if read_only_only and not read_only:
+            continue
+        volume_name = _dns_label(f"pvc-{claim}", 63)
+        source: dict[str, Any] = {"claimName": claim}
+        mount: dict[str, Any] = {"name": volume_name, "mountPath": f"{PVC_ROOT}/{claim}"}
+        if read_only:
+            source["readOnly"] = True
+            mount["readOnly"] = True
+        volumes.append({"name": volume_name, "persistentVolumeClaim": source})
+        mounts.append(mount)
+    return volumes, mounts
 
 
 def _pod_security() -> dict[str, Any]:
@@ -801,15 +823,9 @@ def build_indexed_job(
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "tmp", "mountPath": "/tmp"},
     ]
-    for claim, read_only in sorted(_pvc_claims(job).items()):
-        volume_name = _dns_label(f"pvc-{claim}", 63)
-        source: dict[str, Any] = {"claimName": claim}
-        mount: dict[str, Any] = {"name": volume_name, "mountPath": f"{PVC_ROOT}/{claim}"}
-        if read_only:
-            source["readOnly"] = True
-            mount["readOnly"] = True
-        volumes.append({"name": volume_name, "persistentVolumeClaim": source})
-        mounts.append(mount)
+    claim_volumes, claim_mounts = _claim_volumes(job)
+    volumes += claim_volumes
+    mounts += claim_mounts
     if _staged(job) is not None:
         cache = {"claimName": CACHE_CLAIM, "readOnly": True}
         volumes.append({"name": "cache", "persistentVolumeClaim": cache})
@@ -1005,21 +1021,16 @@ def build_stage_in(job: FineTuneJob, settings: BuildSettings) -> list[dict[str, 
         {"name": "cache", "mountPath": CACHE_DIR},
         {"name": "tmp", "mountPath": "/tmp"},
     ]
-    for claim in sorted(claim for claim, read_only in _pvc_claims(job).items() if read_only):
-        volume_name = _dns_label(f"pvc-{claim}", 63)
-        source = {"claimName": claim, "readOnly": True}
-        volumes.append({"name": volume_name, "persistentVolumeClaim": source})
-        mounts.append({"name": volume_name, "mountPath": f"{PVC_ROOT}/{claim}", "readOnly": True})
+    claim_volumes, claim_mounts = _claim_volumes(job, read_only_only=True)
+    volumes += claim_volumes
+    mounts += claim_mounts
     env: list[dict[str, Any]] = [
         {"name": "HOME", "value": "/tmp"},
         {"name": "HF_HOME", "value": f"{CACHE_DIR}/.hf-home"},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
+        *_token_env(job),
+        *_s3_env(job),
     ]
-    token = job.spec.model.token_secret_ref
-    if token is not None:
-        ref = {"name": token.name, "key": token.key}
-        env.append({"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": ref}})
-    env += _s3_env(job)
     container = {
         "name": STAGE_IN_CONTAINER,
         "image": job.spec.trainer_image or settings.trainer_image,

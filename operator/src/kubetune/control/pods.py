@@ -268,6 +268,12 @@ class Startup:
     """It waits for room in the pool (unschedulable for lack of GPUs, not for a volume):
     the queue and the move to another pool deal with that, not the startup timeout."""
 
+    def overdue(self, now: datetime, timeout: float) -> bool:
+        """It could have started `timeout` seconds ago and has not (waiting for room never
+        is: the queue and the move to another pool deal with that)."""
+        since = self.since
+        return not self.for_room and since is not None and (now - since).total_seconds() >= timeout
+
     @property
     def user_error(self) -> bool:
         """A cause only the job's owner or the cluster's admin can fix: relaunching the

@@ -26,7 +26,6 @@ progress, checkpoint and cost; `lifecycle.Transitions` makes every phase change.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
@@ -525,8 +524,7 @@ class _Reconciler:
         elif waiting is not None:
             self.s.message = f"staging in: {waiting.message}"
             timeout = self.settings.startup_timeout_seconds
-            since = waiting.since
-            if not waiting.for_room and since and (self.now - since).total_seconds() >= timeout:
+            if waiting.overdue(self.now, timeout):
                 self.fail(
                     Reason.STAGE_IN_FAILED,
                     f"the stage-in pod did not start within {timeout:.0f}s: {waiting.message}. "
@@ -717,12 +715,7 @@ class _Reconciler:
         self.go.condition(ConditionType.RUNNING, False, shown.reason, shown.message)
         self.s.message = f"attempt {self.s.attempt}: {shown.message}"
         timeout = self.settings.startup_timeout_seconds
-        late = [
-            s
-            for s in startups
-            if not s.for_room and s.since and (self.now - s.since).total_seconds() >= timeout
-        ]
-        stuck = p.most_telling(late)
+        stuck = p.most_telling([s for s in startups if s.overdue(self.now, timeout)])
         if stuck is None:
             return
         why = f"{stuck.message} (not started after {timeout:.0f}s)"
@@ -1002,9 +995,8 @@ def parse_stage_in(message: str) -> StageInStatus | None:
     """status.stageIn from the stage-in pod's termination message (a StageInResult as
     JSON); None when it is not one."""
     try:
-        raw = json.loads(message)
-        result = StageInResult.model_validate(raw)
-    except ValueError:
+        result = StageInResult.model_validate_json(message)
+    except ValueError:  # pydantic's ValidationError, for bad JSON too
         return None
     return StageInStatus(
         model_path=result.model_path,

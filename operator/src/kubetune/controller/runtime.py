@@ -517,7 +517,7 @@ class Runtime:
             for ref in (input_refs(job) if needs_preflight(job) else [])
             # A Secret is read only once its namespace consented to it (api/tenancy.py).
             if ref.kind != "Secret"
-            or (observed.tenant is not None and ref.name in observed.tenant.allowed_secrets)
+            or (observed.tenant is not None and observed.tenant.allows_secret(ref.name))
         ]
         if refs:
             missing = await self.kube.missing_inputs(namespace, refs)
