@@ -30,13 +30,22 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def write_termination_message(message: str) -> None:
-    """Append one line to the Kubernetes termination message file, if there is one."""
+def termination_log() -> Path | None:
+    """The Kubernetes termination message file (`$KUBETUNE_TERMINATION_LOG`, else
+    /dev/termination-log), or None where there is none."""
     explicit = os.environ.get("KUBETUNE_TERMINATION_LOG")
     path = Path(explicit or TERMINATION_LOG)
     # The kubelet creates /dev/termination-log in every container; outside a pod there is
     # none, and the trainer must not create files in the host's /dev.
     if not (explicit and path.parent.is_dir()) and not path.exists():
+        return None
+    return path
+
+
+def write_termination_message(message: str) -> None:
+    """Append one line to the Kubernetes termination message file, if there is one."""
+    path = termination_log()
+    if path is None:
         return
     with contextlib.suppress(OSError), path.open("a") as fh:
         fh.write(message.strip()[:1000] + "\n")

@@ -274,8 +274,8 @@ class ContractError(ValueError):
     pass
 
 
-def parse_config(text: str, source: str) -> TrainerConfig:
-    """Validate a config's JSON text (read from `source`), refusing unknown contract versions."""
+def _known_version(text: str, source: str) -> object:
+    """The parsed JSON of a config, refusing contract versions this image does not know."""
     raw = json.loads(text)
     version = raw.get("contract_version") if isinstance(raw, dict) else None
     if version != CONTRACT_VERSION:
@@ -283,4 +283,14 @@ def parse_config(text: str, source: str) -> TrainerConfig:
             f"{source}: contract_version {version!r}, this trainer understands "
             f"{CONTRACT_VERSION}; to fix: use a trainer image that matches the operator"
         )
-    return TrainerConfig.model_validate(raw)
+    return raw
+
+
+def parse_config(text: str, source: str) -> TrainerConfig:
+    """Validate a config's JSON text (read from `source`), refusing unknown contract versions."""
+    return TrainerConfig.model_validate(_known_version(text, source))
+
+
+def parse_stage_in_config(text: str, source: str) -> StageInConfig:
+    """`parse_config` for the stage-in step's config."""
+    return StageInConfig.model_validate(_known_version(text, source))

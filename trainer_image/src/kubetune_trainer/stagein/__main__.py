@@ -19,13 +19,13 @@ import sys
 import traceback
 from pathlib import Path
 
-from kubetune_trainer.__main__ import TERMINATION_LOG, crash_message
+from kubetune_trainer.__main__ import crash_message, termination_log
 from kubetune_trainer.contract import (
-    CONTRACT_VERSION,
     EXIT_CONFIG_ERROR,
     EXIT_OK,
     StageInConfig,
     StageInResult,
+    parse_stage_in_config,
 )
 
 CONFIG_ENV = "KUBETUNE_STAGEIN_CONFIG"
@@ -36,9 +36,8 @@ log = logging.getLogger("kubetune_trainer.stagein")
 
 def write_termination_message(text: str) -> None:
     """Replace the termination message, if there is a file for it (as the trainer decides)."""
-    explicit = os.environ.get("KUBETUNE_TERMINATION_LOG")
-    path = Path(explicit or TERMINATION_LOG)
-    if not (explicit and path.parent.is_dir()) and not path.exists():
+    path = termination_log()
+    if path is None:
         return
     data = text.strip().encode()[:TERMINATION_BYTES].decode(errors="ignore")
     with contextlib.suppress(OSError):
@@ -55,14 +54,7 @@ def compact(result: StageInResult) -> str:
 
 
 def load_config(path: str) -> StageInConfig:
-    raw = json.loads(Path(path).read_text())
-    version = raw.get("contract_version") if isinstance(raw, dict) else None
-    if version != CONTRACT_VERSION:
-        raise ValueError(
-            f"contract_version {version!r}, this trainer image understands {CONTRACT_VERSION}. "
-            "To fix: use a trainer image that matches the operator"
-        )
-    return StageInConfig.model_validate(raw)
+    return parse_stage_in_config(Path(path).read_text(), path)
 
 
 def _setup_logging() -> None:
