@@ -40,7 +40,6 @@ from kubetune_trainer.contract import (
 )
 from kubetune_trainer.data import prepare_data, read_records
 from kubetune_trainer.stagein import cache_entries, stage_in
-from kubetune_trainer.stagein import fetch as fetch_module
 from kubetune_trainer.stagein.__main__ import main
 from kubetune_trainer.stagein.cache import ENTRY_FILE
 from kubetune_trainer.tiny import make_records, write_jsonl
@@ -55,7 +54,7 @@ VALIDATION_SPLIT = 0.1
 RECORDS = 160
 MODEL_REPO = "org/tiny-llama"
 DATASET_REPO = "org/alpaca"
-PRODUCTION_DELAYS_S = fetch_module.RETRY_DELAYS_S
+PRODUCTION_DELAYS_S = hub_module.RETRY_DELAYS_S
 
 
 # ------------------------------------------------------------------ helpers
@@ -64,7 +63,6 @@ PRODUCTION_DELAYS_S = fetch_module.RETRY_DELAYS_S
 @pytest.fixture(autouse=True)
 def _short_retries(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hub_module, "RETRY_DELAYS_S", (0.05, 0.05, 0.05))
-    monkeypatch.setattr(fetch_module, "RETRY_DELAYS_S", (0.05, 0.05, 0.05))
 
 
 def stagein_config(
@@ -527,7 +525,6 @@ def test_s3_wrong_credentials_fail_fast_with_the_uri(
 ) -> None:
     """A wrong secret key is refused at once: with the production retry delays (5, 15, 45 s)
     in place, a refusal that were retried could not end within a minute."""
-    monkeypatch.setattr(fetch_module, "RETRY_DELAYS_S", PRODUCTION_DELAYS_S)
     monkeypatch.setattr(hub_module, "RETRY_DELAYS_S", PRODUCTION_DELAYS_S)
     s3_env(secret_key="not-the-secret-key")
     cfg = s3_config(tmp_path)

@@ -22,14 +22,16 @@ import urllib.error
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from kubetune_trainer.errors import ConfigError, HubUnavailable
+from kubetune_trainer.errors import ConfigError, HubUnavailable, TrainerExit
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 RETRY_DELAYS_S: tuple[float, ...] = (5.0, 15.0, 45.0)
-"""Waits before the 2nd, 3rd and 4th try of a hub call that failed transiently."""
+"""Waits before the 2nd, 3rd and 4th try of a call that failed transiently: a hub call, an
+S3 object or an https download of the stage-in step (botocore retries single requests
+inside each try)."""
 
 AUTH, NOT_FOUND, TRANSIENT = "auth", "not-found", "transient"
 _TRANSIENT_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
@@ -161,39 +163,56 @@ def hub_call(
     `what` names the thing for messages ("model", "tokenizer", "dataset"), `uri` where it
     is, `field` the spec field that names it (for "To fix:").
     """
+
+    def verdict(e: BaseException) -> ConfigError | str | None:
+        found = classify(e)
+        if found is None:
+            return None
+        kind, err = found
+        if kind != TRANSIENT:
+            return _config_error(
+                kind, err, what=what, uri=uri, field=field, revision=revision, token_env=token_env
+            )
+        return _first_line(err)
+
+    def gave_up(tries: int, detail: str) -> TrainerExit:
+        return HubUnavailable(
+            f"{what} {uri}: the hub could not be reached after {tries} tries ({detail}); the "
+            "pod is restarted and tries again"
+        )
+
+    return retrying(fn, verdict, what=what, uri=uri, gave_up=gave_up)
+
+
+def retrying(
+    fn: Callable[[], T],
+    classify: Callable[[BaseException], ConfigError | str | None],
+    *,
+    what: str,
+    uri: str,
+    gave_up: Callable[[int, str], TrainerExit],
+) -> T:
+    """`fn()`, retried after RETRY_DELAYS_S when `classify` calls the failure transient (it
+    says what happened); a permanent one raises the ConfigError `classify` made; one it does
+    not know (None) goes up unchanged; the last transient one raises `gave_up(tries, what
+    happened)`, an exit that restarts the pod."""
     tries = len(RETRY_DELAYS_S) + 1
     for attempt in range(1, tries + 1):
         try:
             return fn()
+        except TrainerExit:
+            raise  # already sorted
         except Exception as e:
-            found = classify(e)
-            if found is None:
+            verdict = classify(e)
+            if verdict is None:
                 raise
-            kind, err = found
-            if kind != TRANSIENT:
-                raise _config_error(
-                    kind,
-                    err,
-                    what=what,
-                    uri=uri,
-                    field=field,
-                    revision=revision,
-                    token_env=token_env,
-                ) from e
+            if isinstance(verdict, ConfigError):
+                raise verdict from e
             if attempt == tries:
-                raise HubUnavailable(
-                    f"{what} {uri}: the hub could not be reached after {tries} tries "
-                    f"({_first_line(err)}); the pod is restarted and tries again"
-                ) from e
+                raise gave_up(tries, verdict) from e
             delay = RETRY_DELAYS_S[attempt - 1]
             log.warning(
-                "%s %s: hub error (%s); try %d of %d in %.0fs",
-                what,
-                uri,
-                _first_line(err),
-                attempt + 1,
-                tries,
-                delay,
+                "%s %s: %s; try %d of %d in %.0fs", what, uri, verdict, attempt + 1, tries, delay
             )
             time.sleep(delay)
     raise AssertionError("unreachable")  # pragma: no cover

@@ -28,7 +28,6 @@ import shutil
 import socket
 import sys
 import threading
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -39,6 +38,7 @@ from fnmatch import fnmatch
 from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
 
+from kubetune_trainer import hub
 from kubetune_trainer.data import SUFFIXES
 from kubetune_trainer.errors import ConfigError, TrainerExit
 from kubetune_trainer.hub import hub_call
@@ -47,9 +47,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-RETRY_DELAYS_S: tuple[float, ...] = (5.0, 15.0, 45.0)
-"""Waits before the 2nd, 3rd and 4th try of an S3 object or an https download that failed
-transiently (botocore retries single requests inside each try)."""
 S3_MAX_ATTEMPTS = 5
 """botocore's own tries of one request (standard retry mode)."""
 S3_PARALLEL_FILES = 4
@@ -133,33 +130,14 @@ def retrying(
     what: str,
     uri: str,
 ) -> T:
-    """`fn()`, retried with backoff when `classify` calls the failure transient (says what
-    happened); a permanent one raises the ConfigError `classify` made; one it does not know
-    (None) goes up unchanged."""
-    tries = len(RETRY_DELAYS_S) + 1
-    for attempt in range(1, tries + 1):
-        try:
-            return fn()
-        except TrainerExit:
-            raise  # already sorted
-        except Exception as e:
-            verdict = classify(e)
-            if verdict is None:
-                raise
-            if isinstance(verdict, ConfigError):
-                raise verdict from e
-            detail = verdict
-            if attempt == tries:
-                raise SourceUnavailable(
-                    f"{what} {uri}: failed {tries} times ({detail}); the pod is restarted and "
-                    "tries again"
-                ) from e
-            delay = RETRY_DELAYS_S[attempt - 1]
-            log.warning(
-                "%s %s: %s; try %d of %d in %.0fs", what, uri, detail, attempt + 1, tries, delay
-            )
-            time.sleep(delay)
-    raise AssertionError("unreachable")  # pragma: no cover
+    """`hub.retrying` for S3 and https: the last transient failure restarts the pod."""
+
+    def gave_up(tries: int, detail: str) -> TrainerExit:
+        return SourceUnavailable(
+            f"{what} {uri}: failed {tries} times ({detail}); the pod is restarted and tries again"
+        )
+
+    return hub.retrying(fn, classify, what=what, uri=uri, gave_up=gave_up)
 
 
 def _no_room(e: BaseException, what: str, uri: str) -> ConfigError | None:
