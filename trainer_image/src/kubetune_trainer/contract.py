@@ -250,6 +250,22 @@ class StageInConfig(_Strict):
         default=None,
         description="The config.json `model_type` the plan assumed; a different one fails.",
     )
+    metrics_port: int | None = Field(
+        default=None,
+        description="Serve the stage-in's progress (STAGE_IN_METRICS) on this port while it "
+        "runs; None: no endpoint.",
+    )
+    cache_max_bytes: int | None = Field(
+        default=None,
+        ge=0,
+        description="After staging, evict least-recently-used cache entries until the cache "
+        "holds at most this many bytes; None: never evict.",
+    )
+    keep_paths: list[str] = Field(
+        default_factory=list,
+        description="Cache entries (model_path/dataset_path of unfinished jobs, inside "
+        "cache_dir) that eviction never removes: other jobs read them now.",
+    )
 
 
 class StageInResult(_Strict):
@@ -268,6 +284,58 @@ class StageInResult(_Strict):
     downloaded_bytes: int = 0
     reused_bytes: int = Field(default=0, description="Bytes found in the cache already.")
     seconds: float = 0.0
+
+
+STAGE_IN_METRICS = {
+    "bytes_done": "kubetune_trainer_stagein_bytes_done",
+    "bytes_total": "kubetune_trainer_stagein_bytes_total",
+    "files_done": "kubetune_trainer_stagein_files_done",
+    "files_total": "kubetune_trainer_stagein_files_total",
+}
+"""The stage-in's progress gauges (bytes and files fetched of those to fetch; a total is 0
+until known), served on `StageInConfig.metrics_port` and read by the operator."""
+
+
+class StageOutConfig(_Strict):
+    """What the stage-out step uploads once training succeeded.
+
+    The operator runs it as a CPU-only pod (`python -m kubetune_trainer.stageout --config F`)
+    with the volume that holds the run's output mounted read-only. It uploads every file
+    under `source_dir` to `destination` (`s3://bucket/prefix`), large files in parts of
+    `part_bytes`, then `UPLOAD_MANIFEST` (files, sizes, sha256) last: a store that has the
+    manifest has the whole output. An object already there with the same size and sha256 is
+    not sent again, so a retried upload sends only what is missing. Exit 0: uploaded (the
+    termination message is the `StageOutResult` as JSON); EXIT_CONFIG_ERROR: permanent (no
+    access, no such bucket, nothing to upload); anything else: transient (retried).
+
+    Credentials come from the environment as boto3 reads them (`AWS_ACCESS_KEY_ID`,
+    `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`, `AWS_ENDPOINT_URL`).
+    """
+
+    contract_version: int = CONTRACT_VERSION
+    job: JobRef
+    source_dir: str = Field(description="The output directory to upload (read-only).")
+    destination: str = Field(description="`s3://bucket/prefix` the files go under.")
+    part_bytes: int = Field(
+        default=64 * 1024**2,
+        ge=5 * 1024**2,
+        description="Files larger than this go up in parts of this size (S3's minimum is 5 MiB).",
+    )
+
+
+class StageOutResult(_Strict):
+    """What the stage-out step uploaded."""
+
+    destination: str
+    files: int = Field(description="Files under source_dir, the manifest not counted.")
+    bytes: int = Field(description="Their total size.")
+    uploaded_bytes: int = Field(description="Bytes sent this time.")
+    skipped_bytes: int = Field(default=0, description="Bytes already in the store, not resent.")
+    seconds: float = 0.0
+
+
+UPLOAD_MANIFEST = "kubetune-upload.json"
+"""Written last under the destination: {"files": [{"path", "bytes", "sha256"}], "job": ...}."""
 
 
 class ContractError(ValueError):
@@ -294,3 +362,8 @@ def parse_config(text: str, source: str) -> TrainerConfig:
 def parse_stage_in_config(text: str, source: str) -> StageInConfig:
     """`parse_config` for the stage-in step's config."""
     return StageInConfig.model_validate(_known_version(text, source))
+
+
+def parse_stage_out_config(text: str, source: str) -> StageOutConfig:
+    """`parse_config` for the stage-out step's config."""
+    return StageOutConfig.model_validate(_known_version(text, source))
