@@ -41,7 +41,6 @@ def phase(cluster: Cluster, name: str, ns: str) -> str | None:
         ({"training": {"globalBatchSize": 10, "microBatchSize": 4}}, "multiple of"),
         ({"method": "dpo"}, 'Unsupported value: "dpo"'),
         ({"resources": {"maxCostUSD": 0}}, "maxCostUSD"),
-        ({"output": {"uri": "s3://bucket/out"}}, "s3:// output URIs are not supported yet"),
     ],
 )
 def test_admission_rejects_bad_specs(

@@ -21,7 +21,6 @@ from typing import Any
 
 import pytest
 import yaml
-from pydantic import ValidationError
 
 from kubetune.api.errors import SpecError
 from kubetune.api.v1alpha1 import FineTuneJob, GPUPool, PlanStatus
@@ -591,12 +590,6 @@ def test_model_uri_mapping(uri: str, kind: str, source: str, revision: str | Non
     job.spec.model.uri = uri
     model = build_trainer_config(job, tiny_lora_plan(), SETTINGS, 1).model
     assert (model.kind, model.source, model.revision) == (kind, source, revision)
-
-
-def test_an_s3_output_is_refused_before_any_gpu_is_spent() -> None:
-    job = tiny_lora_job()
-    with pytest.raises(ValidationError, match=r"s3:// output URIs are not supported yet.*To fix"):
-        job.spec.output.uri = "s3://bucket/prefix"
 
 
 # --------------------------------------------------------------------------- batch Job

@@ -14,6 +14,7 @@ from kubetune.control import conditions as c
 from kubetune.control.builders import (
     CACHE_CLAIM,
     CACHE_DIR,
+    STEP_CONFIG_KEY,
     BuildSettings,
     build_children,
     build_stage_in,
@@ -79,7 +80,7 @@ def test_the_stage_in_pod_asks_for_no_gpu_and_reads_the_store_with_the_jobs_cred
     pvc, config_map, batch = build_stage_in(make_job(**S3_JOB), BuildSettings())
     assert pvc["metadata"]["name"] == CACHE_CLAIM and "ownerReferences" not in pvc["metadata"]
     assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
-    config = StageInConfig.model_validate(json.loads(config_map["data"]["stagein.json"]))
+    config = StageInConfig.model_validate(json.loads(config_map["data"][STEP_CONFIG_KEY]))
     assert (config.dataset.kind, config.dataset.source) == ("s3", "s3://data/support/train.jsonl")
     assert config.model.kind == "hub" and config.cache_dir == CACHE_DIR
     pod = batch["spec"]["template"]["spec"]

@@ -36,25 +36,6 @@ QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
 # and `\S` means ASCII whitespace only in RE2 but any Unicode whitespace in Python.
 _NOT_SPACE = r"[^\t\n\f\r ]"
 URI_PATTERN = rf"^((hf|pvc|s3)://{_NOT_SPACE}+|[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?|/{_NOT_SPACE}*)$"
-S3_NOT_YET = (
-    "s3:// output URIs are not supported yet: the trainer does not upload to S3, and the "
-    "result would stay on a volume. To fix: use pvc://<claim>/<path>, or leave spec.output.uri "
-    "unset (the result stays on the checkpoint volume) and copy it from there (docs/data.md)"
-)
-
-
-def _no_s3(value: str | None) -> str | None:
-    """Refuse an `s3://` output before any GPU is spent (the same rule as the CRD's CEL
-    rule); models and data come from S3 through the stage-in step."""
-    if value is not None and value.startswith("s3://"):
-        raise ValueError(S3_NOT_YET)
-    return value
-
-
-def _uri_rules() -> dict[str, Any]:
-    return _validations(_cel("!self.startsWith('s3://')", S3_NOT_YET))
-
-
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 INT64_MAX = 2**63 - 1
 
@@ -386,17 +367,16 @@ class CheckpointSettings(_Model):
 
 
 class OutputSettings(_Model):
-    _refuse_s3 = field_validator("uri")(_no_s3)
-
     uri: str | None = Field(
         default=None,
         pattern=URI_PATTERN,
         description=(
-            "Where the adapter (and merged model) go: `pvc://<claim>/<path>`; unset keeps them "
-            "in the checkpoint volume under `output/`. (`s3://` is refused until the trainer "
-            "uploads to S3.)"
+            "Where the adapter (and merged model) go: `pvc://<claim>/<path>`; "
+            "`s3://bucket/prefix` (written to the checkpoint volume under `output/`, then "
+            "uploaded by the stage-out step; the job succeeds once the upload completed; "
+            "spec.s3 says how to reach the store); unset keeps them in the checkpoint volume "
+            "under `output/`."
         ),
-        json_schema_extra=_uri_rules(),
     )
     merge_adapter: bool = Field(
         default=False, description="Also write the base model with the adapter merged in."
@@ -707,6 +687,19 @@ class ProgressStatus(_Model):
     )
 
 
+class StageOutStatus(_Model):
+    """What the stage-out step uploaded (status.stageOut)."""
+
+    destination: str = Field(description="The `s3://` URI the output went to.")
+    files: int | None = Field(default=None, description="Files uploaded (manifest not counted).")
+    bytes: int | None = Field(default=None, description="Their total size.")
+    uploaded_bytes: int | None = Field(default=None, description="Bytes sent by the last run.")
+    skipped_bytes: int | None = Field(
+        default=None, description="Bytes already in the store (an earlier, partial upload)."
+    )
+    seconds: float | None = Field(default=None, description="How long the upload took.")
+
+
 class StageInStatus(_Model):
     """What the stage-in step fetched and measured (status.stageIn)."""
 
@@ -771,6 +764,9 @@ class FineTuneJobStatus(_Model):
     plan: PlanStatus | None = Field(default=None, description="The plan being executed.")
     stage_in: StageInStatus | None = Field(
         default=None, description="What the stage-in step fetched and measured."
+    )
+    stage_out: StageOutStatus | None = Field(
+        default=None, description="What the stage-out step uploaded (an `s3://` output)."
     )
     progress: ProgressStatus | None = Field(default=None, description="Training progress.")
     checkpoint: CheckpointStatus | None = Field(default=None, description="Newest checkpoint.")

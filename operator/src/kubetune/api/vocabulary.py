@@ -48,6 +48,9 @@ class ConditionType(StrEnum):
     STAGED_IN = "StagedIn"
     """The stage-in step fetched, checked and measured the model and data (False while it
     runs); set only on jobs that read from a remote store."""
+    UPLOADED = "Uploaded"
+    """The stage-out step uploaded the output to the `s3://` URI spec.output.uri names
+    (False while it runs); set only on jobs with such an output. The job succeeds after it."""
     INPUTS_READY = "InputsReady"
     """False while an object the job reads (a `pvc://` claim, the token Secret) is missing;
     set only once one was found missing."""
@@ -77,6 +80,12 @@ class Reason(StrEnum):
     STAGE_IN_FAILED = "StageInFailed"
     """The stage-in step could not fetch, check or measure the model or data: a permanent
     failure (no access, no such object, bad data) or too many transient ones."""
+    # the stage-out step
+    UPLOADING = "Uploading"
+    UPLOADED = "Uploaded"
+    UPLOAD_FAILED = "UploadFailed"
+    """The stage-out step could not upload the output to S3: a permanent failure (no access,
+    no such bucket) or too many transient ones. The output stays on the checkpoint volume."""
     # running
     LAUNCHED = "Launched"
     PODS_STARTING = "PodsStarting"
@@ -161,6 +170,16 @@ class PlanReason(StrEnum):
     """The previous layout ran out of GPU memory."""
     UNSCHEDULABLE = "Unschedulable"
     """A trainer pod found no room in the previous pool."""
+
+
+class StepKind(StrEnum):
+    """The CPU-only steps around training: the `kubetune.io/step` label of their Job and pod,
+    and the name of their container."""
+
+    STAGE_IN = "stage-in"
+    """Fetch, check and measure the model and data before any GPU is asked for."""
+    STAGE_OUT = "stage-out"
+    """Upload the output to S3 after training."""
 
 
 class EventType(StrEnum):

@@ -25,13 +25,15 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, Literal
 
 from kubetune.api.errors import SpecError
 from kubetune.api.v1alpha1 import API_VERSION, FineTuneJob, GPUPool, PlanStatus, StageInStatus
-from kubetune.control.pods import STAGE_IN_CONTAINER, TRAINER_CONTAINER
+from kubetune.api.vocabulary import StepKind
+from kubetune.control.pods import TRAINER_CONTAINER
 from kubetune_trainer.contract import (
     EXIT_CHECKPOINT_FAILED,
     EXIT_CONFIG_ERROR,
@@ -48,6 +50,7 @@ from kubetune_trainer.contract import (
     OutputConfig,
     ParallelConfig,
     StageInConfig,
+    StageOutConfig,
     TrainerConfig,
     TrainingConfig,
 )
@@ -69,9 +72,8 @@ CACHE_CLAIM = "kubetune-cache"
 """The namespace's model and data cache: one claim shared by every job of the namespace,
 written by stage-in pods, mounted read-only by trainer pods; no job owns it."""
 CACHE_DIR = "/cache"
-STAGE_IN_CONFIG_KEY = "stagein.json"
 LABEL_STEP = "kubetune.io/step"
-"""`stage-in` on the stage-in step's Job and pod (trainer pods carry `kubetune.io/attempt`)."""
+"""A `StepKind` on a CPU step's Job and pod (trainer pods carry `kubetune.io/attempt`)."""
 TOKEN_ENV = "HF_TOKEN"
 GPU_RESOURCE = "nvidia.com/gpu"
 RUN_AS_ID = 1000
@@ -915,11 +917,6 @@ def needs_stage_in(job: FineTuneJob) -> bool:
     return any(_locate(uri).kind == "s3" for uri in (job.spec.model.uri, job.spec.dataset.uri))
 
 
-def stage_in_name(job_name: str) -> str:
-    """Name of the stage-in step's Job and ConfigMap."""
-    return f"{_base_name(job_name)}-stagein"
-
-
 def _source_refs(
     job: FineTuneJob, model: _Location, dataset: _Location
 ) -> tuple[ModelRef, DatasetRef]:
@@ -998,50 +995,125 @@ def build_cache_pvc(job: FineTuneJob, settings: BuildSettings) -> dict[str, Any]
 
 def build_stage_in(job: FineTuneJob, settings: BuildSettings) -> list[dict[str, Any]]:
     """The cache claim, the stage-in config and the stage-in Job: one CPU-only pod that
-    fetches, checks and measures the model and data (`kubetune_trainer.stagein`). It asks
-    for no GPU and prefers nodes without one; a permanent failure (exit 2) fails the Job at
-    once, a transient one is retried twice."""
-    name, _, _ = _metadata(job)
-    step = stage_in_name(name)
-    step_labels = {**labels(job), LABEL_STEP: "stage-in"}
+    fetches, checks and measures the model and data (`kubetune_trainer.stagein`)."""
     config = build_stage_in_config(job)
+    volumes: list[dict[str, Any]] = [
+        {"name": "cache", "persistentVolumeClaim": {"claimName": CACHE_CLAIM}},
+    ]
+    mounts: list[dict[str, Any]] = [{"name": "cache", "mountPath": CACHE_DIR}]
+    claim_volumes, claim_mounts = _claim_volumes(job, read_only_only=True)
+    step = _step_job(
+        job,
+        settings,
+        StepKind.STAGE_IN,
+        config.model_dump(mode="json"),
+        volumes + claim_volumes,
+        mounts + claim_mounts,
+        env=[
+            {"name": "HF_HOME", "value": f"{CACHE_DIR}/.hf-home"},
+            *_token_env(job),
+            *_s3_env(job),
+        ],
+    )
+    return [build_cache_pvc(job, settings), *step]
+
+
+# --------------------------------------------------------------------------- stage-out
+
+
+def needs_stage_out(job: FineTuneJob) -> bool:
+    """Whether the output goes to S3: a CPU-only stage-out step uploads it after training."""
+    uri = job.spec.output.uri
+    return uri is not None and uri.startswith("s3://")
+
+
+def build_stage_out_config(job: FineTuneJob) -> StageOutConfig:
+    name, namespace, uid = _metadata(job)
+    assert job.spec.output.uri is not None
+    return StageOutConfig(
+        job=JobRef(name=name, namespace=namespace, uid=uid),
+        source_dir=OUTPUT_DIR,
+        destination=job.spec.output.uri,
+    )
+
+
+def build_stage_out(job: FineTuneJob, settings: BuildSettings) -> list[dict[str, Any]]:
+    """The stage-out config and Job: one CPU-only pod that uploads the output the trainer
+    wrote under `output/` on the checkpoint volume (mounted read-only) to the `s3://` URI
+    (`kubetune_trainer.stageout`). The files stay on the volume."""
+    name, _, _ = _metadata(job)
+    claim = child_names(name, 1).pvc
+    volumes = [
+        {"name": "checkpoints", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+    ]
+    mounts = [{"name": "checkpoints", "mountPath": CHECKPOINT_DIR, "readOnly": True}]
+    config = build_stage_out_config(job).model_dump(mode="json")
+    return _step_job(job, settings, StepKind.STAGE_OUT, config, volumes, mounts, env=_s3_env(job))
+
+
+# --------------------------------------------------------------------------- CPU steps
+
+
+STEP_MODULES: dict[StepKind, str] = {
+    StepKind.STAGE_IN: "kubetune_trainer.stagein",
+    StepKind.STAGE_OUT: "kubetune_trainer.stageout",
+}
+STEP_BACKOFF_LIMITS: dict[StepKind, int] = {StepKind.STAGE_IN: 2, StepKind.STAGE_OUT: 5}
+"""Pods a step may fail transiently before it fails: Kubernetes waits 10 s, 20 s, 40 s, …
+between them, so an upload rides out a store that is down for about ten minutes."""
+STEP_CONFIG_KEY = "step.json"
+
+
+def step_name(job_name: str, kind: StepKind) -> str:
+    """Name of a step's Job and ConfigMap: `<job>-stagein`, `<job>-stageout`."""
+    return f"{_base_name(job_name)}-{kind.value.replace('-', '')}"
+
+
+def stage_in_name(job_name: str) -> str:
+    return step_name(job_name, StepKind.STAGE_IN)
+
+
+def _step_job(
+    job: FineTuneJob,
+    settings: BuildSettings,
+    kind: StepKind,
+    config: Mapping[str, Any],
+    volumes: list[dict[str, Any]],
+    mounts: list[dict[str, Any]],
+    env: list[dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """A step's ConfigMap and batch Job: one pod of the trainer image, no GPU asked for,
+    preferring nodes without one (or where `stage_in_node_selector`/`_tolerations` say). A
+    permanent failure (exit EXIT_CONFIG_ERROR) fails the Job at once; a transient one is
+    retried up to STEP_BACKOFF_LIMITS."""
+    name, _, _ = _metadata(job)
+    step = step_name(name, kind)
+    step_labels = {**labels(job), LABEL_STEP: kind.value}
     config_map = {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": {**_object_meta(job, step), "labels": step_labels},
-        "data": {STAGE_IN_CONFIG_KEY: json.dumps(config.model_dump(mode="json"), indent=2)},
+        "data": {STEP_CONFIG_KEY: json.dumps(dict(config), indent=2)},
     }
-    volumes: list[dict[str, Any]] = [
-        {"name": "config", "configMap": {"name": step}},
-        {"name": "cache", "persistentVolumeClaim": {"claimName": CACHE_CLAIM}},
-        {"name": "tmp", "emptyDir": {"sizeLimit": settings.tmp_size}},
-    ]
-    mounts: list[dict[str, Any]] = [
-        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
-        {"name": "cache", "mountPath": CACHE_DIR},
-        {"name": "tmp", "mountPath": "/tmp"},
-    ]
-    claim_volumes, claim_mounts = _claim_volumes(job, read_only_only=True)
-    volumes += claim_volumes
-    mounts += claim_mounts
-    env: list[dict[str, Any]] = [
-        {"name": "HOME", "value": "/tmp"},
-        {"name": "HF_HOME", "value": f"{CACHE_DIR}/.hf-home"},
-        {"name": "PYTHONUNBUFFERED", "value": "1"},
-        *_token_env(job),
-        *_s3_env(job),
-    ]
     container = {
-        "name": STAGE_IN_CONTAINER,
+        "name": kind.value,
         "image": job.spec.trainer_image or settings.trainer_image,
         "imagePullPolicy": settings.image_pull_policy,
-        "command": ["python", "-m", "kubetune_trainer.stagein"],
-        "args": ["--config", f"{CONFIG_DIR}/{STAGE_IN_CONFIG_KEY}"],
-        "env": env,
+        "command": ["python", "-m", STEP_MODULES[kind]],
+        "args": ["--config", f"{CONFIG_DIR}/{STEP_CONFIG_KEY}"],
+        "env": [
+            {"name": "HOME", "value": "/tmp"},
+            {"name": "PYTHONUNBUFFERED", "value": "1"},
+            *env,
+        ],
         "resources": {
             "requests": {"cpu": settings.stage_in_cpu, "memory": settings.stage_in_memory}
         },
-        "volumeMounts": mounts,
+        "volumeMounts": [
+            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+            {"name": "tmp", "mountPath": "/tmp"},
+            *mounts,
+        ],
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": _container_security(),
     }
@@ -1053,14 +1125,18 @@ def build_stage_in(job: FineTuneJob, settings: BuildSettings) -> list[dict[str, 
             ]
         },
     }
-    pod_spec = {
+    pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,
         "securityContext": _pod_security(),
         "affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [no_gpu]}},
         "containers": [container],
-        "volumes": volumes,
+        "volumes": [
+            {"name": "config", "configMap": {"name": step}},
+            {"name": "tmp", "emptyDir": {"sizeLimit": settings.tmp_size}},
+            *volumes,
+        ],
     }
     if settings.stage_in_node_selector:
         pod_spec["nodeSelector"] = dict(settings.stage_in_node_selector)
@@ -1069,7 +1145,7 @@ def build_stage_in(job: FineTuneJob, settings: BuildSettings) -> list[dict[str, 
     fail_on_config_error = {
         "action": "FailJob",
         "onExitCodes": {
-            "containerName": STAGE_IN_CONTAINER,
+            "containerName": kind.value,
             "operator": "In",
             "values": [EXIT_CONFIG_ERROR],
         },
@@ -1079,13 +1155,13 @@ def build_stage_in(job: FineTuneJob, settings: BuildSettings) -> list[dict[str, 
         "kind": "Job",
         "metadata": {**_object_meta(job, step), "labels": step_labels},
         "spec": {
-            "backoffLimit": 2,
+            "backoffLimit": STEP_BACKOFF_LIMITS[kind],
             "podReplacementPolicy": "Failed",
             "podFailurePolicy": {"rules": [fail_on_config_error]},
             "template": {"metadata": {"labels": step_labels}, "spec": pod_spec},
         },
     }
-    return [build_cache_pvc(job, settings), config_map, batch]
+    return [config_map, batch]
 
 
 def _staged(job: FineTuneJob) -> StageInStatus | None:

@@ -16,7 +16,7 @@ from enum import StrEnum
 from typing import Any
 
 from kubetune.api.v1alpha1 import Recovery
-from kubetune.api.vocabulary import Reason, RecoveryReason
+from kubetune.api.vocabulary import Reason, RecoveryReason, StepKind
 from kubetune_trainer.contract import (
     EXIT_CHECKPOINT_FAILED,
     EXIT_CONFIG_ERROR,
@@ -27,7 +27,6 @@ from kubetune_trainer.contract import (
 )
 
 TRAINER_CONTAINER = "trainer"
-STAGE_IN_CONTAINER = "stage-in"
 JOB_ENDING_EXITS = (EXIT_OOM, EXIT_CONFIG_ERROR, EXIT_CHECKPOINT_FAILED, EXIT_STOPPED)
 """Trainer exits on which the batch Job's podFailurePolicy fails the whole Job."""
 _TELLING_EXITS = (EXIT_OOM, EXIT_CONFIG_ERROR, EXIT_CHECKPOINT_FAILED, EXIT_STOPPED)
@@ -154,25 +153,25 @@ def trainer_exit(pods: Sequence[Mapping[str, Any]]) -> TrainerExit:
 
 
 @dataclass(frozen=True)
-class StageInEnd:
-    """How the stage-in step's last pod ended: its exit code and termination message."""
+class StepEnd:
+    """How a CPU step's last pod ended: its exit code and termination message."""
 
     code: int | None
     message: str
 
 
-def stage_in_end(pods: Sequence[Mapping[str, Any]]) -> StageInEnd:
-    """The newest ended stage-in pod's exit (its termination message holds the result JSON
-    on success, the reason and the fix on failure)."""
+def step_end(pods: Sequence[Mapping[str, Any]], kind: StepKind) -> StepEnd:
+    """The newest ended pod's exit of a CPU step (its termination message holds the result
+    JSON on success, the reason and the fix on failure)."""
     ends = []
     for pod in pods:
-        for term in _trainer_terminations(pod, STAGE_IN_CONTAINER):
+        for term in _trainer_terminations(pod, kind.value):
             code = term.get("exitCode")
             ends.append((str(term.get("finishedAt") or ""), code, str(term.get("message") or "")))
     if not ends:
-        return StageInEnd(None, "no stage-in exit recorded")
+        return StepEnd(None, f"no {kind.value} exit recorded")
     _, code, message = max(ends, key=lambda e: e[0])
-    return StageInEnd(None if code is None else int(code), message.strip())
+    return StepEnd(None if code is None else int(code), message.strip())
 
 
 def oom_phase(detail: str) -> str | None:

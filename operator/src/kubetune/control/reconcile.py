@@ -44,6 +44,7 @@ from kubetune.api.v1alpha1 import (
     PlanStatus,
     Recovery,
     StageInStatus,
+    StageOutStatus,
     parse_duration,
 )
 from kubetune.api.vocabulary import (
@@ -53,6 +54,7 @@ from kubetune.api.vocabulary import (
     PlanReason,
     Reason,
     RecoveryReason,
+    StepKind,
 )
 from kubetune.control import pods as p
 from kubetune.control import progress
@@ -63,9 +65,11 @@ from kubetune.control.builders import (
     InputRef,
     build_children,
     build_stage_in,
+    build_stage_out,
     child_names,
     input_refs,
     needs_stage_in,
+    needs_stage_out,
 )
 from kubetune.control.conditions import get_condition, is_true, now_rfc3339
 from kubetune.control.lifecycle import Transitions, is_finished
@@ -84,6 +88,7 @@ from kubetune_trainer.contract import (
     EXIT_OOM,
     EXIT_STOPPED,
     StageInResult,
+    StageOutResult,
 )
 
 Manifest = dict[str, Any]
@@ -175,6 +180,9 @@ class Observed:
     """The stage-in step's batch Job, if it exists (jobs with S3 sources)."""
     stage_in_pods: Sequence[Mapping[str, Any]] = field(default_factory=list)
     """Its pods: the ended one's termination message carries the result."""
+    stage_out_job: Mapping[str, Any] | None = None
+    """The stage-out step's batch Job, if it exists (jobs with an `s3://` output)."""
+    stage_out_pods: Sequence[Mapping[str, Any]] = field(default_factory=list)
     missing_inputs: Sequence[MissingInput] = ()
     """What the launch preflight found missing of `builders.input_refs(job)` (read only
     before a launch; empty when all exist or they could not be read)."""
@@ -487,17 +495,13 @@ class _Reconciler:
             self.go.condition(ConditionType.STAGED_IN, False, Reason.STAGING_IN, what)
             self.s.message = f"staging in: {what}"
             return True
-        end = p.stage_in_end(self.observed.stage_in_pods)
-        status = batch.get("status") or {}
-        if p.job_succeeded(status):
+        end = self.step_ended(StepKind.STAGE_IN, batch, self.observed.stage_in_pods)
+        if end is None:
+            return True
+        if end.code == 0:
             staged = parse_stage_in(end.message)
             if staged is None:
-                self.fail(
-                    Reason.STAGE_IN_FAILED,
-                    "the stage-in step ended without its result (termination message: "
-                    f"{end.message[:200]!r}). To fix: read its log (`kubectl logs "
-                    f"job/{batch.get('metadata', {}).get('name')}`) and create the job again",
-                )
+                self.fail(Reason.STAGE_IN_FAILED, _no_result(StepKind.STAGE_IN, batch, end))
                 return True
             staged.assumed_tokens = assumed_tokens(self.job.spec)
             self.s.stage_in = staged
@@ -512,25 +516,93 @@ class _Reconciler:
             self.go.condition(ConditionType.STAGED_IN, True, Reason.STAGED_IN, summary)
             self.d.event(Reason.STAGED_IN, summary)
             return False
+        why = "a permanent failure" if end.code == EXIT_CONFIG_ERROR else "failed repeatedly"
+        self.fail(Reason.STAGE_IN_FAILED, f"the stage-in step {why}: {end.message[-600:]}")
+        return True
+
+    def step_ended(
+        self, kind: StepKind, batch: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]
+    ) -> p.StepEnd | None:
+        """How a CPU step's Job ended: its last pod's exit, with code 0 when the Job
+        succeeded and the pod's code (never 0) when it failed. None while it runs: then
+        status.message says what its pod does, and a pod that does not start within the
+        startup timeout fails the job."""
+        status = batch.get("status") or {}
+        end = p.step_end(pods, kind)
+        if p.job_succeeded(status):
+            return p.StepEnd(0, end.message)
         if p.job_failed(status):
-            why = "a permanent failure" if end.code == EXIT_CONFIG_ERROR else "failed repeatedly"
-            self.fail(Reason.STAGE_IN_FAILED, f"the stage-in step {why}: {end.message[-600:]}")
-            return True
-        pods = self.observed.stage_in_pods
-        running = [p.pod_name(pod) for pod in pods if p.trainer_running(pod, p.STAGE_IN_CONTAINER)]
-        waiting = p.most_telling([s for pod in pods if (s := p.startup(pod, p.STAGE_IN_CONTAINER))])
+            return p.StepEnd(end.code or 1, end.message)
+        verb, doing = STEP_VERBS[kind]
+        running = [p.pod_name(pod) for pod in pods if p.trainer_running(pod, kind.value)]
+        waiting = p.most_telling([s for pod in pods if (s := p.startup(pod, kind.value))])
         if running:
-            self.s.message = f"staging in: pod {running[0]} is fetching and measuring"
+            self.s.message = f"{verb}: pod {running[0]} {doing}"
         elif waiting is not None:
-            self.s.message = f"staging in: {waiting.message}"
+            self.s.message = f"{verb}: {waiting.message}"
             timeout = self.settings.startup_timeout_seconds
             if waiting.overdue(self.now, timeout):
                 self.fail(
-                    Reason.STAGE_IN_FAILED,
-                    f"the stage-in pod did not start within {timeout:.0f}s: {waiting.message}. "
-                    "To fix: what the message names (the image, a Secret, a claim), then "
-                    "create the job again",
+                    STEP_FAILURES[kind],
+                    f"the {kind.value} pod did not start within {timeout:.0f}s: "
+                    f"{waiting.message}. To fix: what the message names (the image, a Secret, "
+                    "a claim), then create the job again",
                 )
+        return None
+
+    # ------------------------------------------------------------------ stage-out
+
+    def staging_out(self) -> bool:
+        """After training succeeded, upload an `s3://` output with the stage-out step:
+        create it, follow it, fail the job with its reason, or record what it uploaded.
+        True while it holds the job (the job succeeds only after the upload)."""
+        if not needs_stage_out(self.job) or self.s.stage_out is not None:
+            return False
+        destination = str(self.spec.output.uri)
+        batch = self.observed.stage_out_job
+        self.d.requeue_after = self.settings.poll_seconds
+        if batch is None:
+            try:
+                self.d.create.extend(build_stage_out(self.job, self.settings.build))
+            except SpecError as exc:
+                self.fail(Reason.INVALID_SPEC, str(exc))
+                return True
+            what = f"uploading the output to {destination}"
+            if get_condition(self.s.conditions, ConditionType.UPLOADED) is None:
+                self.d.event(Reason.UPLOADING, what)
+            self.go.condition(ConditionType.UPLOADED, False, Reason.UPLOADING, what)
+            self.s.message = what
+            return True
+        end = self.step_ended(StepKind.STAGE_OUT, batch, self.observed.stage_out_pods)
+        if end is None:
+            return True
+        kept = f"The output stays on the checkpoint volume ({child_names(self.job_name, 1).pvc}, "
+        kept += "output/)"
+        if end.code == 0:
+            uploaded = parse_stage_out(end.message)
+            if uploaded is None:
+                self.fail(
+                    Reason.UPLOAD_FAILED,
+                    f"{_no_result(StepKind.STAGE_OUT, batch, end)}. {kept}",
+                )
+                return True
+            self.s.stage_out = uploaded
+            summary = (
+                f"uploaded {uploaded.files} files ({uploaded.bytes} bytes) to "
+                f"{uploaded.destination}: {uploaded.uploaded_bytes} bytes sent, "
+                f"{uploaded.skipped_bytes} already there"
+            )
+            self.go.condition(ConditionType.UPLOADED, True, Reason.UPLOADED, summary)
+            self.d.event(Reason.UPLOADED, summary)
+            return False
+        why = "a permanent failure" if end.code == EXIT_CONFIG_ERROR else "failed repeatedly"
+        self.fail(
+            Reason.UPLOAD_FAILED,
+            f"the stage-out step {why}: {end.message[-500:]}. {kept}. To upload without "
+            "training again: fix what the message names, delete this job and create it again "
+            f"under the same name with spec.checkpoint.resumeFromUID: "
+            f"{self.job.metadata.get('uid')} (it resumes at the last step and uploads)",
+        )
         return True
 
     def for_tenant(self, planner: PlannerSettings) -> PlannerSettings:
@@ -667,7 +739,8 @@ class _Reconciler:
         progress.accrue(self.s.cost, self.now, self.training_share())
         job_status = job.get("status") or {}
         if p.job_succeeded(job_status):
-            self.succeed()
+            if not self.staging_out():
+                self.succeed()
             return
         if p.job_failed(job_status):
             self.handle_failure()
@@ -1006,6 +1079,43 @@ def parse_stage_in(message: str) -> StageInStatus | None:
         downloaded_bytes=result.downloaded_bytes,
         reused_bytes=result.reused_bytes,
         seconds=round(result.seconds, 1),
+    )
+
+
+def parse_stage_out(message: str) -> StageOutStatus | None:
+    """status.stageOut from the stage-out pod's termination message (a StageOutResult as
+    JSON); None when it is not one."""
+    try:
+        result = StageOutResult.model_validate_json(message)
+    except ValueError:
+        return None
+    return StageOutStatus(
+        destination=result.destination,
+        files=result.files,
+        bytes=result.bytes,
+        uploaded_bytes=result.uploaded_bytes,
+        skipped_bytes=result.skipped_bytes,
+        seconds=round(result.seconds, 1),
+    )
+
+
+STEP_VERBS: dict[StepKind, tuple[str, str]] = {
+    StepKind.STAGE_IN: ("staging in", "is fetching and measuring"),
+    StepKind.STAGE_OUT: ("uploading the output", "is uploading"),
+}
+"""What status.message says while a step's pod waits or runs."""
+STEP_FAILURES: dict[StepKind, Reason] = {
+    StepKind.STAGE_IN: Reason.STAGE_IN_FAILED,
+    StepKind.STAGE_OUT: Reason.UPLOAD_FAILED,
+}
+
+
+def _no_result(kind: StepKind, batch: Mapping[str, Any], end: p.StepEnd) -> str:
+    name = (batch.get("metadata") or {}).get("name")
+    return (
+        f"the {kind.value} step ended without its result (termination message: "
+        f"{end.message[:200]!r}). To fix: read its log (`kubectl logs job/{name}`) and create "
+        "the job again"
     )
 
 

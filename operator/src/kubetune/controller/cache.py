@@ -24,6 +24,7 @@ from pydantic import ValidationError
 
 from kubetune.api.tenancy import Tenant
 from kubetune.api.v1alpha1 import FineTuneJob, GPUPool, GPUPoolStatus
+from kubetune.api.vocabulary import StepKind
 from kubetune.control.builders import LABEL_ATTEMPT, LABEL_JOB, LABEL_STEP, label_value
 from kubetune.control.capacity import NodeInfo, gpus_held, pool_capacity
 from kubetune.control.conditions import now_rfc3339
@@ -209,9 +210,9 @@ class Caches:
             if a != attempt and not (batch.get("metadata") or {}).get("deletionTimestamp")
         )
         tenant = self.tenant(key[0])
-        stage_in = self._stage_in(key, uid)
+        steps = self._steps(key, uid)
         if not attempt:
-            return Observed(pools=pools, other_attempts=others, tenant=tenant, **stage_in)
+            return Observed(pools=pools, other_attempts=others, tenant=tenant, **steps)
         pods = [
             pod
             for pod in self.pods.get(key) or ()
@@ -225,23 +226,33 @@ class Caches:
             attempt=attempt,
             other_attempts=others,
             tenant=tenant,
-            **stage_in,
+            **steps,
         )
 
-    def _stage_in(self, key: JobKey, uid: Any) -> dict[str, Any]:
-        """The job's stage-in Job (owned by this object) and pods, as Observed fields."""
+    def _steps(self, key: JobKey, uid: Any) -> dict[str, Any]:
+        """The job's CPU steps' Jobs (owned by this object) and pods, as Observed fields."""
+        stage_in_job, stage_in_pods = self._step(key, uid, StepKind.STAGE_IN)
+        stage_out_job, stage_out_pods = self._step(key, uid, StepKind.STAGE_OUT)
+        return {
+            "stage_in_job": stage_in_job,
+            "stage_in_pods": stage_in_pods,
+            "stage_out_job": stage_out_job,
+            "stage_out_pods": stage_out_pods,
+        }
+
+    def _step(
+        self, key: JobKey, uid: Any, kind: StepKind
+    ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+        def step_of(obj: Mapping[str, Any]) -> Any:
+            return ((obj.get("metadata") or {}).get("labels") or {}).get(LABEL_STEP)
+
         batch = None
         for candidate in self.batch_jobs.get(key) or ():
-            meta = candidate.get("metadata") or {}
-            owners = {ref.get("uid") for ref in meta.get("ownerReferences") or []}
-            if (meta.get("labels") or {}).get(LABEL_STEP) == "stage-in" and uid in owners:
+            owners = {r.get("uid") for r in candidate["metadata"].get("ownerReferences") or []}
+            if step_of(candidate) == kind.value and uid in owners:
                 batch = candidate
-        pods = [
-            pod
-            for pod in self.pods.get(key) or ()
-            if ((pod.get("metadata") or {}).get("labels") or {}).get(LABEL_STEP) == "stage-in"
-        ]
-        return {"stage_in_job": batch, "stage_in_pods": pods}
+        pods = [pod for pod in self.pods.get(key) or () if step_of(pod) == kind.value]
+        return batch, pods
 
 
 def with_capacity(pool: GPUPool, capacity: Mapping[str, Any], generation: Any) -> GPUPool:
