@@ -6,6 +6,9 @@ On success the termination message is the `StageInResult` as compact JSON (witho
 `config_error <message>` (exit 2), `transient <message>` (exit 1) or `crash <error>` (exit 1).
 The file is the trainer's (`$KUBETUNE_TERMINATION_LOG`, else /dev/termination-log).
 Progress goes to stdout, one JSON line per file fetched; the log to stderr.
+
+The stage-out step's entry point uses the same termination message, log and failure
+mapping (`write_termination_message`, `setup_logging`, `config_failure`, `step_failure`).
 """
 
 from __future__ import annotations
@@ -53,14 +56,42 @@ def compact(result: StageInResult) -> str:
     return json.dumps(smaller.model_dump(mode="json"), separators=(",", ":"), sort_keys=True)
 
 
+def config_failure(message: str, logger: logging.Logger = log) -> int:
+    """Log a config that cannot be read and say so in the termination message: exit 2."""
+    logger.error("%s", message)
+    write_termination_message(f"config_error {message}")
+    return EXIT_CONFIG_ERROR
+
+
+def step_failure(e: Exception, logger: logging.Logger = log) -> int:
+    """Log a step's failure, put it in the termination message and return its exit code: a
+    `ConfigError` is `config_error` (exit 2), another `TrainerExit` `transient` (its code,
+    1), anything else a crash (exit 1, with the traceback in the log)."""
+    from kubetune_trainer.errors import ConfigError, TrainerExit
+
+    if isinstance(e, ConfigError):
+        logger.error("%s", e)
+        write_termination_message(f"config_error {e}")
+        return e.exit_code
+    if isinstance(e, TrainerExit):
+        logger.warning("%s", e)
+        write_termination_message(f"transient {e}")
+        return e.exit_code
+    traceback.print_exception(e)
+    write_termination_message(crash_message(e))
+    return 1
+
+
 def load_config(path: str) -> StageInConfig:
     return parse_stage_in_config(Path(path).read_text(), path)
 
 
-def _setup_logging() -> None:
+def setup_logging(step: str) -> None:
+    """The log of a CPU-only step (`stagein`, `stageout`) to stderr, the clients' chatter
+    quieted."""
     logging.basicConfig(
         level=logging.INFO,
-        format="%(asctime)s stagein %(levelname)s %(name)s: %(message)s",
+        format=f"%(asctime)s {step} %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
     for noisy in ("httpx", "httpx2", "urllib3", "filelock", "botocore", "s3transfer", "boto3"):
@@ -73,21 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kubetune_trainer.stagein")
     parser.add_argument("--config", default=os.environ.get(CONFIG_ENV))
     args = parser.parse_args(argv)
-    _setup_logging()
+    setup_logging("stagein")
     if not args.config:
-        message = f"no config: pass --config FILE or set {CONFIG_ENV}"
-        log.error("%s", message)
-        write_termination_message(f"config_error {message}")
-        return EXIT_CONFIG_ERROR
+        return config_failure(f"no config: pass --config FILE or set {CONFIG_ENV}")
     try:
         cfg = load_config(args.config)
     except (OSError, ValueError) as e:  # pydantic's ValidationError is a ValueError
-        message = f"config {args.config}: {e}"
-        log.error("%s", message)
-        write_termination_message(f"config_error {message}")
-        return EXIT_CONFIG_ERROR
+        return config_failure(f"config {args.config}: {e}")
 
-    from kubetune_trainer.errors import ConfigError, TrainerExit
     from kubetune_trainer.stagein.stage import stage_in
 
     try:
@@ -95,18 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(cfg.result_path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(result.model_dump_json(indent=2) + "\n")
-    except ConfigError as e:
-        log.error("%s", e)
-        write_termination_message(f"config_error {e}")
-        return e.exit_code
-    except TrainerExit as e:
-        log.warning("%s", e)
-        write_termination_message(f"transient {e}")
-        return e.exit_code
     except Exception as e:
-        traceback.print_exc()
-        write_termination_message(crash_message(e))
-        return 1
+        return step_failure(e)
     write_termination_message(compact(result))
     log.info(
         "staged: %d examples, %d tokens, %d sequences; %.1f MB downloaded, %.1f MB reused, "

@@ -456,19 +456,20 @@ def parse_s3(uri: str, field: str) -> tuple[str, str]:
     return parsed.netloc, parsed.path.lstrip("/")
 
 
-def _s3_fix(bucket: str) -> str:
+def _s3_fix(bucket: str, may: str = "list and read") -> str:
     return (
         "check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the Secret the job names (and "
-        "AWS_ENDPOINT_URL and AWS_REGION for an S3-compatible store), and that they may list "
-        f"and read bucket {bucket}"
+        "AWS_ENDPOINT_URL and AWS_REGION for an S3-compatible store), and that they may "
+        f"{may} bucket {bucket}"
     )
 
 
 def classify_s3(
-    e: BaseException, *, what: str, uri: str, bucket: str, field: str
+    e: BaseException, *, what: str, uri: str, bucket: str, field: str, may: str = "list and read"
 ) -> ConfigError | str | None:
     """The ConfigError of a permanent failure, what happened in a transient one, or None:
-    not S3's doing."""
+    not S3's doing. `may` is what the credentials must be allowed to do with the bucket (for
+    the "To fix:" of a refusal)."""
     from boto3.exceptions import RetriesExceededError as Boto3RetriesExceeded
     from botocore import exceptions as bx
     from s3transfer.exceptions import RetriesExceededError
@@ -485,7 +486,7 @@ def classify_s3(
             said = f"{code}: {message}" if message != code else code
             if code in S3_AUTH or status in (401, 403):
                 return ConfigError(
-                    f"{what} {uri}: S3 refused access ({said}). To fix: {_s3_fix(bucket)}"
+                    f"{what} {uri}: S3 refused access ({said}). To fix: {_s3_fix(bucket, may)}"
                 )
             if code == "NoSuchBucket":
                 return ConfigError(
@@ -505,7 +506,7 @@ def classify_s3(
             )
         if isinstance(err, bx.NoCredentialsError | bx.PartialCredentialsError):
             return ConfigError(
-                f"{what} {uri}: no S3 credentials ({err}). To fix: {_s3_fix(bucket)}"
+                f"{what} {uri}: no S3 credentials ({err}). To fix: {_s3_fix(bucket, may)}"
             )
         if isinstance(err, bx.HTTPClientError | bx.ResponseStreamingError):
             return f"{type(err).__name__}: {err}"
