@@ -6,7 +6,10 @@ What is pinned: the staged files and a StageInResult whose counts equal what dat
 for the same data and tokenizer; a second stage-in downloads nothing; two at once download
 once; permanent failures (wrong S3 keys, a missing object, a malformed line, another
 architecture than planned) exit 2 with the URI and "To fix" in the termination message; a
-transient hub failure is retried; a path is read in place.
+transient hub failure is retried; a path is read in place. The progress gauges, scraped over
+HTTP mid-run and at the end, count every staged file and byte (fetched or found in the
+cache); eviction removes the least recently used entries down to the cap, never one a job
+reads, one this stage-in hands out, or one whose lock is held.
 
 The S3 tests need versitygw, built from Go modules on first use (about 2 minutes, then cached);
 they are skipped, with the reason, where it cannot be built.
@@ -15,6 +18,9 @@ they are skipped, with the reason, where it cannot be built.
 from __future__ import annotations
 
 import json
+import logging
+import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -34,14 +40,17 @@ from huggingface_hub import HfApi
 from kubetune_trainer import hub as hub_module
 from kubetune_trainer.contract import (
     EXIT_CONFIG_ERROR,
+    STAGE_IN_METRICS,
     StageInConfig,
     StageInResult,
     TrainingConfig,
 )
 from kubetune_trainer.data import prepare_data, read_records
-from kubetune_trainer.stagein import cache_entries, stage_in
+from kubetune_trainer.stagein import cache_entries, cache_key, stage_in
 from kubetune_trainer.stagein.__main__ import main
-from kubetune_trainer.stagein.cache import ENTRY_FILE
+from kubetune_trainer.stagein.cache import ENTRY_FILE, locked
+from kubetune_trainer.stagein.fetch import Progress
+from kubetune_trainer.stagein.progress import StageProgress
 from kubetune_trainer.tiny import make_records, write_jsonl
 from support.hubserver import HubServer, hub_server
 from support.s3server import S3Server, s3_server
@@ -638,3 +647,334 @@ def test_https_dataset_is_streamed_with_retries(
     assert code == EXIT_CONFIG_ERROR
     assert f"dataset {base}/data/missing.jsonl: the server answered HTTP 404" in message
     assert "To fix" in message
+
+
+# ------------------------------------------------------------------ progress gauges
+
+
+def scrape(port: int) -> dict[str, float]:
+    """The stage-in's gauges, read over HTTP as the operator reads them."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    names = {v: k for k, v in STAGE_IN_METRICS.items()}
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in names:
+            values[names[name]] = float(value)
+    assert set(values) == set(STAGE_IN_METRICS), text
+    return values
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def entry_bytes(path: str) -> tuple[int, int]:
+    """(files, bytes) of the cache entry a result path is, or is inside."""
+    folder = Path(path) if Path(path).is_dir() else Path(path).parent
+    meta = json.loads((folder / ENTRY_FILE).read_text())
+    return len(meta["files"]), int(meta["bytes"])
+
+
+def test_progress_is_served_while_a_stage_in_runs(
+    tmp_path: Path, hub: HubServer, alpaca: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Scraped mid-run on `metrics_port`: with the model's lock held elsewhere the stage-in
+    waits after the dataset, whose file is counted whole; then the model is fetched."""
+    monkeypatch.setenv("KUBETUNE_METRICS_ADDR", "127.0.0.1")
+    port = free_port()
+    cfg = StageInConfig.model_validate(hub_config(tmp_path, metrics_port=port))
+    cache = tmp_path / "cache"
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = stage_in(cfg)
+        except BaseException as e:
+            outcome["error"] = e
+
+    with locked(cache, cache_key("hub", MODEL_REPO, None), "the test"):
+        thread = threading.Thread(target=run)
+        thread.start()
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                seen = scrape(port)
+            except OSError:
+                seen = {}
+            if seen and seen["files_total"] > 0 and seen["files_done"] == seen["files_total"]:
+                break
+            assert time.monotonic() < deadline, seen
+            time.sleep(0.05)
+        assert thread.is_alive()  # waiting for the model's lock
+    thread.join(60)
+    assert "error" not in outcome, outcome
+    dataset = len(alpaca.read_bytes())
+    assert seen == {
+        "bytes_done": dataset,
+        "bytes_total": dataset,
+        "files_done": 1,
+        "files_total": 1,
+    }
+    with pytest.raises(OSError):  # the endpoint lives as long as the stage-in
+        scrape(port)
+
+
+def test_progress_totals_are_the_files_staged(
+    tmp_path: Path,
+    hub: HubServer,
+    web: tuple[str, list[int]],
+    tiny_llama: Path,
+    alpaca: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At the end the totals are the staged files and everything is done: fetched from the
+    hub, found in the cache by a second stage-in, streamed over https."""
+    monkeypatch.setenv("KUBETUNE_METRICS_ADDR", "127.0.0.1")
+    samples: list[dict[str, int]] = []
+    progress = StageProgress()
+    progress.serve(0)
+    stop = threading.Event()
+
+    def sample() -> None:  # never more done than known to do
+        while not stop.wait(0.005):
+            samples.append(progress.values())
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        result = stage_in(StageInConfig.model_validate(hub_config(tmp_path)), progress=progress)
+        stop.set()
+        sampler.join()
+        end = scrape(progress.port or 0)
+    finally:
+        stop.set()
+        progress.close()
+    model_files, model_bytes = entry_bytes(result.model_path)
+    data_files, data_bytes = entry_bytes(result.dataset_path)
+    assert model_files == sum(1 for p in tiny_llama.iterdir() if p.is_file())
+    assert end["bytes_total"] == model_bytes + data_bytes == result.downloaded_bytes
+    assert end["files_total"] == model_files + data_files
+    assert (end["bytes_done"], end["files_done"]) == (end["bytes_total"], end["files_total"])
+    assert samples and all(s["bytes_done"] <= s["bytes_total"] for s in samples)
+    assert all(s["files_done"] <= s["files_total"] for s in samples)
+
+    again = StageProgress()
+    second = stage_in(
+        StageInConfig.model_validate(
+            hub_config(tmp_path / "again", cache_dir=str(tmp_path / "cache"))
+        ),
+        progress=again,
+    )
+    assert second.downloaded_bytes == 0
+    assert again.values() == {k: int(v) for k, v in end.items()}  # found: done at once
+
+    base, _ = web
+    https = StageProgress()
+    stage_in(
+        StageInConfig.model_validate(
+            stagein_config(
+                tmp_path / "https",
+                {"source": str(tiny_llama), "kind": "path"},
+                {"source": f"{base}/data/alpaca.jsonl", "kind": "https"},
+            )
+        ),
+        progress=https,
+    )
+    size = len(alpaca.read_bytes())
+    assert https.values() == {
+        "bytes_done": size,
+        "bytes_total": size,  # Content-Length
+        "files_done": 1,
+        "files_total": 1,
+    }
+
+
+def test_s3_progress_counts_bytes_as_they_arrive(
+    tmp_path: Path,
+    s3: S3Server,
+    s3_env: Callable[..., None],
+    tiny_llama: Path,
+    alpaca: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The transfer's callback reports a file's bytes before it is done; the totals come from
+    the listing."""
+    arriving: dict[str, int] = {}
+    moving = Progress.moving
+
+    def record(self: Progress, name: str, nbytes: int) -> None:
+        arriving[name] = max(arriving.get(name, 0), nbytes)
+        moving(self, name, nbytes)
+
+    monkeypatch.setattr(Progress, "moving", record)
+    progress = StageProgress()
+    result = stage_in(StageInConfig.model_validate(s3_config(tmp_path)), progress=progress)
+    sizes = {p.name: p.stat().st_size for p in tiny_llama.iterdir() if p.is_file()}
+    size = len(alpaca.read_bytes())
+    assert progress.values() == {
+        "bytes_done": sum(sizes.values()) + size,
+        "bytes_total": sum(sizes.values()) + size,
+        "files_done": len(sizes) + 1,
+        "files_total": len(sizes) + 1,
+    }
+    assert result.downloaded_bytes == sum(sizes.values()) + size
+    assert arriving["model.safetensors"] == sizes["model.safetensors"]
+    assert arriving["alpaca.jsonl"] == size
+
+
+# ------------------------------------------------------------------ eviction
+
+EVICTION_REPOS = ("org/data-a", "org/data-b", "org/data-c")
+
+
+@pytest.fixture
+def three_entries(
+    tmp_path: Path, hub: HubServer, tiny_llama: Path, alpaca: Path, monkeypatch: pytest.MonkeyPatch
+) -> Callable[[str], tuple[Path, dict[str, Path]]]:
+    """A cache holding three dataset entries of the same size, used in the order a, b, c;
+    each call gives a copy of it (the cache, the entry of each letter)."""
+    staged = tmp_path / "staged"
+    paths: dict[str, Path] = {}
+    for letter, repo in zip("abc", EVICTION_REPOS, strict=True):
+        hub.add_dataset(repo, {"data/train.jsonl": alpaca.read_bytes()})
+        cfg = stagein_config(
+            staged / letter,
+            {"source": str(tiny_llama), "kind": "path"},
+            {"source": repo, "kind": "hub"},
+            cache_dir=str(staged / "cache"),
+        )
+        code, message = run_stagein(staged / letter, cfg, monkeypatch)  # cache_max_bytes None
+        assert code == 0, message
+        paths[letter] = Path(result_of(cfg, message).dataset_path)
+    assert len(cache_entries(staged / "cache")) == 3  # no cap: nothing evicted
+    for day, folder in enumerate(paths.values(), start=1):  # a oldest, c newest
+        meta = json.loads((folder / ENTRY_FILE).read_text())
+        meta["last_used"] = f"2026-01-0{day}T00:00:00.000000Z"
+        (folder / ENTRY_FILE).write_text(json.dumps(meta))
+
+    def copy(name: str) -> tuple[Path, dict[str, Path]]:
+        cache = tmp_path / name / "cache"
+        shutil.copytree(staged / "cache", cache)
+        return cache, {k: cache / "datasets" / p.name for k, p in paths.items()}
+
+    return copy
+
+
+def stage_c(
+    tmp: Path,
+    cache: Path,
+    tiny_llama: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    **extra: Any,
+) -> dict[str, Any]:
+    """A stage-in of dataset c with `extra` settings; its eviction line."""
+    cfg = stagein_config(
+        tmp,
+        {"source": str(tiny_llama), "kind": "path"},
+        {"source": EVICTION_REPOS[2], "kind": "hub"},
+        cache_dir=str(cache),
+        **extra,
+    )
+    capsys.readouterr()
+    code, message = run_stagein(tmp, cfg, monkeypatch)
+    assert code == 0, message
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    evictions = [x for x in lines if "evicted" in x]
+    assert len(evictions) == (0 if extra.get("cache_max_bytes") is None else 1), lines
+    return evictions[0] if evictions else {}
+
+
+def left(cache: Path) -> set[str]:
+    """The entries in the cache, by letter; and no half-deleted folder."""
+    assert not [p for p in (cache / "datasets").iterdir() if p.name.startswith(".")]
+    names = {e.path.name for e in cache_entries(cache)}
+    return {
+        c
+        for c, repo in zip("abc", EVICTION_REPOS, strict=True)
+        if cache_key("hub", repo, None) in names
+    }
+
+
+def test_eviction_removes_the_least_recently_used_down_to_the_cap(
+    tmp_path: Path,
+    three_entries: Callable[[str], tuple[Path, dict[str, Path]]],
+    tiny_llama: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    cache, entries = three_entries("lru")
+    size = entry_bytes(str(entries["a"]))[1]
+    assert stage_c(tmp_path / "none", cache, tiny_llama, monkeypatch, capsys) == {}
+    assert left(cache) == {"a", "b", "c"}  # no cap: nothing evicted
+
+    line = stage_c(
+        tmp_path / "lru", cache, tiny_llama, monkeypatch, capsys, cache_max_bytes=2 * size
+    )
+    assert left(cache) == {"b", "c"}  # a was used longest ago; two fit
+    assert [e["path"] for e in line["evicted"]] == [str(entries["a"])]
+    assert line["bytes"] == size and line["evicted"][0]["source"] == EVICTION_REPOS[0]
+
+    line = stage_c(
+        tmp_path / "fits", cache, tiny_llama, monkeypatch, capsys, cache_max_bytes=2 * size
+    )
+    assert line == {"event": "stagein_evicted", "evicted": [], "bytes": 0}
+    assert left(cache) == {"b", "c"}
+
+
+def test_eviction_spares_kept_and_locked_entries(
+    tmp_path: Path,
+    three_entries: Callable[[str], tuple[Path, dict[str, Path]]],
+    tiny_llama: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # a, the oldest, is read by a running job (named by a file inside it): b goes instead.
+    cache, entries = three_entries("kept")
+    size = entry_bytes(str(entries["a"]))[1]
+    kept = [str(entries["a"] / "data" / "train.jsonl")]
+    line = stage_c(
+        tmp_path / "kept",
+        cache,
+        tiny_llama,
+        monkeypatch,
+        capsys,
+        cache_max_bytes=2 * size,
+        keep_paths=kept,
+    )
+    assert left(cache) == {"a", "c"}
+    assert [e["path"] for e in line["evicted"]] == [str(entries["b"])]
+
+    # a's lock is held (a fetch or a use in progress): b goes instead.
+    cache, entries = three_entries("locked")
+    with locked(cache, entries["a"].name, "the test"):
+        line = stage_c(
+            tmp_path / "locked", cache, tiny_llama, monkeypatch, capsys, cache_max_bytes=2 * size
+        )
+    assert left(cache) == {"a", "c"}
+    assert [e["path"] for e in line["evicted"]] == [str(entries["b"])]
+
+    # Everything but c is kept, and c is what this stage-in hands out: over the cap, warned.
+    cache, entries = three_entries("all-kept")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kubetune_trainer.stagein.evict"):
+        line = stage_c(
+            tmp_path / "all-kept",
+            cache,
+            tiny_llama,
+            monkeypatch,
+            capsys,
+            cache_max_bytes=0,
+            keep_paths=[str(entries["a"]), str(entries["b"]) + "/"],
+        )
+    assert line["evicted"] == [] and left(cache) == {"a", "b", "c"}
+    warnings = [r for r in caplog.records if r.name == "kubetune_trainer.stagein.evict"]
+    assert [r.levelno for r in warnings] == [logging.WARNING]
+    assert "over its cap" in warnings[0].getMessage()

@@ -7,7 +7,10 @@ the dataset and the model into the cache (`cache`: once per source and revision,
 job asks first; `fetch`: the hub, S3, https, with failures sorted into permanent and
 transient), checks them and measures the dataset with the model's tokenizer through the
 trainer's own data code (`check`), and writes a `StageInResult` to `result_path` and, as
-compact JSON, to the termination message (`__main__`).
+compact JSON, to the termination message (`__main__`). While it runs, its progress (bytes and
+files staged of those to stage) is served as Prometheus gauges on `metrics_port`
+(`progress`); once staged, least-recently-used entries other jobs do not read are evicted
+down to `cache_max_bytes` (`evict`).
 
 Exit codes: 0 staged; EXIT_CONFIG_ERROR (2) a permanent failure (no access, no such
 repository, bucket or object, bad data, another architecture than planned), with what,

@@ -3,13 +3,15 @@
     <cache_dir>/models/<key>/            a model folder, as fetched
     <cache_dir>/datasets/<key>/          a dataset folder (or the one file it holds)
     <cache_dir>/<models|datasets>/.tmp-<key>/   the fetch in progress (resumed after a restart)
-    <cache_dir>/locks/<key>.lock         held (flock) while <key> is fetched
+    <cache_dir>/<models|datasets>/.trash-<key>.*/  an evicted entry being deleted (`evict`)
+    <cache_dir>/locks/<key>.lock         held (flock) while <key> is fetched, used or evicted
 
 `key` is a readable name and a short sha256 of (kind, source, revision). A fetch goes into
 `.tmp-<key>/` on the same volume; `.kubetune-entry.json` is written there last, and the folder
 is then renamed to `<key>/` in one step, so an entry either is complete or does not exist.
 The lock makes two stage-ins of the same source fetch once: the second waits, then finds the
-entry. Every use rewrites `last_used` in the entry file (for an eviction by least recent use).
+entry. Every use rewrites `last_used` in the entry file, with the lock held (an eviction by
+least recent use takes the lock without waiting, and leaves an entry used since it looked).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ def now_iso() -> str:
 
 
 def _parse_iso(text: object) -> datetime:
+    """An ISO time as `now_iso` writes it; the epoch for anything else (used longest ago)."""
     try:
         return datetime.strptime(str(text), "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC)
     except ValueError:
@@ -113,7 +116,7 @@ def locked(cache_dir: Path, key: str, what: str) -> Iterator[None]:
         except OSError as e:
             if e.errno not in (errno.EAGAIN, errno.EACCES):
                 raise
-            log.info("%s: another stage-in is fetching it; waiting for it to finish", what)
+            log.info("%s: another stage-in is fetching or using it; waiting for it", what)
             t0 = time.monotonic()
             fcntl.flock(fd, fcntl.LOCK_EX)
             log.info("%s: the other stage-in finished after %.1fs", what, time.monotonic() - t0)
@@ -121,6 +124,29 @@ def locked(cache_dir: Path, key: str, what: str) -> Iterator[None]:
     finally:
         with contextlib.suppress(OSError):
             fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def try_locked(cache_dir: Path, key: str) -> Iterator[bool]:
+    """Hold `<cache_dir>/locks/<key>.lock` if nobody does (True), else do nothing (False)."""
+    locks = cache_dir / LOCKS
+    locks.mkdir(parents=True, exist_ok=True)
+    fd = os.open(locks / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o664)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
         os.close(fd)
 
 
@@ -166,6 +192,10 @@ def publish(tmp: Path, root: Path, key: str, meta: dict[str, Any]) -> Entry:
     return Entry(final, full)
 
 
+def entry_last_used(meta: dict[str, Any]) -> datetime:
+    return _parse_iso(meta.get("last_used"))
+
+
 @dataclass(frozen=True)
 class CacheEntry:
     """One entry, as an eviction by least recent use needs it."""
@@ -194,7 +224,7 @@ def cache_entries(cache_dir: str | Path) -> list[CacheEntry]:
                     category=category,
                     source=str(entry.meta.get("source", "")),
                     bytes=entry.bytes,
-                    last_used=_parse_iso(entry.meta.get("last_used")),
+                    last_used=entry_last_used(entry.meta),
                 )
             )
     return sorted(out, key=lambda e: (e.last_used, str(e.path)))

@@ -12,11 +12,14 @@
 
 Each fetcher writes into `dest` and leaves files a failed try finished in place, so the next
 try (a restart of the pod) fetches only what is missing. Each finished file is reported to a
-`Progress`, which prints one JSON line per file.
+`Progress`, which prints one JSON line per file; the bytes of files still arriving are
+reported to it too (S3: the transfer's callback; https: each chunk; the hub: the client's
+`.incomplete` files), for the progress gauges.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import http.client
@@ -64,7 +67,8 @@ class SourceUnavailable(TrainerExit):
 
 @dataclass
 class Progress:
-    """Counts finished files and bytes of one source; prints a JSON line per file."""
+    """Counts finished files and bytes of one source; prints a JSON line per file. `in_flight`
+    holds the bytes of files still arriving, by file."""
 
     what: str
     uri: str
@@ -73,6 +77,7 @@ class Progress:
     files_done: int = 0
     bytes_done: int = 0
     downloaded_bytes: int = 0
+    in_flight: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def expect(self, files: int, nbytes: int) -> None:
@@ -80,8 +85,23 @@ class Progress:
             self.files_total += files
             self.bytes_total += nbytes
 
+    def moving(self, name: str, nbytes: int) -> None:
+        """`nbytes` of file `name` have arrived so far (0: none, or none any more)."""
+        with self._lock:
+            if nbytes > 0:
+                self.in_flight[name] = nbytes
+            else:
+                self.in_flight.pop(name, None)
+
+    def counts(self) -> tuple[int, int, int, int]:
+        """(files_done, files_total, bytes_done with the bytes still arriving, bytes_total)."""
+        with self._lock:
+            arriving = self.bytes_done + sum(self.in_flight.values())
+            return self.files_done, self.files_total, arriving, self.bytes_total
+
     def done(self, name: str, nbytes: int, *, downloaded: bool = True) -> None:
         with self._lock:
+            self.in_flight.pop(name, None)
             self.files_done += 1
             self.bytes_done += nbytes
             if downloaded:
@@ -264,9 +284,14 @@ def select_dataset_files(files: dict[str, int], what: str, uri: str) -> list[str
     return sorted(train if train else [p for p in data if _split_of(p) is None] or data)
 
 
+HUB_ARRIVING = "<hub downloads in progress>"
+"""The `Progress.in_flight` name of the bytes in the hub client's `.incomplete` files."""
+
+
 class _Watch:
     """Reports the files a hub download finishes: the client renames each into place whole,
-    so a file at its final path is done."""
+    so a file at its final path is done; until then it grows in an `.incomplete` file under
+    `dest/.cache/huggingface/download/` (counted as arriving, at most what is pending)."""
 
     def __init__(self, dest: Path, files: dict[str, int], progress: Progress) -> None:
         self.dest = dest
@@ -284,6 +309,11 @@ class _Watch:
             if (self.dest / name).is_file():
                 del self.pending[name]
                 self.progress.done(name, size)
+        arriving = 0
+        for part in (self.dest / ".cache" / "huggingface" / "download").rglob("*.incomplete"):
+            with contextlib.suppress(OSError):  # renamed into place meanwhile
+                arriving += part.stat().st_size
+        self.progress.moving(HUB_ARRIVING, min(arriving, sum(self.pending.values())))
 
     def __enter__(self) -> _Watch:
         self._thread.start()
@@ -294,6 +324,7 @@ class _Watch:
         self._thread.join()
         if exc[0] is None:
             self.scan()
+        self.progress.moving(HUB_ARRIVING, 0)
 
 
 def fetch_hub(
@@ -646,8 +677,16 @@ def fetch_s3(
             return
         path.parent.mkdir(parents=True, exist_ok=True)
 
+        arrived = [0]
+
+        def callback(nbytes: int) -> None:  # negative when the transfer retries a part
+            arrived[0] += nbytes
+            progress.moving(name, arrived[0])
+
         def get() -> None:
-            client.download_file(bucket, obj["Key"], str(path), Config=config)
+            arrived[0] = 0
+            progress.moving(name, 0)
+            client.download_file(bucket, obj["Key"], str(path), Config=config, Callback=callback)
             got = path.stat().st_size
             if got != size:
                 raise ConnectionError(f"s3://{bucket}/{obj['Key']}: {got} of {size} bytes")
@@ -721,8 +760,13 @@ def fetch_https(uri: str, *, what: str, field: str, dest: Path, progress: Progre
             length = response.headers.get("Content-Length")
             if length is not None and progress.bytes_total == 0:
                 progress.expect(0, int(length))
+            got = 0
+            progress.moving(name, 0)
             with part.open("wb") as fh:
-                shutil.copyfileobj(response, fh, MiB)
+                while chunk := response.read(MiB):
+                    fh.write(chunk)
+                    got += len(chunk)
+                    progress.moving(name, got)
         got = part.stat().st_size
         if length is not None and got != int(length):
             raise ConnectionError(f"{got} of {length} bytes arrived")

@@ -1,4 +1,6 @@
-"""One stage-in: the dataset, then the model, into the cache; checked, then measured."""
+"""One stage-in: the dataset, then the model, into the cache; checked, then measured; then
+the least recently used entries evicted down to the cache's cap. Its progress is served as
+gauges (`progress`) while it runs."""
 
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from kubetune_trainer.stagein.check import (
     measure,
     read_dataset,
 )
+from kubetune_trainer.stagein.evict import evict, report
 from kubetune_trainer.stagein.fetch import (
     Fetched,
     Progress,
@@ -41,6 +44,7 @@ from kubetune_trainer.stagein.fetch import (
     fetch_s3,
     s3_key,
 )
+from kubetune_trainer.stagein.progress import StageProgress
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +151,56 @@ def _renames(what: str, kind: str, source: str, entry_path: Path, target: Path) 
     return str(entry_path), source.rstrip("/")
 
 
+def _fetch_into(
+    cache_dir: Path,
+    what: str,
+    kind: str,
+    source: str,
+    revision: str | None,
+    token_env: str | None,
+    early: EarlyCheck | None,
+    progress: Progress,
+) -> Staged:
+    """Fetch into `.tmp-<key>/` and publish it as the entry (the key's lock held)."""
+    root = cache_dir / f"{what}s"
+    key = cache_key(kind, source, revision)
+    tmp = temp_dir(root, key)
+    t0 = time.monotonic()
+    try:
+        fetched = _fetch(what, kind, source, revision, token_env, tmp, progress, early)
+    except ConfigError:
+        discard(tmp)  # nothing worth resuming
+        raise
+    entry = publish(
+        tmp,
+        root,
+        key,
+        {
+            "kind": kind,
+            "source": source,
+            "revision": revision,
+            "commit": fetched.commit,
+            "target": fetched.target,
+        },
+    )
+    log.info(
+        "%s %s: fetched %d files, %.1f MB (%.1f MB downloaded) in %.1fs into %s",
+        what,
+        source,
+        len(entry.meta["files"]),
+        entry.bytes / 1e6,
+        progress.downloaded_bytes / 1e6,
+        time.monotonic() - t0,
+        entry.path,
+    )
+    return Staged(
+        str(entry.target),
+        progress.downloaded_bytes,
+        max(0, entry.bytes - progress.downloaded_bytes),
+        _renames(what, kind, source, entry.path, entry.target),
+    )
+
+
 def stage_source(
     cache_dir: Path,
     what: str,
@@ -156,8 +210,10 @@ def stage_source(
     revision: str | None = None,
     token_env: str | None = None,
     early: EarlyCheck | None = None,
+    tracker: StageProgress | None = None,
 ) -> Staged:
-    """The model or dataset (`what`) in the cache: found there, or fetched into it once."""
+    """The model or dataset (`what`) in the cache: found there, or fetched into it once;
+    `tracker` counts what is fetched and found."""
     if kind == "path":
         if not Path(source).exists():
             raise ConfigError(
@@ -168,49 +224,21 @@ def stage_source(
     root = cache_dir / f"{what}s"
     key = cache_key(kind, source, revision)
     entry = lookup(root, key)
-    if entry is None:
-        with locked(cache_dir, key, f"{what} {source}"):
-            entry = lookup(root, key)
-            if entry is None:
-                tmp = temp_dir(root, key)
-                progress = Progress(what, source)
-                t0 = time.monotonic()
-                try:
-                    fetched = _fetch(what, kind, source, revision, token_env, tmp, progress, early)
-                except ConfigError:
-                    discard(tmp)  # nothing worth resuming
-                    raise
-                entry = publish(
-                    tmp,
-                    root,
-                    key,
-                    {
-                        "kind": kind,
-                        "source": source,
-                        "revision": revision,
-                        "commit": fetched.commit,
-                        "target": fetched.target,
-                    },
-                )
-                seconds = time.monotonic() - t0
-                log.info(
-                    "%s %s: fetched %d files, %.1f MB (%.1f MB downloaded) in %.1fs into %s",
-                    what,
-                    source,
-                    len(entry.meta["files"]),
-                    entry.bytes / 1e6,
-                    progress.downloaded_bytes / 1e6,
-                    seconds,
-                    entry.path,
-                )
-                return Staged(
-                    str(entry.target),
-                    progress.downloaded_bytes,
-                    max(0, entry.bytes - progress.downloaded_bytes),
-                    _renames(what, kind, source, entry.path, entry.target),
-                )
-    _check_access(what, kind, source, token_env, entry)
-    entry = touch_entry(entry)
+    checked = entry is not None
+    if entry is not None:  # before the lock, which a fetch of this source holds for long
+        _check_access(what, kind, source, token_env, entry)
+    # The use is recorded with the lock held: an eviction, which takes the lock and then
+    # checks `last_used`, either removed the entry before (it is fetched again) or keeps it.
+    with locked(cache_dir, key, f"{what} {source}"):
+        entry = lookup(root, key)
+        if entry is None:  # not there, or evicted since
+            progress = Progress(what, source) if tracker is None else tracker.source(what, source)
+            return _fetch_into(cache_dir, what, kind, source, revision, token_env, early, progress)
+        if not checked:  # another stage-in fetched it meanwhile
+            _check_access(what, kind, source, token_env, entry)
+        entry = touch_entry(entry)
+    if tracker is not None:
+        tracker.found(len(entry.meta.get("files", [])), entry.bytes)
     log.info("%s %s: in the cache (%s, %.1f MB)", what, source, entry.path, entry.bytes / 1e6)
     return Staged(
         str(entry.target),
@@ -220,14 +248,38 @@ def stage_source(
     )
 
 
-def stage_in(cfg: StageInConfig) -> StageInResult:
-    """Fetch (or find), check and measure; ConfigError for what retrying cannot fix."""
+def stage_in(cfg: StageInConfig, *, progress: StageProgress | None = None) -> StageInResult:
+    """Fetch (or find), check and measure, then evict down to the cache's cap; ConfigError
+    for what retrying cannot fix. `progress` counts what is staged (by default one of its
+    own, served on `cfg.metrics_port` while this runs)."""
+    tracker = progress if progress is not None else StageProgress()
+    if progress is None and cfg.metrics_port is not None:
+        try:
+            tracker.serve(cfg.metrics_port)
+        except OSError as e:  # progress is for watching; staging goes on without it
+            log.warning("cannot serve the progress on port %d: %s", cfg.metrics_port, e)
+    try:
+        result = _stage(cfg, tracker)
+    finally:
+        if progress is None:
+            tracker.close()
+    if cfg.cache_max_bytes is not None:
+        _evict(cfg, cfg.cache_max_bytes, result)
+    done = result.model_dump(mode="json", exclude={"model_config_json"})
+    sys.stdout.write(json.dumps({"event": "stagein_done", **done}) + "\n")
+    sys.stdout.flush()
+    return result
+
+
+def _stage(cfg: StageInConfig, tracker: StageProgress) -> StageInResult:
     t0 = time.monotonic()
     cache_dir = Path(cfg.cache_dir)
     ds = cfg.dataset
     # The dataset first: it is small, and a line that is not JSON fails the job before the
     # model's gigabytes are fetched.
-    dataset = stage_source(cache_dir, "dataset", ds.kind, ds.source, revision=ds.revision)
+    dataset = stage_source(
+        cache_dir, "dataset", ds.kind, ds.source, revision=ds.revision, tracker=tracker
+    )
     records = read_dataset(dataset.path, uri=ds.source, renames=dataset.renames)
     ref = cfg.model
 
@@ -242,10 +294,11 @@ def stage_in(cfg: StageInConfig) -> StageInResult:
         revision=ref.revision,
         token_env=ref.token_env,
         early=early,
+        tracker=tracker,
     )
     config, tokenizer = check_model(model.path, uri=ref.source, model_type=cfg.model_type)
     counts = measure(records, cfg, tokenizer, renames=dataset.renames)
-    result = StageInResult(
+    return StageInResult(
         model_path=model.path,
         dataset_path=dataset.path,
         model_config_json=config,
@@ -256,7 +309,19 @@ def stage_in(cfg: StageInConfig) -> StageInResult:
         reused_bytes=model.reused_bytes + dataset.reused_bytes,
         seconds=round(time.monotonic() - t0, 3),
     )
-    done = result.model_dump(mode="json", exclude={"model_config_json"})
-    sys.stdout.write(json.dumps({"event": "stagein_done", **done}) + "\n")
-    sys.stdout.flush()
-    return result
+
+
+def _evict(cfg: StageInConfig, max_bytes: int, result: StageInResult) -> None:
+    """The cache down to `max_bytes`, sparing what jobs read and what this run hands out.
+    The job is staged already: a failure here is only logged."""
+    try:
+        removed = evict(
+            cfg.cache_dir,
+            max_bytes,
+            keep=cfg.keep_paths,
+            used=[result.model_path, result.dataset_path],
+        )
+    except OSError as e:
+        log.warning("eviction stopped: %s", e)
+        return
+    report(removed)
