@@ -18,7 +18,9 @@ SETTINGS = ControllerSettings(poll_seconds=10, queue_retry_seconds=15)
 
 def make_job(**spec_over: Any) -> FineTuneJob:
     spec: dict[str, Any] = {
-        "model": {"uri": "Qwen/Qwen2.5-7B"},
+        # A model on a claim, sized by its name: launched without a stage-in step (a hub
+        # model is fetched by one first; tests/unit/test_stage_in.py).
+        "model": {"uri": "pvc://models/qwen", "architecture": "Qwen/Qwen2.5-7B"},
         "dataset": {"uri": "pvc://data/train.jsonl", "numExamples": 20000},
         "method": "lora",
         "training": {"sequenceLength": 2048, "globalBatchSize": 32},

@@ -86,7 +86,11 @@ def test_no_pools_waits_instead_of_failing() -> None:
 
 def test_infeasible_job_fails_with_advice() -> None:
     job, d = run(
-        make_job(model={"uri": "meta-llama/Llama-3.1-405B"}, method="full", resources={"gpus": 1})
+        make_job(
+            model={"uri": "meta-llama/Llama-3.1-405B", "architecture": None},
+            method="full",
+            resources={"gpus": 1},
+        )
     )
     s = job.status
     assert s is not None and s.phase == "Failed"
@@ -100,9 +104,9 @@ def test_unknown_architecture_fails_permanently() -> None:
     def loader(_: str) -> Any:
         raise ArchitectureError("unknown model acme/x; To fix: set spec.model.architecture")
 
-    d = reconcile(
-        make_job(model={"uri": "acme/x"}), observed(None), SETTINGS, now=T0, load_arch=loader
-    )
+    # Named by spec.model.architecture: the model's own files would not be read for it.
+    job = make_job(model={"uri": "pvc://models/x", "architecture": "acme/x"})
+    d = reconcile(job, observed(None), SETTINGS, now=T0, load_arch=loader)
     assert d.status.phase == "Failed"
     assert (
         c.get_condition(d.status.conditions, ConditionType.FAILED).reason

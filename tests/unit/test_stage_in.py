@@ -18,6 +18,7 @@ from kubetune.control.builders import (
     BuildSettings,
     build_children,
     build_stage_in,
+    fetched_sources,
     needs_stage_in,
 )
 from kubetune.control.reconcile import Observed
@@ -68,12 +69,24 @@ def seen(job: dict[str, Any] | None = None, *pods: dict[str, Any]) -> Observed:
     return Observed(pools=default_pools(), stage_in_job=job, stage_in_pods=list(pods))
 
 
-def test_only_s3_sources_need_a_stage_in() -> None:
-    assert needs_stage_in(make_job(**S3_JOB))
+def test_what_needs_a_stage_in() -> None:
+    build = BuildSettings()
+    assert needs_stage_in(make_job(**S3_JOB), build)
     assert needs_stage_in(
-        make_job(model={"uri": "s3://models/qwen", "architecture": "Qwen/Qwen2.5-7B"})
+        make_job(model={"uri": "s3://models/qwen", "architecture": "Qwen/Qwen2.5-7B"}), build
     )
-    assert not needs_stage_in(make_job())
+    # A hub model or dataset, an https dataset: fetched before any GPU waits for them.
+    assert fetched_sources(make_job(model={"uri": "Qwen/Qwen2.5-7B"}), build) == ["Qwen/Qwen2.5-7B"]
+    https = {"uri": "https://data.example.com/train.jsonl"}
+    assert fetched_sources(make_job(dataset=https), build) == [https["uri"]]
+    # Unless the operator is told to let the trainer download from the hub.
+    assert not needs_stage_in(make_job(model={"uri": "Qwen/Qwen2.5-7B"}),
+                              BuildSettings(stage_in_hub=False))  # fmt: skip
+    # A model on a claim with no architecture named: its config.json is read first.
+    no_arch = make_job(model={"uri": "pvc://models/qwen", "architecture": None})
+    assert needs_stage_in(no_arch, build) and fetched_sources(no_arch, build) == []
+    # Everything on claims and described: nothing to do before the plan.
+    assert not needs_stage_in(make_job(), build)
 
 
 def test_the_stage_in_pod_asks_for_no_gpu_and_reads_the_store_with_the_jobs_credentials() -> None:
@@ -243,3 +256,90 @@ def test_a_stage_in_pod_that_never_starts_fails_the_job_after_the_startup_timeou
     cond = c.get_condition(job.status.conditions, ConditionType.FAILED)  # type: ignore[union-attr]
     assert cond is not None and cond.reason == Reason.STAGE_IN_FAILED
     assert "did not start within" in cond.message
+
+
+TINY_LLAMA_CONFIG: dict[str, Any] = {
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+}
+
+
+def test_a_model_on_a_claim_without_architecture_is_planned_from_its_config_json() -> None:
+    job, d = run(make_job(model={"uri": "pvc://models/llama", "architecture": None}))
+    s = job.status
+    assert s is not None and s.phase == "Planning" and s.plan is None
+    # Nothing is fetched: no cache claim, the files are read in place.
+    assert [m["kind"] for m in d.create] == ["ConfigMap", "Job"]
+    volumes = d.create[1]["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "cache", "emptyDir": {"sizeLimit": "10Gi"}} in volumes
+    assert "reading the config.json of pvc://models/llama" in (s.message or "")
+
+    result = RESULT.model_copy(
+        update={"model_path": "/mnt/pvc/models/llama", "model_config_json": TINY_LLAMA_CONFIG}
+    )
+    done = seen(stage_in_job("Complete"), stage_in_pod(0, result.model_dump_json()))
+    job, _ = run(job, done, now=T0 + timedelta(seconds=60))
+    s = job.status
+    assert s is not None and s.phase == "Running" and s.plan is not None
+    assert s.stage_in is not None and s.stage_in.model_config_json == TINY_LLAMA_CONFIG
+    # Sized as the 8B Llama its config.json describes (the default 7B Qwen would differ).
+    assert 7.9e9 < s.plan.model_params < 8.1e9
+
+
+def test_a_hub_model_is_fetched_by_the_stage_in_step_through_the_configured_hub() -> None:
+    settings = settings_from_env({"KUBETUNE_HF_ENDPOINT": "https://hub.example.internal/"})
+    job = make_job(model={"uri": "meta-llama/Llama-3.1-8B", "architecture": None})
+    pvc, config_map, batch = build_stage_in(job, settings.build, keep_paths=["/cache/models/x"])
+    assert pvc["metadata"]["name"] == CACHE_CLAIM
+    config = StageInConfig.model_validate(json.loads(config_map["data"][STEP_CONFIG_KEY]))
+    assert (config.model.kind, config.model.source) == ("hub", "meta-llama/Llama-3.1-8B")
+    assert config.keep_paths == ["/cache/models/x"] and config.metrics_port == 9400
+    # The cache is evicted above 90% of its size by default.
+    assert config.cache_max_bytes == int(200 * 2**30 * 0.9)
+    env = batch["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "HF_ENDPOINT", "value": "https://hub.example.internal"} in env
+    with pytest.raises(ValueError, match="not an http"):
+        settings_from_env({"KUBETUNE_HF_ENDPOINT": "hub.example.internal"})
+    capped = settings_from_env({"KUBETUNE_CACHE_EVICT_ABOVE": "50Gi"}).build
+    assert capped.cache_max_bytes == 50 * 2**30
+
+
+def test_a_job_no_pool_can_run_fails_before_its_model_is_fetched() -> None:
+    job = make_job(
+        model={"uri": "meta-llama/Llama-3.1-405B", "architecture": None},
+        method="full",
+        resources={"gpus": 1},
+    )
+    job, d = run(job)
+    s = job.status
+    assert s is not None and s.phase == "Failed" and d.create == []
+    cond = c.get_condition(s.conditions, ConditionType.FAILED)
+    assert cond is not None and cond.reason == Reason.INFEASIBLE
+
+
+def test_stage_in_progress_shows_in_status() -> None:
+    job, _ = run(make_job(**S3_JOB))
+    gauges = {"bytes_done": 1.5e9, "bytes_total": 4e9, "files_done": 3, "files_total": 7}
+    running = Observed(
+        pools=default_pools(),
+        stage_in_job=stage_in_job(),
+        stage_in_pods=[stage_in_pod(None)],
+        stage_in_metrics=gauges,
+    )
+    job, _ = run(job, running, now=T0 + timedelta(seconds=10))
+    s = job.status
+    assert s is not None and s.phase == "Planning" and s.stage_in is not None
+    assert (s.stage_in.bytes_done, s.stage_in.bytes_total) == (1_500_000_000, 4_000_000_000)
+    assert (s.stage_in.files_done, s.stage_in.files_total) == (3, 7)
+    assert s.message == "staging in: 1.5 GB of 4.0 GB, 3 of 7 files"
+    # Progress is not a result: the step is still followed, and its result replaces it.
+    done = seen(stage_in_job("Complete"), stage_in_pod(0, RESULT.model_dump_json()))
+    job, _ = run(job, done, now=T0 + timedelta(seconds=60))
+    s = job.status
+    assert s is not None and s.phase == "Running" and s.stage_in is not None
+    assert s.stage_in.model_path == RESULT.model_path and s.stage_in.bytes_done is None

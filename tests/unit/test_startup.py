@@ -92,7 +92,8 @@ def test_input_refs_name_every_claim_once_and_the_token_secret() -> None:
         InputRef("PersistentVolumeClaim", "results", "spec.output.uri"),
         TOKEN,
     ]
-    assert input_refs(make_job(dataset={"uri": "/data/train.jsonl"})) == []
+    hub = {"uri": "Qwen/Qwen2.5-7B"}
+    assert input_refs(make_job(model=hub, dataset={"uri": "/data/train.jsonl"})) == []
 
 
 def test_a_missing_claim_holds_the_job_before_planning_and_says_how_to_fix_it() -> None:

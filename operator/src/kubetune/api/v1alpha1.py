@@ -36,6 +36,8 @@ QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
 # and `\S` means ASCII whitespace only in RE2 but any Unicode whitespace in Python.
 _NOT_SPACE = r"[^\t\n\f\r ]"
 URI_PATTERN = rf"^((hf|pvc|s3)://{_NOT_SPACE}+|[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?|/{_NOT_SPACE}*)$"
+DATASET_URI_PATTERN = URI_PATTERN.replace("(hf|pvc|s3)://", "(hf|pvc|s3|https)://")
+"""Datasets may also be a file served over https (fetched by the stage-in step)."""
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 INT64_MAX = 2**63 - 1
 
@@ -121,10 +123,11 @@ class DatasetSource(_Model):
     uri: str = Field(
         description=(
             "Training data: a JSONL/JSON/Parquet file or directory as `pvc://<claim>/<path>`, "
-            "`s3://bucket/key-or-prefix` (fetched, checked and measured by the stage-in step), "
-            "a local path inside the trainer image, or a `datasets` hub id."
+            "`s3://bucket/key-or-prefix` or `https://host/path/file.jsonl` (fetched, checked "
+            "and measured by the stage-in step), a local path inside the trainer image, or a "
+            "`datasets` hub id (fetched by the stage-in step too)."
         ),
-        pattern=URI_PATTERN,
+        pattern=DATASET_URI_PATTERN,
         max_length=512,
     )
     revision: str | None = Field(
@@ -713,6 +716,20 @@ class StageInStatus(_Model):
     downloaded_bytes: int | None = Field(default=None, description="Bytes fetched.")
     reused_bytes: int | None = Field(default=None, description="Bytes found in the cache.")
     seconds: float | None = Field(default=None, description="How long the stage-in took.")
+    bytes_done: int | None = Field(
+        default=None, description="While it runs: bytes fetched or found in the cache so far."
+    )
+    bytes_total: int | None = Field(
+        default=None, description="While it runs: bytes to fetch in all (0 until known)."
+    )
+    files_done: int | None = Field(default=None, description="While it runs: files done.")
+    files_total: int | None = Field(default=None, description="While it runs: files in all.")
+    model_config_json: dict[str, Any] | None = Field(
+        default=None,
+        description="The model's config.json as staged: what planning reads when "
+        "spec.model.architecture is unset.",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
 
 
 class CheckpointStatus(_Model):

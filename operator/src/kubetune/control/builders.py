@@ -25,7 +25,7 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, Literal
@@ -155,6 +155,13 @@ class BuildSettings:
     stage_in_tolerations: tuple[dict[str, Any], ...] = ()
     """Where stage-in pods may run: by default any node, preferring ones without a GPU; a
     cluster whose only nodes are tainted GPU nodes gives the tolerations."""
+    stage_in_hub: bool = True
+    """Fetch hub models and datasets in the stage-in step (into the shared cache) rather
+    than in the trainer pods; off: rank 0 of the trainer downloads them, as GPUs wait."""
+    hub_endpoint: str | None = None
+    """HF_ENDPOINT of stage-in and trainer pods (a hub mirror); unset: huggingface.co."""
+    cache_max_bytes: int | None = None
+    """Evict least-recently-used cache entries above this many bytes (stage-in step)."""
 
 
 @dataclass(frozen=True)
@@ -282,7 +289,7 @@ def _object_meta(
 
 @dataclass(frozen=True)
 class _Location:
-    kind: Literal["path", "hub", "s3"]
+    kind: Literal["path", "hub", "s3", "https"]
     source: str
     claim: str | None = None
     revision: str | None = None
@@ -297,6 +304,8 @@ def _locate(uri: str, *, split_revision: bool = False) -> _Location:
         return _Location("path", path, claim=claim)
     if uri.startswith("s3://"):
         return _Location("s3", uri)
+    if uri.startswith(("https://", "http://")):
+        return _Location("https", uri)
     if uri.startswith("/"):
         return _Location("path", uri)
     hub_id = uri[len("hf://") :] if uri.startswith("hf://") else uri
@@ -393,7 +402,7 @@ def checkpoint_size(job: FineTuneJob, plan: PlanStatus) -> str:
     whole_model_output = plan.method == "full" or job.spec.output.merge_adapter
     if whole_model_output and _output_location(job) is None:
         total += 2 * plan.model_params
-    if _locate(job.spec.model.uri).kind == "hub":
+    if _locate(job.spec.model.uri).kind == "hub" and _staged(job) is None:
         total += 2 * plan.model_params
     total += GIB
     return f"{max(1, math.ceil(total / GIB))}Gi"
@@ -647,6 +656,21 @@ def build_network_policy(job: FineTuneJob, settings: BuildSettings) -> dict[str,
 # --------------------------------------------------------------------------- batch Job
 
 
+_QUANTITY_SCALE: dict[str, Decimal | int] = {
+    "": 1, "m": Decimal("0.001"), "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+    "P": 10**15, "E": 10**18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
+    "Pi": 2**50, "Ei": 2**60,
+}  # fmt: skip
+
+
+def quantity_value(quantity: str) -> Decimal:
+    """The number a simple Kubernetes quantity stands for: `200Gi` → 214748364800."""
+    match = QUANTITY.match(quantity)
+    if match is None:
+        raise ValueError(f"{quantity!r} is not a simple Kubernetes quantity")
+    return Decimal(match.group(1)) * _QUANTITY_SCALE[match.group(2) or ""]
+
+
 def _scale_quantity(quantity: str, factor: int) -> str:
     """`quantity × factor` for simple quantities such as `4`, `500m`, `16Gi`, `1.5`."""
     match = QUANTITY.match(quantity)
@@ -710,7 +734,7 @@ def _env(job: FineTuneJob, attempt: int, settings: BuildSettings) -> list[dict[s
         {"name": "PYTHONUNBUFFERED", "value": "1"},
         {"name": "OMP_NUM_THREADS", "value": "4"},
     ]
-    return env + _token_env(job)
+    return env + _token_env(job) + _hub_env(settings)
 
 
 def _token_env(job: FineTuneJob) -> list[dict[str, Any]]:
@@ -911,10 +935,22 @@ def build_indexed_job(
 # --------------------------------------------------------------------------- stage-in
 
 
-def needs_stage_in(job: FineTuneJob) -> bool:
-    """Whether the model or the dataset comes from a store the trainer pods do not read
-    (S3): a CPU-only stage-in step fetches it into the namespace's cache first."""
-    return any(_locate(uri).kind == "s3" for uri in (job.spec.model.uri, job.spec.dataset.uri))
+def fetched_sources(job: FineTuneJob, settings: BuildSettings) -> list[str]:
+    """The job's model and dataset URIs that come from a store (S3, https, and the hub
+    unless `stage_in_hub` is off): the stage-in step fetches them into the namespace's
+    cache, so that no GPU waits for a download."""
+    remote = {"s3", "https", "hub"} if settings.stage_in_hub else {"s3", "https"}
+    uris = (job.spec.model.uri, job.spec.dataset.uri)
+    return [uri for uri in uris if _locate(uri).kind in remote]
+
+
+def needs_stage_in(job: FineTuneJob, settings: BuildSettings) -> bool:
+    """Whether a CPU-only stage-in step runs before the plan: something must be fetched, or
+    planning needs what only the files say (a model on a volume with no
+    `spec.model.architecture`: its config.json)."""
+    if fetched_sources(job, settings):
+        return True
+    return job.spec.model.architecture is None and _locate(job.spec.model.uri).kind == "path"
 
 
 def _source_refs(
@@ -939,7 +975,9 @@ def _source_refs(
     )
 
 
-def build_stage_in_config(job: FineTuneJob) -> StageInConfig:
+def build_stage_in_config(
+    job: FineTuneJob, settings: BuildSettings, keep_paths: Sequence[str] = ()
+) -> StageInConfig:
     name, namespace, uid = _metadata(job)
     spec = job.spec
     model, dataset = _source_refs(
@@ -955,7 +993,17 @@ def build_stage_in_config(job: FineTuneJob) -> StageInConfig:
         method="lora" if spec.method == "auto" else spec.method,
         sequence_length=spec.training.sequence_length,
         packing=spec.training.packing,
+        metrics_port=settings.metrics_port,
+        cache_max_bytes=settings.cache_max_bytes,
+        keep_paths=list(keep_paths),
     )
+
+
+def _hub_env(settings: BuildSettings) -> list[dict[str, Any]]:
+    """HF_ENDPOINT for a hub mirror or a private hub (`hub_endpoint`); none: huggingface.co."""
+    if settings.hub_endpoint is None:
+        return []
+    return [{"name": "HF_ENDPOINT", "value": settings.hub_endpoint}]
 
 
 def _s3_env(job: FineTuneJob) -> list[dict[str, Any]]:
@@ -993,13 +1041,22 @@ def build_cache_pvc(job: FineTuneJob, settings: BuildSettings) -> dict[str, Any]
     return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta, "spec": spec}
 
 
-def build_stage_in(job: FineTuneJob, settings: BuildSettings) -> list[dict[str, Any]]:
+def build_stage_in(
+    job: FineTuneJob, settings: BuildSettings, keep_paths: Sequence[str] = ()
+) -> list[dict[str, Any]]:
     """The cache claim, the stage-in config and the stage-in Job: one CPU-only pod that
-    fetches, checks and measures the model and data (`kubetune_trainer.stagein`)."""
-    config = build_stage_in_config(job)
-    volumes: list[dict[str, Any]] = [
-        {"name": "cache", "persistentVolumeClaim": {"claimName": CACHE_CLAIM}},
-    ]
+    fetches, checks and measures the model and data (`kubetune_trainer.stagein`).
+    `keep_paths`: cache entries other jobs of the namespace read, which eviction keeps."""
+    config = build_stage_in_config(job, settings, keep_paths)
+    fetches = bool(fetched_sources(job, settings))
+    # Only what is fetched needs the shared cache; a model read in place is checked and
+    # measured with nothing kept.
+    cache = (
+        {"persistentVolumeClaim": {"claimName": CACHE_CLAIM}}
+        if fetches
+        else {"emptyDir": {"sizeLimit": settings.tmp_size}}
+    )
+    volumes: list[dict[str, Any]] = [{"name": "cache", **cache}]
     mounts: list[dict[str, Any]] = [{"name": "cache", "mountPath": CACHE_DIR}]
     claim_volumes, claim_mounts = _claim_volumes(job, read_only_only=True)
     step = _step_job(
@@ -1012,10 +1069,11 @@ def build_stage_in(job: FineTuneJob, settings: BuildSettings) -> list[dict[str, 
         env=[
             {"name": "HF_HOME", "value": f"{CACHE_DIR}/.hf-home"},
             *_token_env(job),
+            *_hub_env(settings),
             *_s3_env(job),
         ],
     )
-    return [build_cache_pvc(job, settings), *step]
+    return [build_cache_pvc(job, settings), *step] if fetches else step
 
 
 # --------------------------------------------------------------------------- stage-out

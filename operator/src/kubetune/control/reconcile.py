@@ -34,7 +34,7 @@ from typing import Any
 
 from kubetune.api.errors import InfeasibleError, SpecError
 from kubetune.api.tenancy import Tenant
-from kubetune.api.units import about
+from kubetune.api.units import about, size
 from kubetune.api.v1alpha1 import (
     INT64_MAX,
     FineTuneJob,
@@ -67,13 +67,14 @@ from kubetune.control.builders import (
     build_stage_in,
     build_stage_out,
     child_names,
+    fetched_sources,
     input_refs,
     needs_stage_in,
     needs_stage_out,
 )
 from kubetune.control.conditions import get_condition, is_true, now_rfc3339
 from kubetune.control.lifecycle import Transitions, is_finished
-from kubetune.planning.arch import ArchitectureError, ModelArch
+from kubetune.planning.arch import ArchitectureError, ModelArch, arch_from_hf_config
 from kubetune.planning.estimator import EstimatorError
 from kubetune.planning.planner import (
     Layout,
@@ -180,6 +181,10 @@ class Observed:
     """The stage-in step's batch Job, if it exists (jobs with S3 sources)."""
     stage_in_pods: Sequence[Mapping[str, Any]] = field(default_factory=list)
     """Its pods: the ended one's termination message carries the result."""
+    stage_in_metrics: Mapping[str, float] | None = None
+    """The running stage-in pod's progress gauges (`kubetune_trainer_stagein_` removed)."""
+    cache_in_use: Sequence[str] = ()
+    """Cache entries (status.stageIn paths) that unfinished jobs of the namespace read."""
     stage_out_job: Mapping[str, Any] | None = None
     """The stage-out step's batch Job, if it exists (jobs with an `s3://` output)."""
     stage_out_pods: Sequence[Mapping[str, Any]] = field(default_factory=list)
@@ -279,6 +284,18 @@ class _Reconciler:
     def model_id(self) -> str:
         """What planning reads the architecture from."""
         return self.spec.model.architecture or self.spec.model.uri
+
+    def model_arch(self) -> ModelArch:
+        """The architecture to plan with: spec.model.architecture when set, else the
+        config.json the stage-in step read, else what the model's URI names."""
+        staged = self.s.stage_in
+        if self.spec.model.architecture is None and staged and staged.model_config_json:
+            return arch_from_hf_config(
+                staged.model_config_json,
+                self.spec.model.uri,
+                source=f"{self.spec.model.uri} (config.json as staged)",
+            )
+        return self.load_arch(self.model_id)
 
     def pool(self, name: str) -> GPUPool | None:
         return next((pool for pool in self.observed.pools if pool.name == name), None)
@@ -475,20 +492,28 @@ class _Reconciler:
         """Run the stage-in step of a job with S3 sources before planning its launch: create
         it, follow it, fail the job with its reason, or take its measurements. True while it
         holds the job."""
-        if not needs_stage_in(self.job) or self.s.stage_in is not None:
+        build = self.settings.build
+        if not needs_stage_in(self.job, build) or staged_in(self.s):
             return False
         batch = self.observed.stage_in_job
+        if batch is None and self.unplannable_before_staging():
+            return True
         self.d.requeue_after = self.settings.poll_seconds
         if batch is None:
             try:
-                self.d.create.extend(build_stage_in(self.job, self.settings.build))
+                keep = self.observed.cache_in_use
+                self.d.create.extend(build_stage_in(self.job, build, keep_paths=keep))
             except SpecError as exc:
                 self.fail(Reason.INVALID_SPEC, str(exc))
                 return True
             self.go.plan()
+            fetched = fetched_sources(self.job, build)
             what = (
-                f"fetching {self.job.spec.model.uri} and {self.job.spec.dataset.uri} into the "
-                f"namespace's cache (claim {CACHE_CLAIM}), then checking and measuring them"
+                f"fetching {' and '.join(fetched)} into the namespace's cache (claim "
+                f"{CACHE_CLAIM}), then checking and measuring the model and data"
+                if fetched
+                else f"reading the config.json of {self.job.spec.model.uri} and measuring "
+                f"{self.job.spec.dataset.uri} (spec.model.architecture is unset)"
             )
             if get_condition(self.s.conditions, ConditionType.STAGED_IN) is None:
                 self.d.event(Reason.STAGING_IN, what)
@@ -497,6 +522,7 @@ class _Reconciler:
             return True
         end = self.step_ended(StepKind.STAGE_IN, batch, self.observed.stage_in_pods)
         if end is None:
+            self.show_stage_in_progress()
             return True
         if end.code == 0:
             staged = parse_stage_in(end.message)
@@ -519,6 +545,45 @@ class _Reconciler:
         why = "a permanent failure" if end.code == EXIT_CONFIG_ERROR else "failed repeatedly"
         self.fail(Reason.STAGE_IN_FAILED, f"the stage-in step {why}: {end.message[-600:]}")
         return True
+
+    def unplannable_before_staging(self) -> bool:
+        """Fail a job no pool could ever run before its model is fetched (a 405B model on
+        one GPU), when its architecture is known without the files. An architecture only
+        the files tell is read by the stage-in step; one spec.model.architecture names
+        wrongly fails now."""
+        if not self.observed.pools:
+            return False
+        try:
+            arch = self.model_arch()
+            self.plan_job(
+                self.spec, self.observed.pools, arch, self.for_tenant(self.settings.planner)
+            )
+        except ArchitectureError as exc:
+            if self.spec.model.architecture is None:
+                return False
+            self._unplannable(Reason.UNKNOWN_ARCHITECTURE, str(exc))
+            return True
+        except InfeasibleError as exc:
+            self._unplannable(Reason.INFEASIBLE, str(exc))
+            return True
+        except EstimatorError:
+            return False  # said by the plan after the stage-in, with the model's own config
+        return False
+
+    def show_stage_in_progress(self) -> None:
+        """status.stageIn's bytes and files so far, from the stage-in pod's gauges."""
+        scraped = self.observed.stage_in_metrics
+        if not scraped:
+            return
+        done, total = (int(scraped.get(f"bytes_{k}", 0)) for k in ("done", "total"))
+        files_done, files_total = (int(scraped.get(f"files_{k}", 0)) for k in ("done", "total"))
+        self.s.stage_in = StageInStatus(
+            bytes_done=done, bytes_total=total, files_done=files_done, files_total=files_total
+        )
+        if total:
+            self.s.message = (
+                f"staging in: {size(done)} of {size(total)}, {files_done} of {files_total} files"
+            )
 
     def step_ended(
         self, kind: StepKind, batch: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]
@@ -641,7 +706,7 @@ class _Reconciler:
             self.d.requeue_after = self.settings.queue_retry_seconds
             return None
         try:
-            arch = self.load_arch(self.model_id)
+            arch = self.model_arch()
             plan = self.plan_job(self.spec, self.observed.pools, arch, self.for_tenant(planner))
         except ArchitectureError as exc:
             self._unplannable(Reason.UNKNOWN_ARCHITECTURE, str(exc))
@@ -922,7 +987,7 @@ class _Reconciler:
         if not elsewhere:
             return False
         try:
-            arch = self.load_arch(self.model_id)
+            arch = self.model_arch()
             # What earlier out-of-memory re-plans learned still holds on the new pool.
             moved = self.plan_job(
                 self.spec, elsewhere, arch, self.for_tenant(self.learned_planner(plan))
@@ -1079,7 +1144,14 @@ def parse_stage_in(message: str) -> StageInStatus | None:
         downloaded_bytes=result.downloaded_bytes,
         reused_bytes=result.reused_bytes,
         seconds=round(result.seconds, 1),
+        model_config_json=dict(result.model_config_json) or None,
     )
+
+
+def staged_in(status: FineTuneJobStatus) -> bool:
+    """Whether the stage-in step finished for the job (status.stageIn has its result, not
+    only progress)."""
+    return status.stage_in is not None and status.stage_in.model_path is not None
 
 
 def parse_stage_out(message: str) -> StageOutStatus | None:

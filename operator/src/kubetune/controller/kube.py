@@ -124,18 +124,36 @@ class Kube:
             rank0 = annotations.get(COMPLETION_INDEX_ANNOTATION) == "0"
             if not rank0 or status.get("phase") != PodPhase.RUNNING:
                 continue
-            ip = status.get("podIP")
-            if not ip:
-                return None
-            url = f"http://{ip}:{self.metrics_port}/metrics"
-            try:
-                # A blocking read with socket timeouts, in a worker thread: it always ends,
-                # even when a trainer exits halfway through answering.
-                text = await asyncio.to_thread(_fetch_text, url, self.scrape_timeout_s)
-            except (OSError, ValueError):
-                return None
-            return parse_trainer_metrics(text)
+            return await self._scrape(status)
         return None
+
+    async def stage_in_progress(self, pods: Sequence[Mapping[str, Any]]) -> dict[str, float] | None:
+        """The running stage-in pod's progress gauges (`bytes_done`, `bytes_total`,
+        `files_done`, `files_total`); None when none is reachable."""
+        for pod in pods:
+            status = pod.get("status") or {}
+            if status.get("phase") != PodPhase.RUNNING:
+                continue
+            scraped = await self._scrape(status)
+            if scraped is None:
+                return None
+            prefix = "stagein_"
+            return {k.removeprefix(prefix): v for k, v in scraped.items() if k.startswith(prefix)}
+        return None
+
+    async def _scrape(self, status: Mapping[str, Any]) -> dict[str, float] | None:
+        """A pod's `kubetune_trainer_*` samples from its metrics port."""
+        ip = status.get("podIP")
+        if not ip:
+            return None
+        url = f"http://{ip}:{self.metrics_port}/metrics"
+        try:
+            # A blocking read with socket timeouts, in a worker thread: it always ends,
+            # even when a process exits halfway through answering.
+            text = await asyncio.to_thread(_fetch_text, url, self.scrape_timeout_s)
+        except (OSError, ValueError):
+            return None
+        return parse_trainer_metrics(text)
 
     async def owner_uids(self, manifest: Mapping[str, Any]) -> set[str] | None:
         """The owner UIDs of the live object a manifest names; None when it does not exist."""

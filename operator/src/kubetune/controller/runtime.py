@@ -337,6 +337,9 @@ class Runtime:
         self.scrapes = asyncio.Semaphore(settings.scrape_concurrency)
         self.caches: Caches | None = None
         self.jobs: dict[JobKey, _JobState] = {}
+        self.cache_users: dict[JobKey, tuple[str, ...]] = {}
+        """Cache entries (status.stageIn paths) each unfinished job reads: the stage-in step
+        of another job of the namespace never evicts them."""
         self.queued: set[JobKey] = set()
         self.queue = GpuQueue()
         self.pool_wakers: dict[str, asyncio.Event] = {}
@@ -419,6 +422,7 @@ class Runtime:
         finally:
             if self.jobs.get(key) is state:
                 del self.jobs[key]
+                self.cache_users.pop(key, None)
             self.queued.discard(key)
             self.queue.stop_waiting(key)
             if self.queue.release(key):
@@ -512,6 +516,7 @@ class Runtime:
         version = self.view_version
         pools, capacity = self.live_pools()
         observed = self.caches.observe(job, pools)
+        observed = replace(observed, cache_in_use=self.cache_in_use(key, job))
         refs = [
             ref
             for ref in (input_refs(job) if needs_preflight(job) else [])
@@ -526,6 +531,10 @@ class Runtime:
             async with self.scrapes:
                 scraped = await self.kube.trainer_metrics(observed.pods)
             observed = replace(observed, trainer_metrics=scraped)
+        if observed.stage_in_pods and observed.stage_in_job is not None:
+            async with self.scrapes:
+                progress = await self.kube.stage_in_progress(observed.stage_in_pods)
+            observed = replace(observed, stage_in_metrics=progress)
         submitted = time.monotonic()
         plan = self.plans.planner(str(meta.get("uid")), meta.get("generation"), version)
         admit = partial(self._admit, asyncio.get_running_loop(), key, job, capacity)
@@ -847,6 +856,24 @@ class Runtime:
             f"{key[0]}/{state.name}"
             for key, state in self.jobs.items()
             if state.due_at is not None and now - state.due_at > limit
+        )
+
+    def cache_in_use(self, key: JobKey, job: FineTuneJob) -> tuple[str, ...]:
+        """Note what this job reads from its namespace's cache; return what the other
+        unfinished jobs there read."""
+        staged = job.status.stage_in if job.status is not None else None
+        finished = job.status is not None and job.status.phase in TERMINAL_PHASES
+        paths = () if staged is None or finished else (staged.model_path, staged.dataset_path)
+        self.cache_users[key] = tuple(path for path in paths if path)
+        return tuple(
+            sorted(
+                {
+                    path
+                    for other, used in self.cache_users.items()
+                    if other[0] == key[0] and other != key
+                    for path in used
+                }
+            )
         )
 
     def health(self) -> dict[str, Any]:

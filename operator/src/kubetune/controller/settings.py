@@ -12,6 +12,10 @@ KUBETUNE_CACHE_SIZE                 size of a namespace's model and data cache c
 KUBETUNE_CACHE_STORAGE_CLASS        its StorageClass, ReadWriteMany (the checkpoints' class)
 KUBETUNE_STAGE_IN_NODE_SELECTOR     JSON object: node labels stage-in pods need ({})
 KUBETUNE_STAGE_IN_TOLERATIONS       JSON list: tolerations of stage-in pods ([])
+KUBETUNE_CACHE_EVICT_ABOVE          evict least-recently-used cache entries above this size
+                                    (90% of KUBETUNE_CACHE_SIZE)
+KUBETUNE_STAGE_IN_HUB               fetch hub models and datasets in the stage-in step (true)
+KUBETUNE_HF_ENDPOINT                HF_ENDPOINT of stage-in and trainer pods (huggingface.co)
 KUBETUNE_POLL_SECONDS               how often a running job's trainer metrics are read (10)
 KUBETUNE_QUEUE_RETRY_SECONDS        how often queued jobs are re-planned without events (15)
 KUBETUNE_RESCHEDULE_SECONDS         unschedulable trainer pods this long: move pools (120)
@@ -41,12 +45,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from decimal import Decimal
 from typing import Any, get_args
 
 from kubetune.api.v1alpha1 import Objective
-from kubetune.control.builders import QUANTITY, BuildSettings
+from kubetune.control.builders import QUANTITY, BuildSettings, quantity_value
 from kubetune.control.reconcile import ControllerSettings
 from kubetune.planning.planner import PlannerSettings
 
@@ -84,6 +89,28 @@ def _quantity(env: Mapping[str, str], name: str, default: str) -> str:
             f"number with an optional unit, e.g. {default!r}, or unset it for {default}"
         )
     return raw
+
+
+def _cache_max_bytes(env: Mapping[str, str]) -> int:
+    """KUBETUNE_CACHE_EVICT_ABOVE in bytes; unset: 90% of the cache claim's size."""
+    size = _quantity(env, "KUBETUNE_CACHE_SIZE", BuildSettings.cache_size)
+    default = quantity_value(size) * Decimal("0.9")
+    raw = env.get("KUBETUNE_CACHE_EVICT_ABOVE")
+    if raw is None or raw == "":
+        return int(default)
+    return int(quantity_value(_quantity(env, "KUBETUNE_CACHE_EVICT_ABOVE", size)))
+
+
+def _url(env: Mapping[str, str], name: str) -> str | None:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return None
+    if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", raw):
+        raise ValueError(
+            f"{name}={raw!r} is not an http(s) URL; to fix: set it like "
+            "'https://hub.example.internal', or unset it for huggingface.co"
+        )
+    return raw.rstrip("/")
 
 
 def _objective(env: Mapping[str, str], name: str, default: Objective) -> Objective:
@@ -198,6 +225,9 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> ControllerSetting
         cache_storage_class=env.get("KUBETUNE_CACHE_STORAGE_CLASS") or None,
         stage_in_node_selector=_string_map(env, "KUBETUNE_STAGE_IN_NODE_SELECTOR"),
         stage_in_tolerations=_tolerations(env, "KUBETUNE_STAGE_IN_TOLERATIONS"),
+        cache_max_bytes=_cache_max_bytes(env),
+        stage_in_hub=_bool(env, "KUBETUNE_STAGE_IN_HUB", BuildSettings.stage_in_hub),
+        hub_endpoint=_url(env, "KUBETUNE_HF_ENDPOINT"),
         operator_namespace=(
             env.get("KUBETUNE_OPERATOR_NAMESPACE") or env.get("POD_NAMESPACE") or None
         ),
