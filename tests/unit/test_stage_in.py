@@ -337,9 +337,12 @@ def test_stage_in_progress_shows_in_status() -> None:
     assert (s.stage_in.bytes_done, s.stage_in.bytes_total) == (1_500_000_000, 4_000_000_000)
     assert (s.stage_in.files_done, s.stage_in.files_total) == (3, 7)
     assert s.message == "staging in: 1.5 GB of 4.0 GB, 3 of 7 files"
+    assert s.progress is not None and s.progress.summary == "stage-in 1.5 GB/4.0 GB"
     # Progress is not a result: the step is still followed, and its result replaces it.
     done = seen(stage_in_job("Complete"), stage_in_pod(0, RESULT.model_dump_json()))
     job, _ = run(job, done, now=T0 + timedelta(seconds=60))
     s = job.status
     assert s is not None and s.phase == "Running" and s.stage_in is not None
     assert s.stage_in.model_path == RESULT.model_path and s.stage_in.bytes_done is None
+    assert s.plan is not None and s.progress is not None
+    assert s.progress.summary == f"0/{s.plan.total_steps} (0%)"

@@ -42,6 +42,7 @@ from kubetune.api.v1alpha1 import (
     FineTuneJobStatus,
     GPUPool,
     PlanStatus,
+    ProgressStatus,
     Recovery,
     StageInStatus,
     StageOutStatus,
@@ -584,6 +585,8 @@ class _Reconciler:
             self.s.message = (
                 f"staging in: {size(done)} of {size(total)}, {files_done} of {files_total} files"
             )
+            # The Progress column of `kubectl get` until the launch counts steps instead.
+            self.s.progress = ProgressStatus(summary=f"stage-in {size(done)}/{size(total)}")
 
     def step_ended(
         self, kind: StepKind, batch: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]
