@@ -39,6 +39,9 @@ IF_CACHED=0
 if [ "${1:-}" = --if-cached ]; then IF_CACHED=1; shift; fi
 WORK=$(mktemp -d)
 KUBECONFIG_FILE="$WORK/kubeconfig"
+# Mounted into every node at /var/kubetune-shared: the StorageClass kubetune-shared
+# (hack/kind-shared-storage.yaml) makes its ReadWriteMany volumes there.
+SHARED_DIR="$WORK/shared"
 
 stamp() { echo "== $(date -u +%H:%M:%S) $*"; }
 need() { command -v "$1" >/dev/null 2>&1 || { echo "kind-e2e: $1 not found on PATH ($2)" >&2; exit 2; }; }
@@ -135,17 +138,25 @@ stamp "creating kind cluster $CLUSTER (one control plane, two workers as GPU poo
 # failCgroupV1: false lets kubelet run on hosts still on cgroup v1 (it changes nothing on v2).
 # restrict_oom_score_adj: where the engine lacks CAP_SYS_RESOURCE nothing in the nodes may
 # lower oom_score_adj; containerd then clamps what kubelet asks for (harmless elsewhere).
+# The same host directory in every node: a filesystem the nodes share, for ReadWriteMany.
+mkdir -p "$SHARED_DIR"
 cat >"$WORK/kind.yaml" <<YAML
 kind: Cluster
 apiVersion: kind.x-k8s.io/v1alpha4
 nodes:
   - role: control-plane
+    extraMounts:
+      - {hostPath: $SHARED_DIR, containerPath: /var/kubetune-shared}
   - role: worker
     labels:
       kubetune.io/pool: local-cpu
+    extraMounts:
+      - {hostPath: $SHARED_DIR, containerPath: /var/kubetune-shared}
   - role: worker
     labels:
       kubetune.io/pool: local-cpu-b
+    extraMounts:
+      - {hostPath: $SHARED_DIR, containerPath: /var/kubetune-shared}
 kubeadmConfigPatches:
   - |
     kind: KubeletConfiguration
@@ -170,6 +181,20 @@ done
 # The operator (and nothing else) runs on the control plane.
 kubectl taint node "$CLUSTER-control-plane" node-role.kubernetes.io/control-plane:NoSchedule- || true
 
+stamp "StorageClass kubetune-shared (ReadWriteMany, for the operator's cache claim)"
+# A second local-path provisioner with kind's own images, on the directory the nodes share.
+lpp_image=$(kubectl -n local-path-storage get deployment local-path-provisioner \
+  -o jsonpath='{.spec.template.spec.containers[0].image}')
+lpp_helper=$(kubectl -n local-path-storage get configmap local-path-config \
+  -o jsonpath='{.data.helperPod\.yaml}' | sed -n 's/^ *image: *//p' | head -n1)
+[ -n "$lpp_image" ] && [ -n "$lpp_helper" ] ||
+  { echo "kind-e2e: cannot read kind's local-path-provisioner images" >&2; exit 1; }
+sed -e "s|@PROVISIONER_IMAGE@|$lpp_image|g" -e "s|@HELPER_IMAGE@|$lpp_helper|g" \
+  hack/kind-shared-storage.yaml | kubectl apply -f -
+kubectl -n local-path-storage rollout status deployment/kubetune-shared-path-provisioner --timeout=120s
+# Stage-in pods' requests within a kind node's CPUs (the policy file says why).
+kubectl apply -f hack/kind-stage-in-requests.yaml
+
 stamp "loading images into the nodes"
 # The trainer image (several GB of CUDA torch) only where trainer pods run: the workers.
 kind load docker-image --name "$CLUSTER" --nodes "$CLUSTER-worker,$CLUSTER-worker2" "$TRAINER_IMAGE"
@@ -180,6 +205,8 @@ stamp "helm install"
 # does (tests/support/e2e_targets.py): the operator's pod and the `helm test` pod must pass it.
 kubectl create namespace kubetune-system
 kubectl label namespace kubetune-system pod-security.kubernetes.io/enforce=restricted
+# The cache claim (ReadWriteMany) on kubetune-shared. Stage-in pods run the trainer image, which
+# only the workers hold: they go to the first pool's node and tolerate its taint.
 helm install kubetune charts/kubetune --namespace kubetune-system --wait \
   --set image.repository="${OPERATOR_IMAGE%:*}" --set image.tag="${OPERATOR_IMAGE##*:}" \
   --set image.pullPolicy=Never \
@@ -189,6 +216,9 @@ helm install kubetune charts/kubetune --namespace kubetune-system --wait \
   --set operator.terminationGraceSeconds=60 --set operator.rescheduleSeconds=5 \
   --set operator.trainerCPUPerGPU=250m --set operator.trainerMemoryPerGPU=1Gi \
   --set operator.allowTestFaults=true --set operator.startupTimeoutSeconds=90 \
+  --set operator.cacheStorageClass=kubetune-shared \
+  --set-json 'operator.stageInNodeSelector={"kubetune.io/pool":"local-cpu"}' \
+  --set-json 'operator.stageInTolerations=[{"key":"nvidia.com/gpu","operator":"Exists","effect":"NoSchedule"}]' \
   --set 'operator.allowedTrainerImages={localhost/kubetune-missing:0}'
 
 stamp "helm test"

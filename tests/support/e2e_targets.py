@@ -108,6 +108,9 @@ class Target:
     """Whether reading a file of a volume is quick (a local folder), not a pod per read."""
     pulls_images = False
     """Whether a kubelet pulls the pods' images (the local pod runner ignores them)."""
+    host_address = "127.0.0.1"
+    """The IPv4 address of this machine that the target's pods reach: where a server the
+    suite starts here (the S3 server) listens, and the endpoint the pods are given."""
 
     def kubectl_argv(self) -> list[str]:
         """kubectl with the target's kubeconfig, for commands run as their own process."""
@@ -278,6 +281,9 @@ class KindTarget(Target):
         self.kubeconfig = kubeconfig
         self.image = trainer_image
         self.kubectl_bin = shutil.which("kubectl") or "kubectl"
+        self.host_address = docker_network_gateway(
+            os.environ.get("KIND_EXPERIMENTAL_DOCKER_NETWORK") or "kind"
+        )
         self.kubectl("create", "namespace", NAMESPACE, check=False)
         # Trainer pods and this target's data and volume-reader pods run under the
         # `restricted` Pod Security Standard.
@@ -484,6 +490,25 @@ class KindTarget(Target):
             check=False,
         )
         return {"operator": out.stdout + out.stderr}
+
+
+def docker_network_gateway(network: str) -> str:
+    """This machine's IPv4 address on a Docker network (its bridge's gateway): the nodes of a
+    kind cluster, and their pods through the nodes' masquerading, reach it; loopback they do
+    not (each node has its own)."""
+    gateways_format = "{{range .IPAM.Config}}{{.Gateway}} {{end}}"
+    out = subprocess.run(
+        ["docker", "network", "inspect", network, "--format", gateways_format],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    if out.returncode != 0:
+        raise LookupError(f"docker network inspect {network}: {out.stderr.strip()}")
+    gateways = [g for g in out.stdout.split() if "." in g]  # IPv4 only; kind's also has IPv6
+    if not gateways:
+        raise LookupError(f"docker network {network} has no IPv4 gateway: {out.stdout!r}")
+    return gateways[0]
 
 
 def make_target(root_factory: Callable[[], Path], binaries: Callable[[], Binaries]) -> Target:

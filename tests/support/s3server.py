@@ -1,4 +1,5 @@
-"""A real S3 server on loopback for the tests: versitygw over a temporary directory.
+"""A real S3 server for the tests: versitygw over a temporary directory, on loopback unless
+told another address of this machine (`s3_server(..., host=...)`, for pods of a kind cluster).
 
     with s3_server(tmp_path) as s3:
         s3.make_bucket("models")
@@ -230,13 +231,19 @@ def s3_server_binary_or_skip(say: Callable[[str], None] | None = None) -> Path:
 
 
 def server_argv(
-    binary: Path, port: int, root: Path, access_key: str, secret_key: str, region: str
+    binary: Path,
+    port: int,
+    root: Path,
+    access_key: str,
+    secret_key: str,
+    region: str,
+    host: str = "127.0.0.1",
 ) -> list[str]:
-    """versitygw on 127.0.0.1:`port` serving ``root/data``, metadata in a sidecar dir (no
+    """versitygw on `host`:`port` serving ``root/data``, metadata in a sidecar dir (no
     dependence on the filesystem's xattr support), its IAM in ``root/iam``."""
     return [
         str(binary),
-        f"--port=127.0.0.1:{port}",
+        f"--port={host}:{port}",
         f"--access={access_key}",
         f"--secret={secret_key}",
         f"--region={region}",
@@ -272,7 +279,13 @@ def _stop(proc: subprocess.Popen[bytes], *, kill: bool) -> None:
 
 
 def _start(
-    binary: Path, root: Path, access_key: str, secret_key: str, region: str, timeout: float
+    binary: Path,
+    root: Path,
+    access_key: str,
+    secret_key: str,
+    region: str,
+    timeout: float,
+    host: str,
 ) -> S3Server:
     for sub in ("data", "meta", "iam"):
         (root / sub).mkdir(parents=True, exist_ok=True)
@@ -284,7 +297,7 @@ def _start(
         port = free_port()
         with log.open("ab") as out:
             proc = subprocess.Popen(
-                server_argv(binary, port, root, access_key, secret_key, region),
+                server_argv(binary, port, root, access_key, secret_key, region, host),
                 cwd=root,
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -293,7 +306,7 @@ def _start(
                 start_new_session=True,  # not hit by a Ctrl-C meant for pytest
             )
         server = S3Server(
-            endpoint=f"http://127.0.0.1:{port}",
+            endpoint=f"http://{host}:{port}",
             access_key=access_key,
             secret_key=secret_key,
             region=region,
@@ -333,15 +346,17 @@ def s3_server(
     secret_key: str = SECRET_KEY,
     region: str = REGION,
     timeout: float = START_TIMEOUT_S,
+    host: str = "127.0.0.1",
 ) -> Iterator[S3Server]:
-    """Start versitygw on a free loopback port with its data, logs and IAM under
-    ``workdir/s3``, wait until it answers, and stop it on the way out: SIGTERM when the block
-    ends normally, SIGKILL when it raises. `binary` defaults to the cached build, built here on
-    first use (`s3_server_binary_or_skip`: the test is skipped when there is no Go to build
-    it with). A server that died during the block is reported as an error."""
+    """Start versitygw on a free port of `host` (an IPv4 address of this machine; loopback by
+    default, or what an e2e target's pods reach, `Target.host_address`) with its data, logs and
+    IAM under ``workdir/s3``, wait until it answers, and stop it on the way out: SIGTERM when
+    the block ends normally, SIGKILL when it raises. `binary` defaults to the cached build,
+    built here on first use (`s3_server_binary_or_skip`: the test is skipped when there is no
+    Go to build it with). A server that died during the block is reported as an error."""
     if binary is None:
         binary = s3_server_binary_or_skip()
-    server = _start(binary, Path(workdir) / "s3", access_key, secret_key, region, timeout)
+    server = _start(binary, Path(workdir) / "s3", access_key, secret_key, region, timeout, host)
     try:
         yield server
     except BaseException:
