@@ -210,12 +210,16 @@ def test_stage_in_placement_comes_from_the_operator_settings() -> None:
         "KUBETUNE_STAGE_IN_TOLERATIONS": '[{"key": "nvidia.com/gpu", "operator": "Exists"}]',
         "KUBETUNE_STAGE_IN_NODE_SELECTOR": '{"node-role/cpu": "true"}',
         "KUBETUNE_CACHE_SIZE": "1Ti",
+        "KUBETUNE_STAGE_IN_CPU": "250m",
+        "KUBETUNE_STAGE_IN_MEMORY": "1Gi",
     }
     settings = settings_from_env(env).build
     pvc, _, batch = build_stage_in(make_job(**S3_JOB), settings)
     pod = batch["spec"]["template"]["spec"]
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists"}]
     assert pod["nodeSelector"] == {"node-role/cpu": "true"}
+    requests = pod["containers"][0]["resources"]["requests"]
+    assert requests == {"cpu": "250m", "memory": "1Gi"}
     assert pvc["spec"]["resources"]["requests"]["storage"] == "1Ti"
     with pytest.raises(ValueError, match="is not a toleration; to fix"):
         settings_from_env({"KUBETUNE_STAGE_IN_TOLERATIONS": '[{"keyy": "x"}]'})

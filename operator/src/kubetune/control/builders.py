@@ -150,7 +150,8 @@ class BuildSettings:
     several nodes read it); unset: the checkpoint StorageClass, else the cluster default."""
     stage_in_cpu: str = "2"
     stage_in_memory: str = "8Gi"
-    """CPU and memory requests of a stage-in pod (it downloads and tokenizes the data)."""
+    """CPU and memory requests of a stage-in or stage-out pod (it downloads and tokenizes the
+    data, or hashes and uploads the output)."""
     stage_in_node_selector: tuple[tuple[str, str], ...] = ()
     stage_in_tolerations: tuple[dict[str, Any], ...] = ()
     """Where stage-in pods may run: by default any node, preferring ones without a GPU; a

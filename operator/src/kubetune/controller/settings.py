@@ -12,6 +12,8 @@ KUBETUNE_CACHE_SIZE                 size of a namespace's model and data cache c
 KUBETUNE_CACHE_STORAGE_CLASS        its StorageClass, ReadWriteMany (the checkpoints' class)
 KUBETUNE_STAGE_IN_NODE_SELECTOR     JSON object: node labels stage-in pods need ({})
 KUBETUNE_STAGE_IN_TOLERATIONS       JSON list: tolerations of stage-in pods ([])
+KUBETUNE_STAGE_IN_CPU               CPU request of stage-in and stage-out pods (2)
+KUBETUNE_STAGE_IN_MEMORY            memory request of stage-in and stage-out pods (8Gi)
 KUBETUNE_CACHE_EVICT_ABOVE          evict least-recently-used cache entries above this size
                                     (90% of KUBETUNE_CACHE_SIZE)
 KUBETUNE_STAGE_IN_HUB               fetch hub models and datasets in the stage-in step (true)
@@ -225,6 +227,8 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> ControllerSetting
         cache_storage_class=env.get("KUBETUNE_CACHE_STORAGE_CLASS") or None,
         stage_in_node_selector=_string_map(env, "KUBETUNE_STAGE_IN_NODE_SELECTOR"),
         stage_in_tolerations=_tolerations(env, "KUBETUNE_STAGE_IN_TOLERATIONS"),
+        stage_in_cpu=_quantity(env, "KUBETUNE_STAGE_IN_CPU", BuildSettings.stage_in_cpu),
+        stage_in_memory=_quantity(env, "KUBETUNE_STAGE_IN_MEMORY", BuildSettings.stage_in_memory),
         cache_max_bytes=_cache_max_bytes(env),
         stage_in_hub=_bool(env, "KUBETUNE_STAGE_IN_HUB", BuildSettings.stage_in_hub),
         hub_endpoint=_url(env, "KUBETUNE_HF_ENDPOINT"),
