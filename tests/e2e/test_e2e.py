@@ -11,6 +11,7 @@ scenario's numbers are printed in the "e2e measurements" section at the end of t
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -755,6 +756,130 @@ def test_data_from_s3_is_staged_in_once_measured_and_trained_on(
     for name in ("from-s3", "from-s3-again"):
         delete_job(target, name)
         target.kubectl("delete", "pvc", f"{name}-ckpt", "-n", NAMESPACE, "--wait=false")
+
+
+def test_the_output_is_uploaded_to_s3_before_the_job_succeeds(
+    target: Target, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    from safetensors import safe_open
+
+    from kubetune_trainer.tiny import make_model
+    from support.s3server import s3_server
+
+    records = (target.read_volume_file(DATA_CLAIM, DATASET_PATH) or "").splitlines()
+    target.kubectl("annotate", "namespace", NAMESPACE, "--overwrite",
+                   "kubetune.io/allowed-secrets=s3-creds")  # fmt: skip
+    name = "to-s3"
+    model = make_model(tmp_path_factory.mktemp("model") / "tiny-llama", arch="llama")
+    with s3_server(tmp_path_factory.mktemp("s3-out"), host=target.host_address) as s3:
+        for bucket in ("models", "data", "results"):
+            s3.make_bucket(bucket)
+        client = s3.client()
+        for file in sorted(model.rglob("*")):
+            if file.is_file():
+                client.upload_file(str(file), "models", f"tiny-llama/{file.relative_to(model)}")
+        client.put_object(Bucket="data", Key="support/train.jsonl",
+                          Body="\n".join(records).encode() + b"\n")  # fmt: skip
+        creds = {"AWS_ACCESS_KEY_ID": s3.access_key, "AWS_SECRET_ACCESS_KEY": s3.secret_key}
+        target.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3-creds"},
+                      "stringData": creds})  # fmt: skip
+        store = {"credentialsSecret": "s3-creds", "region": s3.region, "endpoint": s3.endpoint}
+        started = time.monotonic()
+        target.apply(job_doc(name, steps=10, model={"uri": "s3://models/tiny-llama"},
+                             dataset={"uri": "s3://data/support/train.jsonl"},
+                             output={"uri": "s3://results/support-bot/v1", "mergeAdapter": True},
+                             s3=store))  # fmt: skip
+        s = wait_phase(target, name, "Succeeded")
+        took = time.monotonic() - started
+        assert s["stageIn"]["modelPath"].startswith("/cache/models/"), s["stageIn"]
+        uploaded = s["stageOut"]
+        assert uploaded["destination"] == "s3://results/support-bot/v1", uploaded
+        assert any(c["type"] == "Uploaded" and c["status"] == "True"
+                   for c in s["conditions"])  # fmt: skip
+        # Succeeded only after the upload: the manifest is in the store, and every file it
+        # lists is there with the bytes the volume holds.
+        manifest = json.loads(
+            client.get_object(Bucket="results", Key="support-bot/v1/kubetune-upload.json")[
+                "Body"
+            ].read()
+        )
+        files = {f["path"]: f for f in manifest["files"]}
+        assert len(files) == uploaded["files"] and uploaded["bytes"] > 0
+        assert "adapter/adapter_config.json" in files and "merged/config.json" in files
+        download = tmp_path_factory.mktemp("downloaded")
+        for path, entry in files.items():
+            local = download / path
+            local.parent.mkdir(parents=True, exist_ok=True)
+            client.download_file("results", f"support-bot/v1/{path}", str(local))
+            digest = hashlib.sha256(local.read_bytes()).hexdigest()
+            assert digest == entry["sha256"], path
+            assert target.volume_sha256(f"{name}-ckpt", f"output/{path}") == digest, path
+        # The uploaded adapter loads: its config is a LoRA one and its weights read.
+        config = json.loads((download / "adapter/adapter_config.json").read_text())
+        assert config["peft_type"] == "LORA" and config["r"] == 8
+        weights = next(p for p in files if p.startswith("adapter/") and p.endswith(".safetensors"))
+        with safe_open(str(download / weights), framework="numpy") as tensors:
+            keys = list(tensors.keys())
+            assert keys and all("lora_" in key for key in keys), keys[:5]
+            assert all(tensors.get_tensor(key).size > 0 for key in keys)
+    REPORT.append(
+        f"S3 output: apply → Succeeded {took:.1f}s, {uploaded['files']} files "
+        f"({uploaded['bytes'] / 1e6:.1f} MB) uploaded in {uploaded['seconds']}s, every sha256 "
+        "matching the volume's"
+    )
+    delete_job(target, name)
+    target.kubectl("delete", "pvc", f"{name}-ckpt", "-n", NAMESPACE, "--wait=false")
+
+
+def test_bad_s3_inputs_fail_the_job_before_any_trainer_pod(
+    target: Target, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    from support.s3server import s3_server
+
+    target.kubectl("annotate", "namespace", NAMESPACE, "--overwrite",
+                   "kubetune.io/allowed-secrets=s3-creds,s3-wrong")  # fmt: skip
+    with s3_server(tmp_path_factory.mktemp("s3-bad"), host=target.host_address) as s3:
+        s3.make_bucket("data")
+        good = '{"instruction": "a", "output": "b"}\n'
+        s3.client().put_object(Bucket="data", Key="bad/train.jsonl",
+                               Body=(good * 3 + '{"instruction": "c", \n').encode())  # fmt: skip
+        s3.client().put_object(Bucket="data", Key="ok/train.jsonl", Body=good.encode())
+        right = {"AWS_ACCESS_KEY_ID": s3.access_key, "AWS_SECRET_ACCESS_KEY": s3.secret_key}
+        wrong = {"AWS_ACCESS_KEY_ID": s3.access_key, "AWS_SECRET_ACCESS_KEY": "not-the-secret"}
+        for secret, data in (("s3-creds", right), ("s3-wrong", wrong)):
+            target.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": secret},
+                          "stringData": data})  # fmt: skip
+
+        def store(secret: str) -> dict[str, Any]:
+            return {"credentialsSecret": secret, "region": s3.region, "endpoint": s3.endpoint}
+
+        cases = {
+            "s3-denied": ("s3://data/ok/train.jsonl", "s3-wrong", "To fix"),
+            "s3-missing": ("s3://data/nothing/here.jsonl", "s3-creds", "no objects under it"),
+            "s3-malformed": ("s3://data/bad/train.jsonl", "s3-creds", "bad/train.jsonl:4:"),
+        }
+        started = time.monotonic()
+        for name, (uri, secret, _) in cases.items():
+            target.apply(job_doc(name, dataset={"uri": uri}, s3=store(secret)))
+        took = {}
+        for name, (_, _, said) in cases.items():
+            s = wait_phase(target, name, "Failed", timeout=120)
+            took[name] = time.monotonic() - started
+            failed = next(c for c in s["conditions"] if c["type"] == "Failed")
+            assert failed["reason"] == "StageInFailed", outcome(target, name)
+            assert said in failed["message"], failed["message"]
+            # No GPU was asked for: no trainer Job, no trainer pod, nothing accrued.
+            assert target.get("job.batch", f"{name}-a1") is None
+            pods = target.list("pods", f"kubetune.io/job={name}")
+            assert not [p for p in pods if "kubetune.io/attempt" in p["metadata"]["labels"]]
+            assert float((s.get("cost") or {}).get("accruedUSD") or 0) == 0.0
+    assert max(took.values()) < 60, took
+    REPORT.append(
+        "bad S3 inputs → StageInFailed, no trainer pod: "
+        + ", ".join(f"{name} {seconds:.1f}s" for name, seconds in took.items())
+    )
+    for name in cases:
+        delete_job(target, name)
 
 
 MISSING_IMAGE = "localhost/kubetune-missing:0"

@@ -14,6 +14,7 @@ one they run on:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -129,6 +130,10 @@ class Target:
         """Names of the files under a folder of a claim (recursively, relative)."""
         raise NotImplementedError
 
+    def volume_sha256(self, claim: str, path: str) -> str | None:
+        """The sha256 (hex) of a file on a claim in NAMESPACE; None when it does not exist."""
+        raise NotImplementedError
+
     def kill_operator(self) -> None:
         """Stop the operator at once (SIGKILL): no cleanup of its own."""
         raise NotImplementedError
@@ -225,6 +230,12 @@ class LocalTarget(Target):
         if root is None or not (root / path).is_file():
             return None
         return (root / path).read_text()
+
+    def volume_sha256(self, claim: str, path: str) -> str | None:
+        root = self._claim_root(claim)
+        if root is None or not (root / path).is_file():
+            return None
+        return hashlib.sha256((root / path).read_bytes()).hexdigest()
 
     def list_volume(self, claim: str, path: str) -> list[str]:
         root = self._claim_root(claim)
@@ -416,6 +427,14 @@ class KindTarget(Target):
             "e2e-list", ["sh", "-c", f"cd /data/{path} 2>/dev/null && find . -type f"], claim
         )
         return sorted(line.removeprefix("./") for line in out.split() if line.strip())
+
+    def volume_sha256(self, claim: str, path: str) -> str | None:
+        out = self._run_pod(
+            "e2e-sum",
+            ["sh", "-c", f"sha256sum /data/{path} 2>/dev/null || echo '<missing>'"],
+            claim,
+        )
+        return None if out.strip() == "<missing>" else out.split()[0]
 
     def hard_kill(self, pod: str) -> None:
         """SIGKILL the training processes inside the pod (`kubectl exec`).
