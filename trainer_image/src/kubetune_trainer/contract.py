@@ -33,6 +33,9 @@ moves to host memory under pressure instead of failing with out-of-memory)."""
 Sharding = Literal["full", "grad-op", "none"]
 """FSDP FULL_SHARD (parameters, gradients and optimizer states / N), SHARD_GRAD_OP
 (gradients and optimizer states / N), or none (one GPU)."""
+Objective = Literal["sft", "dpo"]
+"""`sft`: next-token cross-entropy on the responses; `dpo`: Direct Preference Optimization on
+{prompt, chosen, rejected} pairs (docs/dpo.md)."""
 DatasetFormat = Literal["alpaca", "sharegpt", "chat", "instruction-response", "text"]
 SourceKind = Literal["path", "hub", "s3", "https"]
 
@@ -41,6 +44,7 @@ PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 OPTIMIZERS: tuple[Optimizer, ...] = get_args(Optimizer)
 SHARDINGS: tuple[Sharding, ...] = get_args(Sharding)
 DATASET_FORMATS: tuple[DatasetFormat, ...] = get_args(DatasetFormat)
+OBJECTIVES: tuple[Objective, ...] = get_args(Objective)
 
 # Checkpoints: the trainer writes `<checkpoint.dir>/step-<N>/` by renaming a finished
 # `.tmp-step-<N>/`; the operator reports the newest by the same name.
@@ -129,6 +133,14 @@ class LoraConfig(_Strict):
     double_quant: bool = True
 
 
+class DpoConfig(_Strict):
+    """The DPO loss: sigmoid, `beta` the strength of the pull towards the reference model,
+    `label_smoothing` the assumed rate of flipped preference labels (conservative DPO)."""
+
+    beta: float = Field(default=0.1, gt=0)
+    label_smoothing: float = Field(default=0.0, ge=0, lt=0.5)
+
+
 class TrainingConfig(_Strict):
     epochs: float = 1.0
     max_steps: int | None = None
@@ -151,6 +163,12 @@ class TrainingConfig(_Strict):
         default=False, description="Tensors saved for backward kept in host memory."
     )
     seed: int = 42
+    objective: Objective = Field(
+        default="sft",
+        description="`sft` (cross-entropy on responses) or `dpo` (preference pairs); with `dpo` "
+        "the dataset holds {prompt, chosen, rejected} records and packing does not apply.",
+    )
+    dpo: DpoConfig = Field(default_factory=DpoConfig)
 
 
 class ParallelConfig(_Strict):

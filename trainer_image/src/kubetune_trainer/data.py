@@ -475,8 +475,8 @@ def _rows(examples: Sequence[Example], packing: bool, seq_len: int, pad_id: int)
 
 @dataclass
 class PreparedData:
-    train: Rows
-    validation: Rows | None
+    train: Rows | PairRows
+    validation: Rows | PairRows | None
     stats: DataStats
 
 
@@ -558,6 +558,8 @@ class Batch:
     attention_mask: torch.Tensor | None
     position_ids: torch.Tensor | None
     tokens: int  # non-padding input tokens
+    ref_logps: torch.Tensor | None = None
+    """DPO: the reference model's log-probabilities of the rows (fp32), when precomputed."""
 
     def to(self, device: torch.device) -> Batch:
         def mv(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -569,10 +571,13 @@ class Batch:
             attention_mask=mv(self.attention_mask),
             position_ids=mv(self.position_ids),
             tokens=self.tokens,
+            ref_logps=mv(self.ref_logps),
         )
 
 
-def collate(rows: Rows, indices: Sequence[int], pad_id: int) -> Batch:
+def collate(rows: Rows | PairRows, indices: Sequence[int], pad_id: int) -> Batch:
+    if isinstance(rows, PairRows):
+        return collate_pairs(rows, indices, pad_id)
     if rows.position_ids is not None:
         ids = torch.tensor([rows.input_ids[i] for i in indices], dtype=torch.long)
         labels = torch.tensor([rows.labels[i] for i in indices], dtype=torch.long)
@@ -612,7 +617,7 @@ class StepBatches:
 
     def __init__(
         self,
-        rows: Rows,
+        rows: Rows | PairRows,
         *,
         micro_batch: int,
         grad_accum: int,
@@ -672,7 +677,7 @@ class StepBatches:
 
 
 def eval_batches(
-    rows: Rows, *, micro_batch: int, world_size: int, rank: int, pad_id: int
+    rows: Rows | PairRows, *, micro_batch: int, world_size: int, rank: int, pad_id: int
 ) -> Iterator[Batch | None]:
     """This rank's validation micro-batches; every rank yields the same count (None = idle)."""
     per_round = micro_batch * world_size
@@ -681,3 +686,217 @@ def eval_batches(
         start = r * per_round + rank * micro_batch
         idx = [i for i in range(start, start + micro_batch) if i < len(rows)]
         yield collate(rows, idx, pad_id) if idx else None
+
+
+# --------------------------------------------------------------------------- preference pairs
+#
+# DPO (`training.objective: dpo`) reads preference records instead of the SFT formats: the
+# record's shape decides, as TRL reads them, and `dataset.format` is not consulted.
+#
+# * standard: `prompt`, `chosen`, `rejected` strings. The prompt is tokenized with the
+#   tokenizer's special tokens (BOS), each response after it with EOS appended.
+# * chat: `chosen` and `rejected` message lists sharing a prefix (the conversation so far),
+#   or a `prompt` message list with `chosen`/`rejected` holding the answer turns. The prompt
+#   is the shared prefix rendered with the chat template and its generation prompt; a response
+#   is what the template renders after it for that side (end-of-turn token included).
+#
+# Pairs are never packed: the loss compares a chosen row with its rejected row, both after the
+# same prompt, so the two must stay side by side, and a row's log-probability is summed over
+# one response only. A micro-batch of B pairs is 2B padded rows: chosen 0..B-1, then rejected.
+
+
+@dataclass
+class Pair:
+    prompt: list[int]
+    chosen: list[int]
+    rejected: list[int]
+
+
+@dataclass
+class PairRows:
+    """Preference pairs as rows: `chosen[i]` and `rejected[i]` share their prompt."""
+
+    chosen: Rows
+    rejected: Rows
+    ref_chosen: list[float] | None = None
+    ref_rejected: list[float] | None = None
+    """Reference log-probabilities, when precomputed (full fine-tuning: docs/dpo.md)."""
+
+    def __len__(self) -> int:
+        return len(self.chosen)
+
+
+PREFERENCE_KEYS = ("prompt", "chosen", "rejected")
+
+
+def _conversation(record: Record, key: str, value: Any) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise DataError(f"{record.where}: preference field {key!r} must be a non-empty list")
+    out = []
+    for i, turn in enumerate(value):
+        role = turn.get("role") if isinstance(turn, dict) else None
+        content = turn.get("content") if isinstance(turn, dict) else None
+        if role not in CHAT_ROLES or not isinstance(content, str):
+            raise DataError(
+                f"{record.where}: {key}[{i}] must be {{role, content}} with role in "
+                f"{sorted(CHAT_ROLES)} and string content"
+            )
+        out.append({"role": str(role), "content": content})
+    return out
+
+
+def record_to_pair(record: Record, tokenizer: Any) -> Pair:
+    """One preference record as token ids (see the section comment for the two shapes)."""
+    obj = record.value
+    if not isinstance(obj, dict) or "chosen" not in obj or "rejected" not in obj:
+        found = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+        raise DataError(
+            f"{record.where}: preference record needs 'chosen' and 'rejected' (and 'prompt' "
+            f"unless they are conversations sharing a prefix) (found {found})"
+        )
+    if isinstance(obj["chosen"], str) or isinstance(obj["rejected"], str):
+        prompt = _str_field(record, "prompt", required=True, fmt="preference")
+        chosen = _str_field(record, "chosen", required=True, fmt="preference")
+        rejected = _str_field(record, "rejected", required=True, fmt="preference")
+        p = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        c = [*tokenizer(chosen, add_special_tokens=False)["input_ids"], *eos]
+        r = [*tokenizer(rejected, add_special_tokens=False)["input_ids"], *eos]
+        return Pair(p, c, r)
+    chosen_msgs = _conversation(record, "chosen", obj["chosen"])
+    rejected_msgs = _conversation(record, "rejected", obj["rejected"])
+    if "prompt" in obj:
+        prefix = _conversation(record, "prompt", obj["prompt"])
+        chosen_msgs, rejected_msgs = prefix + chosen_msgs, prefix + rejected_msgs
+    else:
+        n = 0
+        while n < min(len(chosen_msgs), len(rejected_msgs)) and chosen_msgs[n] == rejected_msgs[n]:
+            n += 1
+        prefix = chosen_msgs[:n]
+    if not prefix or len(chosen_msgs) == len(prefix) or len(rejected_msgs) == len(prefix):
+        raise DataError(
+            f"{record.where}: chosen and rejected must share a non-empty prompt and each add "
+            "at least one turn after it"
+        )
+
+    def render(msgs: list[dict[str, str]], gen: bool) -> str:
+        return str(tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen))
+
+    prompt_text = render(prefix, True)
+    pieces = []
+    for side, msgs in (("chosen", chosen_msgs), ("rejected", rejected_msgs)):
+        text = render(msgs, False)
+        if not text.startswith(prompt_text):
+            raise DataError(
+                f"{record.where}: the chat template does not render the {side} conversation "
+                "as its prompt followed by the response, so the response cannot be located"
+            )
+        pieces.append(text[len(prompt_text) :])
+    p = list(tokenizer(prompt_text, add_special_tokens=False)["input_ids"])
+    c = list(tokenizer(pieces[0], add_special_tokens=False)["input_ids"])
+    r = list(tokenizer(pieces[1], add_special_tokens=False)["input_ids"])
+    return Pair(p, c, r)
+
+
+def truncate_pair(pair: Pair, seq_len: int) -> tuple[Pair, bool]:
+    """Fit prompt + longer response into `seq_len`: the prompt keeps its last
+    max(seq_len - longest response, seq_len // 2) tokens (a long prompt never squeezes the
+    responses below half the row), then each response keeps its first tokens up to the room
+    left. Returns the pair and whether anything was cut."""
+    longest = max(len(pair.chosen), len(pair.rejected))
+    if len(pair.prompt) + longest <= seq_len:
+        return pair, False
+    keep_prompt = min(len(pair.prompt), max(seq_len - longest, seq_len // 2))
+    prompt = pair.prompt[len(pair.prompt) - keep_prompt :]
+    room = seq_len - len(prompt)
+    return Pair(prompt, pair.chosen[:room], pair.rejected[:room]), True
+
+
+def _side_rows(pairs: Sequence[Pair], side: str) -> Rows:
+    ids, labels = [], []
+    for pair in pairs:
+        response: list[int] = getattr(pair, side)
+        ids.append([*pair.prompt, *response])
+        labels.append([IGNORE_INDEX] * len(pair.prompt) + response)
+    return Rows(input_ids=ids, labels=labels, lengths=[len(x) for x in ids])
+
+
+def pair_rows(pairs: Sequence[Pair]) -> PairRows:
+    return PairRows(chosen=_side_rows(pairs, "chosen"), rejected=_side_rows(pairs, "rejected"))
+
+
+def prepare_preference_data(
+    records: Sequence[Record],
+    *,
+    tokenizer: Any,
+    sequence_length: int,
+    validation_split: float,
+    seed: int,
+) -> PreparedData:
+    """`prepare_data` for DPO: validate and tokenize every pair, truncate, split, no packing."""
+    if not 0.0 <= validation_split < 1.0:
+        raise ConfigError(f"dataset.validation_split {validation_split} must be in [0, 1)")
+    if sequence_length < 4:
+        raise ConfigError(f"training.sequence_length {sequence_length} must be at least 4")
+    stats = DataStats(records=len(records))
+    if ensure_chat_template(tokenizer):
+        stats.notes.append("tokenizer has no chat template; using ChatML for chat pairs")
+    pairs: list[Pair] = []
+    errors: list[str] = []
+    n_errors = 0
+    for record in records:
+        try:
+            pair = record_to_pair(record, tokenizer)
+        except DataError as e:
+            n_errors += 1
+            if len(errors) < MAX_ERRORS_SHOWN:
+                errors.append(str(e))
+            continue
+        pair, cut = truncate_pair(pair, sequence_length)
+        stats.truncated += int(cut)
+        if not pair.chosen or not pair.rejected or pair.chosen == pair.rejected:
+            stats.dropped_no_target += 1  # nothing to prefer: the loss would be constant
+            continue
+        pairs.append(pair)
+    if n_errors:
+        more = f"\n  ... and {n_errors - len(errors)} more" if n_errors > len(errors) else ""
+        raise DataError(
+            f"{n_errors} bad record(s) in the preference dataset:\n  " + "\n  ".join(errors) + more
+        )
+    if not pairs:
+        raise DataError(
+            f"no usable preference pairs: {len(records)} record(s), {stats.dropped_no_target} "
+            "with identical or empty responses within sequence_length"
+        )
+    stats.examples = len(pairs)
+    order = list(range(len(pairs)))
+    random.Random(seed).shuffle(order)
+    n_val = math.ceil(len(pairs) * validation_split) if validation_split > 0 else 0
+    if n_val >= len(pairs):
+        raise DataError(
+            f"validation_split {validation_split} leaves no training pairs out of {len(pairs)}"
+        )
+    val = [pairs[i] for i in order[:n_val]]
+    train = [pairs[i] for i in order[n_val:]]
+    stats.train_examples = len(train)
+    stats.train_rows = len(train)
+    stats.validation_rows = len(val)
+    stats.train_tokens = sum(len(p.prompt) * 2 + len(p.chosen) + len(p.rejected) for p in train)
+    return PreparedData(
+        train=pair_rows(train), validation=pair_rows(val) if val else None, stats=stats
+    )
+
+
+def collate_pairs(rows: PairRows, indices: Sequence[int], pad_id: int) -> Batch:
+    """B pairs as 2B right-padded rows, chosen first; reference log-probs if precomputed."""
+    sides = (rows.chosen, rows.rejected)
+    both = Rows(
+        input_ids=[side.input_ids[i] for side in sides for i in indices],
+        labels=[side.labels[i] for side in sides for i in indices],
+        lengths=[side.lengths[i] for side in sides for i in indices],
+    )
+    batch = collate(both, range(2 * len(indices)), pad_id)
+    if rows.ref_chosen is not None and rows.ref_rejected is not None:
+        ref = [rows.ref_chosen[i] for i in indices] + [rows.ref_rejected[i] for i in indices]
+        batch.ref_logps = torch.tensor(ref, dtype=torch.float32)
+    return batch

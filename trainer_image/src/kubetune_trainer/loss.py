@@ -50,6 +50,7 @@ class ChunkedLoss:
         self.chunk = loss_chunk_tokens(vocab_size)
         self.softcap = softcap
         self._labels: torch.Tensor | None = None
+        self._per_row = False
         self._plain_forward = head.forward
         head.forward = self._forward
 
@@ -80,13 +81,16 @@ class ChunkedLoss:
         return logits
 
     @contextlib.contextmanager
-    def labels_set(self, labels: torch.Tensor) -> Iterator[None]:
-        """Within this block the model's forward returns the summed loss as its `logits`."""
+    def labels_set(self, labels: torch.Tensor, per_row: bool = False) -> Iterator[None]:
+        """Within this block the model's forward returns the summed loss as its `logits`:
+        one number, or with `per_row` one per row (what DPO needs)."""
         self._labels = labels
+        self._per_row = per_row
         try:
             yield
         finally:
             self._labels = None
+            self._per_row = False
 
     def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
         labels = self._labels
@@ -94,16 +98,23 @@ class ChunkedLoss:
             return self._logits(hidden)
         h = hidden[:, :-1, :].reshape(-1, hidden.size(-1))
         target = labels[:, 1:].reshape(-1)
-        total = hidden.new_zeros((), dtype=torch.float32)
+        width = labels.size(1) - 1
+        shape = (labels.size(0),) if self._per_row else ()
+        total = hidden.new_zeros(shape, dtype=torch.float32)
         for start in range(0, h.size(0), self.chunk):
             end = start + self.chunk
             keep = target[start:end]
             if not bool((keep != IGNORE_INDEX).any()):
                 continue  # a chunk of prompt or padding adds nothing
             logits = self._logits(h[start:end]).float()
-            total = total + F.cross_entropy(
-                logits, keep, ignore_index=IGNORE_INDEX, reduction="sum"
-            )
+            if self._per_row:
+                ce = F.cross_entropy(logits, keep, ignore_index=IGNORE_INDEX, reduction="none")
+                row = torch.arange(start, start + keep.size(0), device=ce.device) // width
+                total = total.index_add(0, row, ce)
+            else:
+                total = total + F.cross_entropy(
+                    logits, keep, ignore_index=IGNORE_INDEX, reduction="sum"
+                )
         return total
 
 
@@ -150,6 +161,31 @@ class OffloadActivations:
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
+def sequence_logps(
+    model: nn.Module,
+    *,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    autocast_dtype: torch.dtype | None = None,
+    chunked: ChunkedLoss | None = None,
+    offload: OffloadActivations | None = None,
+) -> torch.Tensor:
+    """Each row's summed log-probability of its labelled tokens (fp32, shape [rows]): the
+    per-sequence cross-entropy of `loss_sum`, negated, by the same two paths."""
+    return -_cross_entropy(
+        model,
+        input_ids=input_ids,
+        labels=labels,
+        attention_mask=attention_mask,
+        position_ids=None,
+        autocast_dtype=autocast_dtype,
+        chunked=chunked,
+        offload=offload,
+        per_row=True,
+    )
+
+
 def loss_sum(
     model: nn.Module,
     *,
@@ -164,12 +200,39 @@ def loss_sum(
     """Summed cross-entropy of the next-token predictions over the positions whose label is
     not `IGNORE_INDEX` (fp32, a 0-dim tensor); `chunked` and `offload` are the memory savers
     above."""
+    return _cross_entropy(
+        model,
+        input_ids=input_ids,
+        labels=labels,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        autocast_dtype=autocast_dtype,
+        chunked=chunked,
+        offload=offload,
+        per_row=False,
+    )
+
+
+def _cross_entropy(
+    model: nn.Module,
+    *,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    autocast_dtype: torch.dtype | None = None,
+    chunked: ChunkedLoss | None = None,
+    offload: OffloadActivations | None,
+    per_row: bool,
+) -> torch.Tensor:
     ctx: contextlib.AbstractContextManager[Any] = (
         torch.autocast(input_ids.device.type, dtype=autocast_dtype)
         if autocast_dtype is not None
         else contextlib.nullcontext()
     )
-    chunking = chunked.labels_set(labels) if chunked is not None else contextlib.nullcontext()
+    chunking = (
+        chunked.labels_set(labels, per_row) if chunked is not None else contextlib.nullcontext()
+    )
     offloading: contextlib.AbstractContextManager[Any] = (
         offload.hooks(pin_memory=input_ids.device.type == "cuda")
         if offload is not None
@@ -185,9 +248,10 @@ def loss_sum(
     if chunked is not None:
         return out.logits.float()  # type: ignore[no-any-return]
     logits = out.logits[:, :-1, :].float()
-    return F.cross_entropy(
+    ce = F.cross_entropy(
         logits.reshape(-1, logits.size(-1)),
         labels[:, 1:].reshape(-1),
         ignore_index=IGNORE_INDEX,
-        reduction="sum",
+        reduction="none" if per_row else "sum",
     )
+    return ce.view(labels.size(0), -1).sum(-1) if per_row else ce

@@ -38,7 +38,16 @@ GAUGES = {
     "checkpoint_save_seconds": "Seconds the last checkpoint took to write",
     "last_checkpoint_step": "Step of the newest complete checkpoint",
     "world_size": "Training processes (GPUs) in this run",
+    "dpo_rewards_chosen": "DPO: mean implicit reward beta*(policy - reference log-prob) of the "
+    "chosen responses, last optimizer step",
+    "dpo_rewards_rejected": "DPO: mean implicit reward of the rejected responses, last step",
+    "dpo_reward_margin": "DPO: mean chosen minus rejected reward, last step",
+    "dpo_reward_accuracy": "DPO: fraction of pairs whose chosen reward is the larger, last step",
+    "eval_dpo_reward_accuracy": "DPO: reward accuracy on the validation pairs, last evaluation",
+    "eval_dpo_reward_margin": "DPO: mean reward margin on the validation pairs, last evaluation",
 }
+DPO_GAUGES = tuple(name for name in GAUGES if "dpo_" in name)
+"""NaN unless the run's objective is DPO."""
 
 
 class TrainerMetrics:
@@ -65,6 +74,8 @@ class TrainerMetrics:
         self.info.info(labels)
         self.gauges["mfu_ratio"].set(math.nan)
         self.gauges["eval_loss"].set(math.nan)
+        for name in DPO_GAUGES:
+            self.gauges[name].set(math.nan)
         self.gauges["last_checkpoint_step"].set(-1)
         self.values: dict[str, float] = {}
         self.port: int | None = None

@@ -39,10 +39,12 @@ from kubetune_trainer.data import (
     IGNORE_INDEX,
     Batch,
     DataPosition,
+    PairRows,
     PreparedData,
     StepBatches,
     eval_batches,
     prepare_data,
+    prepare_preference_data,
     read_records,
 )
 from kubetune_trainer.distributed import (
@@ -53,6 +55,7 @@ from kubetune_trainer.distributed import (
     destroy_distributed,
     init_distributed,
 )
+from kubetune_trainer.dpo import DpoSums, DpoTerms, dpo_loss
 from kubetune_trainer.errors import (
     CheckpointFailed,
     ConfigError,
@@ -68,7 +71,7 @@ from kubetune_trainer.identity import (
     identity,
     whose,
 )
-from kubetune_trainer.loss import loss_sum
+from kubetune_trainer.loss import loss_sum, sequence_logps
 from kubetune_trainer.metrics import ADDR_ENV, DEFAULT_ADDR, TrainerMetrics
 from kubetune_trainer.modeling import (
     BuiltModel,
@@ -201,6 +204,7 @@ class FineTuneRecipe:
         self.resumed_from: Path | None = None
         self._grad_norm = math.nan
         self._lr = math.nan
+        self._dpo_values: dict[str, float] = {}
         self._last_save_time = time.monotonic()
         self.phase = "load"
         """What the run is doing (a key of `contract.OOM_PHASES`): an out-of-memory error
@@ -233,15 +237,26 @@ class FineTuneRecipe:
         self.tokenizer = load_tokenizer(cfg)
         t0 = time.monotonic()
         records = read_records(cfg.dataset.source, cfg.dataset.kind, cfg.dataset.revision)
-        self.data: PreparedData = prepare_data(
-            records,
-            fmt=cfg.dataset.format,
-            tokenizer=self.tokenizer,
-            sequence_length=cfg.training.sequence_length,
-            packing=cfg.training.packing,
-            validation_split=cfg.dataset.validation_split,
-            seed=cfg.training.seed,
-        )
+        self.dpo = cfg.training.objective == "dpo"
+        if self.dpo:
+            # Pairs are never packed (docs/dpo.md): `packing` is the SFT rows' setting.
+            self.data: PreparedData = prepare_preference_data(
+                records,
+                tokenizer=self.tokenizer,
+                sequence_length=cfg.training.sequence_length,
+                validation_split=cfg.dataset.validation_split,
+                seed=cfg.training.seed,
+            )
+        else:
+            self.data = prepare_data(
+                records,
+                fmt=cfg.dataset.format,
+                tokenizer=self.tokenizer,
+                sequence_length=cfg.training.sequence_length,
+                packing=cfg.training.packing,
+                validation_split=cfg.dataset.validation_split,
+                seed=cfg.training.seed,
+            )
         st = self.data.stats
         log.info(
             "data: %d records → %d examples → %d train rows, %d validation rows "
@@ -305,6 +320,9 @@ class FineTuneRecipe:
             },
         )
         self.peak_flops = peak_flops(env.device)
+        if self.dpo and not self.built.adapter_only:
+            with self._in_phase("eval"):
+                self._precompute_reference()
         with self._in_phase("resume"):
             self._resume()
         self.metrics.set(
@@ -317,6 +335,7 @@ class FineTuneRecipe:
         self.metrics.event(
             "start",
             method=cfg.method,
+            objective=cfg.training.objective,
             wrap=self.built.wrap,
             params=self.built.n_params,
             trainable_params=self.built.n_trainable,
@@ -547,7 +566,11 @@ class FineTuneRecipe:
                         "CUDA out of memory (simulated by faults.oom_at_step="
                         f"{cfg.faults.oom_at_step})"
                     )
-                stats = self._train_step(rng_at_start)
+                stats = (
+                    self._dpo_train_step(rng_at_start)
+                    if self.dpo
+                    else self._train_step(rng_at_start)
+                )
             if cfg.faults.min_step_seconds is not None:
                 time.sleep(max(0.0, cfg.faults.min_step_seconds - (time.monotonic() - t0)))
             dt = time.monotonic() - t0
@@ -639,6 +662,15 @@ class FineTuneRecipe:
                 scaled: Any = loss * scale
                 scaled.backward()
             loss_sum += loss.detach()  # no host sync per micro-batch
+        self._optimizer_step()
+        tokens = sum(b.tokens for b in micro)
+        rows = sum(int(b.input_ids.size(0)) for b in micro)
+        total_loss, total_tokens, total_rows = all_reduce_sum(
+            [float(loss_sum), float(tokens), float(rows)], env
+        )
+        return total_loss / max(targets, 1.0), total_tokens, total_rows
+
+    def _optimizer_step(self) -> None:
         grad_norm = nn.utils.clip_grad_norm_(
             [p for p in self.model.parameters() if p.requires_grad], MAX_GRAD_NORM
         )
@@ -649,12 +681,132 @@ class FineTuneRecipe:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        tokens = sum(b.tokens for b in micro)
-        rows = sum(int(b.input_ids.size(0)) for b in micro)
-        total_loss, total_tokens, total_rows = all_reduce_sum(
-            [float(loss_sum), float(tokens), float(rows)], env
+
+    # ------------------------------------------------------------------ DPO
+
+    def _policy_logps(self, batch: Batch) -> torch.Tensor:
+        """Summed log-probabilities of each row's response under the model being trained."""
+        b = batch.to(self.env.device)
+        return sequence_logps(
+            self.model,
+            input_ids=b.input_ids,
+            labels=b.labels,
+            attention_mask=b.attention_mask,
+            autocast_dtype=self.built.autocast_dtype,
+            chunked=self.built.chunked_loss,
+            offload=self.built.offload if self.model.training else None,
         )
-        return total_loss / max(targets, 1.0), total_tokens, total_rows
+
+    def _reference_logps(self, batch: Batch) -> torch.Tensor:
+        """The reference model's: precomputed (full), or the model with its adapters
+        switched off (LoRA, QLoRA), without gradients and in eval mode (deterministic)."""
+        if batch.ref_logps is not None:
+            return batch.ref_logps.to(self.env.device)
+        assert self.built.adapter_only, "full fine-tuning precomputes its reference"
+        core: Any = self.built.core
+        training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad(), core.disable_adapter():
+                b = batch.to(self.env.device)
+                logps: torch.Tensor = sequence_logps(
+                    self.model,
+                    input_ids=b.input_ids,
+                    labels=b.labels,
+                    attention_mask=b.attention_mask,
+                    autocast_dtype=self.built.autocast_dtype,
+                    chunked=self.built.chunked_loss,
+                )
+        finally:
+            self.model.train(training)
+        return logps
+
+    def _dpo_terms(self, batch: Batch) -> DpoTerms:
+        ref = self._reference_logps(batch)
+        logps = self._policy_logps(batch)
+        half = logps.size(0) // 2
+        d = self.cfg.training.dpo
+        return dpo_loss(
+            logps[:half],
+            logps[half:],
+            ref[:half],
+            ref[half:],
+            beta=d.beta,
+            label_smoothing=d.label_smoothing,
+        )
+
+    def _dummy_pairs(self) -> Batch:
+        """One pair of padding, for a rank with nothing left to evaluate: FSDP's all-gathers
+        need every rank in every forward."""
+        return Batch(
+            input_ids=torch.full((2, 2), self.pad_id, dtype=torch.long),
+            labels=torch.full((2, 2), IGNORE_INDEX, dtype=torch.long),
+            attention_mask=None,
+            position_ids=None,
+            tokens=0,
+            ref_logps=torch.zeros(2),
+        )
+
+    def _precompute_reference(self) -> None:
+        """Full fine-tuning's reference: every pair's log-probabilities under the initial
+        weights, before any checkpoint is loaded (`kubetune_trainer.dpo`). Ranks split the
+        pairs and sum what they computed."""
+        t0 = time.monotonic()
+        env, micro = self.env, self.cfg.training.micro_batch_size
+        self.model.eval()
+        for rows in (self.data.train, self.data.validation):
+            if rows is None:
+                continue
+            assert isinstance(rows, PairRows)
+            n = len(rows)
+            values = [0.0] * (2 * n)
+            with torch.no_grad():
+                batches = eval_batches(
+                    rows,
+                    micro_batch=micro,
+                    world_size=env.world_size,
+                    rank=env.rank,
+                    pad_id=self.pad_id,
+                )
+                for k, batch in enumerate(batches):
+                    logps = self._policy_logps(batch if batch is not None else self._dummy_pairs())
+                    if batch is None:
+                        continue
+                    start = (k * env.world_size + env.rank) * micro
+                    got = logps.double().cpu().tolist()
+                    half = len(got) // 2
+                    for j in range(half):
+                        values[start + j] = got[j]
+                        values[n + start + j] = got[half + j]
+            total = all_reduce_sum(values, env) if env.world_size > 1 else values
+            rows.ref_chosen, rows.ref_rejected = total[:n], total[n:]
+        self.model.train()
+        log.info("DPO reference log-probabilities precomputed in %.1fs", time.monotonic() - t0)
+
+    def _dpo_train_step(self, rng_at_start: dict[str, Any]) -> tuple[float, float, float]:
+        """One optimizer step of DPO: the loss is the mean over the step's pairs, over all
+        micro-batches and ranks."""
+        env = self.env
+        micro = self.batches.next_step()
+        local_pairs = sum(int(b.input_ids.size(0)) // 2 for b in micro)
+        (pairs,) = all_reduce_sum([float(local_pairs)], env)
+        scale = env.world_size / max(pairs, 1.0)
+        sums = DpoSums()
+        for j, batch in enumerate(micro):
+            if j > 0:
+                self._check_flags(at_step_start=False, rng=rng_at_start)
+            last = j == len(micro) - 1
+            with self._grad_sync(last):
+                terms = self._dpo_terms(batch)
+                scaled: Any = terms.losses.sum() * scale
+                scaled.backward()
+            sums.add(terms)
+        self._optimizer_step()
+        tokens = float(sum(b.tokens for b in micro))
+        reduced = all_reduce_sum([*sums.as_list(), tokens], env)
+        total = DpoSums.from_list(reduced[:-1])
+        self._dpo_values = total.means()
+        return total.loss / max(total.pairs, 1.0), reduced[-1], total.pairs
 
     def _grad_sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
         """Reduce gradients only on the last micro-batch of a step."""
@@ -702,6 +854,7 @@ class FineTuneRecipe:
             values["mfu_ratio"] = (
                 self.built.flops_per_token * tps / (self.peak_flops * self.env.world_size)
             )
+        values.update(self._dpo_values)
         self.metrics.set(**values)
         self.metrics.add_tokens(tokens)
         extra: dict[str, Any] = {}
@@ -730,6 +883,8 @@ class FineTuneRecipe:
             return self._evaluate(rows)
 
     def _evaluate(self, rows: Any) -> float:
+        if self.dpo:
+            return self._evaluate_dpo(rows)
         self.model.eval()
         with torch.no_grad():
             loss_sum, targets = self._eval_sums(rows)
@@ -739,6 +894,36 @@ class FineTuneRecipe:
         self.metrics.set(eval_loss=self.last_eval_loss)
         self.metrics.event("eval")
         log.info("step %d eval_loss %.4f", self.step, self.last_eval_loss)
+        return self.last_eval_loss
+
+    def _evaluate_dpo(self, rows: PairRows) -> float:
+        """The DPO loss and rewards on the validation pairs."""
+        sums = DpoSums()
+        self.model.eval()
+        with torch.no_grad():
+            for batch in eval_batches(
+                rows,
+                micro_batch=self.cfg.training.micro_batch_size,
+                world_size=self.env.world_size,
+                rank=self.env.rank,
+                pad_id=self.pad_id,
+            ):
+                terms = self._dpo_terms(batch if batch is not None else self._dummy_pairs())
+                if batch is not None:
+                    sums.add(terms)
+        self.model.train()
+        total = DpoSums.from_list(all_reduce_sum(sums.as_list(), self.env))
+        self.last_eval_loss = total.loss / max(total.pairs, 1.0)
+        means = total.means("eval_")
+        self.metrics.set(eval_loss=self.last_eval_loss, **means)
+        self.metrics.event("eval")
+        log.info(
+            "step %d eval_loss %.4f reward accuracy %.3f margin %.4f",
+            self.step,
+            self.last_eval_loss,
+            means["eval_dpo_reward_accuracy"],
+            means["eval_dpo_reward_margin"],
+        )
         return self.last_eval_loss
 
     def _eval_sums(self, rows: Any) -> tuple[float, float]:

@@ -4,6 +4,7 @@ No hub is reachable in CI, so tests, benchmarks and end-to-end runs build their 
 here and load them back through the trainer's real loading code. Usage:
 
     python -m kubetune_trainer.tiny OUT_DIR [--arch llama|qwen2] [--format alpaca] [--records N]
+    python -m kubetune_trainer.tiny OUT_DIR --preference      # DPO pairs
 
 writes OUT_DIR/model (config, safetensors, tokenizer) and OUT_DIR/data.jsonl.
 """
@@ -235,6 +236,30 @@ def make_records(fmt: str, n: int, seed: int = 0, long_tail: bool = False) -> li
     return out
 
 
+def make_preference_records(n: int, seed: int = 0, chat: bool = False) -> list[dict[str, Any]]:
+    """n synthetic DPO pairs with a learnable rule: the chosen answer copies the prompt's
+    words as they are, the rejected one copies them in upper case (the format it breaks).
+    With `chat`, chosen and rejected are conversations sharing the user turn."""
+    rng = random.Random(seed)
+    out: list[dict[str, Any]] = []
+    for _ in range(n):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(2, 6))]
+        prompt = f"repeat the words {' '.join(words)}"
+        chosen = " ".join(words)
+        rejected = chosen.upper()
+        if chat:
+            user = {"role": "user", "content": prompt}
+            out.append(
+                {
+                    "chosen": [user, {"role": "assistant", "content": chosen}],
+                    "rejected": [user, {"role": "assistant", "content": rejected}],
+                }
+            )
+        else:
+            out.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+    return out
+
+
 def write_jsonl(path: Path, records: list[dict[str, Any]]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -247,9 +272,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--arch", default="llama", choices=["llama", "qwen2"])
     p.add_argument("--format", default="alpaca")
     p.add_argument("--records", type=int, default=256)
+    p.add_argument("--preference", action="store_true", help="DPO pairs instead of --format")
     args = p.parse_args(argv)
     make_model(args.out / "model", arch=args.arch)
-    write_jsonl(args.out / "data.jsonl", make_records(args.format, args.records))
+    records = (
+        make_preference_records(args.records)
+        if args.preference
+        else make_records(args.format, args.records)
+    )
+    write_jsonl(args.out / "data.jsonl", records)
     print(args.out)
 
 
