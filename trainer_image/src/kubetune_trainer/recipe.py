@@ -1044,7 +1044,9 @@ class FineTuneRecipe:
         merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
         merged.config.use_cache = True
         merged.save_pretrained(str(merged_dir), safe_serialization=True)
-        self.tokenizer.save_pretrained(str(merged_dir))
+        # The chat template goes into tokenizer_config.json, not chat_template.jinja: TGI reads
+        # it only there; transformers, vLLM and llama.cpp's converter read it there too.
+        self.tokenizer.save_pretrained(str(merged_dir), save_jinja_files=False)
         log.info("merged model written to %s", merged_dir)
 
     def _save_full(self, sd: dict[str, Any], model_dir: Path) -> None:
