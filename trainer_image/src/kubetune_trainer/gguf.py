@@ -131,7 +131,7 @@ def export_gguf(
 
     The file appears only when complete (written under a temporary name, then renamed).
     ``pre_tokenizer`` names the llama.cpp pre-tokenizer for a BPE tokenizer the converter does
-    not know (``gpt2`` for a plain byte-level BPE); models it knows ignore it.
+    not know (``gpt-2`` for a plain byte-level BPE); models it knows ignore it.
     """
     qtype = qtype.lower()
     if qtype not in SUPPORTED_TYPES:
@@ -210,7 +210,7 @@ def _convert(root: Path, model: Path, out: Path, outtype: str, pre_tokenizer: st
         raise ConfigError(
             "llama.cpp's converter does not recognise this model's BPE pre-tokenizer (its"
             " tokenizer is not one of the models llama.cpp lists). To fix: name the"
-            " pre-tokenizer it uses (--pre-tokenizer, e.g. gpt2 for a plain byte-level BPE,"
+            " pre-tokenizer it uses (--pre-tokenizer, e.g. gpt-2 for a plain byte-level BPE,"
             " llama-bpe for Llama 3's), or leave GGUF out of the output."
         )
     raise GGUFExportFailed(
