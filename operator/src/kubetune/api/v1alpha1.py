@@ -37,6 +37,9 @@ QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
 _NOT_SPACE = r"[^\t\n\f\r ]"
 URI_PATTERN = rf"^((hf|pvc|s3)://{_NOT_SPACE}+|[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?|/{_NOT_SPACE}*)$"
 DATASET_URI_PATTERN = URI_PATTERN.replace("(hf|pvc|s3)://", "(hf|pvc|s3|https)://")
+MODEL_URI_PATTERN = URI_PATTERN.replace("(hf|pvc|s3)://", "(hf|pvc|s3|ftj)://")
+"""Models may also be another FineTuneJob's result: `ftj://<name>` in the same namespace."""
+CHAIN_SCHEME = "ftj://"
 """Datasets may also be a file served over https (fetched by the stage-in step)."""
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 INT64_MAX = 2**63 - 1
@@ -97,10 +100,13 @@ class ModelSource(_Model):
         description=(
             "Base model to fine-tune: a Hugging Face id (`meta-llama/Llama-3.1-8B`, same as "
             "`hf://meta-llama/Llama-3.1-8B`), `pvc://<claim>/<path>` for a model directory on "
-            "a PersistentVolumeClaim, or `s3://bucket/prefix` (fetched into the namespace's "
-            "model cache by the stage-in step; spec.s3 says how to reach the store)."
+            "a PersistentVolumeClaim, `s3://bucket/prefix` (fetched into the namespace's "
+            "model cache by the stage-in step; spec.s3 says how to reach the store), or "
+            "`ftj://<name>`: the whole model another FineTuneJob of this namespace produces "
+            "(full fine-tuning, or LoRA with output.mergeAdapter); this job waits until that "
+            "one Succeeded."
         ),
-        pattern=URI_PATTERN,
+        pattern=MODEL_URI_PATTERN,
         max_length=512,
     )
     revision: str | None = Field(
@@ -690,6 +696,17 @@ class ProgressStatus(_Model):
     )
 
 
+class UpstreamStatus(_Model):
+    """The FineTuneJob an `ftj://` model comes from, once it Succeeded (status.upstream)."""
+
+    name: str = Field(description="The upstream FineTuneJob.")
+    uid: str = Field(description="Its uid when its result was taken.")
+    model_uri: str = Field(description="Where its whole model is: a `pvc://` or `s3://` URI.")
+    architecture: str | None = Field(
+        default=None, description="What planning reads: the upstream's model id or architecture."
+    )
+
+
 class StageOutStatus(_Model):
     """What the stage-out step uploaded (status.stageOut)."""
 
@@ -779,6 +796,9 @@ class FineTuneJobStatus(_Model):
     message: str | None = Field(default=None, description="Latest human-readable news.")
     conditions: list[Condition] = Field(default_factory=list, description="Current conditions.")
     plan: PlanStatus | None = Field(default=None, description="The plan being executed.")
+    upstream: UpstreamStatus | None = Field(
+        default=None, description="The FineTuneJob an `ftj://` model comes from."
+    )
     stage_in: StageInStatus | None = Field(
         default=None, description="What the stage-in step fetched and measured."
     )

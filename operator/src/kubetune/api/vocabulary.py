@@ -51,6 +51,9 @@ class ConditionType(StrEnum):
     UPLOADED = "Uploaded"
     """The stage-out step uploaded the output to the `s3://` URI spec.output.uri names
     (False while it runs); set only on jobs with such an output. The job succeeds after it."""
+    UPSTREAM_READY = "UpstreamReady"
+    """False while the FineTuneJob an `ftj://` model comes from has not Succeeded; set only on
+    such jobs."""
     INPUTS_READY = "InputsReady"
     """False while an object the job reads (a `pvc://` claim, the token Secret) is missing;
     set only once one was found missing."""
@@ -74,6 +77,12 @@ class Reason(StrEnum):
     MISSING_SECRET = "MissingSecret"
     """The Secret (or its key) spec.model.tokenSecretRef names does not exist."""
     INPUTS_FOUND = "InputsFound"
+    # a model from another FineTuneJob (`ftj://`)
+    WAITING_FOR_UPSTREAM = "WaitingForUpstream"
+    """The upstream FineTuneJob has not Succeeded yet; the job waits in Pending."""
+    UPSTREAM_SUCCEEDED = "UpstreamSucceeded"
+    UPSTREAM_FAILED = "UpstreamFailed"
+    """The upstream FineTuneJob failed, was deleted, does not exist or produces no whole model."""
     # the stage-in step
     STAGING_IN = "StagingIn"
     STAGED_IN = "StagedIn"

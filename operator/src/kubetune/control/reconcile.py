@@ -36,6 +36,7 @@ from kubetune.api.errors import InfeasibleError, SpecError
 from kubetune.api.tenancy import Tenant
 from kubetune.api.units import about, size
 from kubetune.api.v1alpha1 import (
+    CHAIN_SCHEME,
     INT64_MAX,
     FineTuneJob,
     FineTuneJobSpec,
@@ -46,6 +47,7 @@ from kubetune.api.v1alpha1 import (
     Recovery,
     StageInStatus,
     StageOutStatus,
+    UpstreamStatus,
     parse_duration,
 )
 from kubetune.api.vocabulary import (
@@ -189,6 +191,10 @@ class Observed:
     stage_out_job: Mapping[str, Any] | None = None
     """The stage-out step's batch Job, if it exists (jobs with an `s3://` output)."""
     stage_out_pods: Sequence[Mapping[str, Any]] = field(default_factory=list)
+    upstream: FineTuneJob | None = None
+    """The FineTuneJob an `ftj://` model names, read before the job takes its result."""
+    upstream_read: bool = False
+    """Whether that read got an answer (the job, or that it does not exist)."""
     missing_inputs: Sequence[MissingInput] = ()
     """What the launch preflight found missing of `builders.input_refs(job)` (read only
     before a launch; empty when all exist or they could not be read)."""
@@ -265,6 +271,8 @@ class _Reconciler:
         plan: PlanFn = plan_job,
         admit: AdmitFn = wait_when_busy,
     ) -> None:
+        self.raw_model_uri = job.spec.model.uri
+        job = chained(job, decision.status.upstream)
         self.job = job
         self.spec = measured_spec(job.spec, decision.status.stage_in)
         self.observed = observed
@@ -309,6 +317,8 @@ class _Reconciler:
             return
         if self.spec.suspend:
             self.suspend()
+            return
+        if self.waiting_for_upstream():
             return
         if self.s.phase == Phase.RUNNING:
             self.adopt_lost_launch()
@@ -486,6 +496,66 @@ class _Reconciler:
         self.s.message = held
         self.d.requeue_after = self.settings.queue_retry_seconds
         return True
+
+    # ------------------------------------------------------------------ chained jobs
+
+    def waiting_for_upstream(self) -> bool:
+        """A job whose model is another FineTuneJob's result (`ftj://<name>`) waits in Pending
+        until that one Succeeded, then takes where its whole model is (status.upstream); it
+        fails when the upstream failed, does not exist, or writes no whole model. True while
+        it holds the job."""
+        uri = self.raw_model_uri
+        if not uri.startswith(CHAIN_SCHEME) or self.s.upstream is not None:
+            return False
+        name = uri[len(CHAIN_SCHEME) :]
+        up = self.observed.upstream
+        self.d.requeue_after = self.settings.queue_retry_seconds
+        if up is None:
+            created = p.parse_time(self.job.metadata.get("creationTimestamp"))
+            young = created is None or (self.now - created).total_seconds() < UPSTREAM_GRACE_SECONDS
+            if not self.observed.upstream_read or young:
+                self.hold_for_upstream(name, "not found yet")
+                return True
+            self.fail(
+                Reason.UPSTREAM_FAILED,
+                f"FineTuneJob {name} (spec.model.uri {uri}) does not exist in namespace "
+                f"{self.job.metadata.get('namespace')}. To fix: create it, or point "
+                "spec.model.uri at an existing job, then create this job again",
+            )
+            return True
+        upstream_status = up.status or FineTuneJobStatus()
+        if upstream_status.phase == Phase.FAILED:
+            why = get_condition(upstream_status.conditions, ConditionType.FAILED)
+            said = f"{why.reason}: {why.message[:300]}" if why else upstream_status.message
+            self.fail(
+                Reason.UPSTREAM_FAILED,
+                f"the upstream FineTuneJob {name} failed ({said}). To fix: run {name} again "
+                "until it succeeds, then create this job again",
+            )
+            return True
+        if upstream_status.phase != Phase.SUCCEEDED:
+            self.hold_for_upstream(name, f"phase {upstream_status.phase}")
+            return True
+        taken = upstream_result(up)
+        if isinstance(taken, str):
+            self.fail(Reason.UPSTREAM_FAILED, taken)
+            return True
+        self.s.upstream = taken
+        self.job = chained(self.job, taken)
+        self.spec = measured_spec(self.job.spec, self.s.stage_in)
+        said = f"FineTuneJob {name} succeeded: training on its model at {taken.model_uri}"
+        self.go.condition(ConditionType.UPSTREAM_READY, True, Reason.UPSTREAM_SUCCEEDED, said)
+        self.d.event(Reason.UPSTREAM_SUCCEEDED, said)
+        self.s.message = said
+        self.d.requeue_after = None
+        return False
+
+    def hold_for_upstream(self, name: str, state: str) -> None:
+        said = f"waiting for FineTuneJob {name} ({state}) to succeed: its model is this job's"
+        if get_condition(self.s.conditions, ConditionType.UPSTREAM_READY) is None:
+            self.d.event(Reason.WAITING_FOR_UPSTREAM, said)
+        self.go.condition(ConditionType.UPSTREAM_READY, False, Reason.WAITING_FOR_UPSTREAM, said)
+        self.s.message = said
 
     # ------------------------------------------------------------------ stage-in
 
@@ -1149,6 +1219,61 @@ def parse_stage_in(message: str) -> StageInStatus | None:
         seconds=round(result.seconds, 1),
         model_config_json=dict(result.model_config_json) or None,
     )
+
+
+UPSTREAM_GRACE_SECONDS = 60.0
+"""How long a job waits for an `ftj://` upstream that does not exist (both applied at once
+may arrive in either order) before it fails."""
+
+
+def upstream_result(up: FineTuneJob) -> UpstreamStatus | str:
+    """Where a Succeeded FineTuneJob's whole model is, and what it is, for a job chained
+    after it; a message with "To fix:" when it left none."""
+    name = str(up.metadata.get("name"))
+    spec, status = up.spec, up.status or FineTuneJobStatus()
+    method = status.plan.method if status.plan is not None else spec.method
+    if method in ("lora", "qlora") and not spec.output.merge_adapter:
+        return (
+            f"the upstream FineTuneJob {name} wrote a LoRA adapter only, not a whole model. "
+            f"To fix: set spec.output.mergeAdapter: true on {name} and run it again, then "
+            "create this job again"
+        )
+    folder = "model" if method == "full" else "merged"
+    out = spec.output.uri
+    if out is not None:
+        model_uri = f"{out.rstrip('/')}/{folder}"
+    elif spec.checkpoint.storage.retention == "delete":
+        return (
+            f"the upstream FineTuneJob {name} keeps its output on its checkpoint volume, "
+            "which it deletes when it finishes (checkpoint.storage.retention: delete). To fix: "
+            f"run {name} again with retention retain or an output.uri, then create this job "
+            "again"
+        )
+    else:
+        model_uri = f"pvc://{child_names(name, 1).pvc}/output/{folder}"
+    base = spec.model.uri
+    inherited = status.upstream.architecture if status.upstream is not None else None
+    hub_id = not base.startswith(("pvc://", "s3://", "/", CHAIN_SCHEME))
+    return UpstreamStatus(
+        name=name,
+        uid=str(up.metadata.get("uid") or ""),
+        model_uri=model_uri,
+        architecture=spec.model.architecture or inherited or (base if hub_id else None),
+    )
+
+
+def chained(job: FineTuneJob, upstream: UpstreamStatus | None) -> FineTuneJob:
+    """The job as the rest of the reconcile sees it: an `ftj://` model replaced by where the
+    upstream's model is (and its architecture, unless the spec names one)."""
+    if upstream is None or not job.spec.model.uri.startswith(CHAIN_SCHEME):
+        return job
+    model = job.spec.model.model_copy(
+        update={
+            "uri": upstream.model_uri,
+            "architecture": job.spec.model.architecture or upstream.architecture,
+        }
+    )
+    return job.model_copy(update={"spec": job.spec.model_copy(update={"model": model})})
 
 
 def staged_in(status: FineTuneJobStatus) -> bool:

@@ -28,7 +28,7 @@ from lightkube.resources.networking_v1 import NetworkPolicy
 from lightkube.types import CascadeType, PatchType
 from prometheus_client.parser import text_string_to_metric_families
 
-from kubetune.api.v1alpha1 import GROUP, VERSION
+from kubetune.api.v1alpha1 import GROUP, VERSION, FineTuneJob
 from kubetune.control.builders import COMPLETION_INDEX_ANNOTATION, InputRef
 from kubetune.control.pods import PodPhase
 from kubetune.control.reconcile import MissingInput
@@ -309,6 +309,24 @@ class Kube:
         except ApiError as exc:
             if exc.status.code != 404:
                 raise
+
+    async def read_finetunejob(self, namespace: str, name: str) -> tuple[FineTuneJob | None] | None:
+        """A FineTuneJob by name: `(job,)`, `(None,)` when it does not exist, None when it
+        could not be read (no permission, the API server's trouble)."""
+        try:
+            obj = await self._retrying(
+                f"read of FineTuneJob {namespace}/{name}",
+                lambda: self.client.get(FineTuneJobResource, name=name, namespace=namespace),
+                write=False,
+            )
+        except ApiError as exc:
+            return (None,) if exc.status.code == 404 else None
+        except (httpx2.HTTPError, OSError):
+            return None
+        try:
+            return (FineTuneJob.model_validate(obj.to_dict()),)  # type: ignore[no-untyped-call]
+        except ValueError:
+            return None
 
     async def delete_finetunejob(self, namespace: str, name: str) -> None:
         try:

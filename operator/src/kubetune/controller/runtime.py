@@ -39,6 +39,7 @@ from lightkube.core.exceptions import ApiError
 from pydantic import ValidationError
 
 from kubetune.api.v1alpha1 import (
+    CHAIN_SCHEME,
     FineTuneJob,
     FineTuneJobSpec,
     FineTuneJobStatus,
@@ -48,9 +49,15 @@ from kubetune.api.v1alpha1 import (
 from kubetune.api.vocabulary import TERMINAL_PHASES, EventType, Phase, PoolConditionType, Reason
 from kubetune.control.builders import input_refs
 from kubetune.control.conditions import now_rfc3339
-from kubetune.control.lifecycle import failed
+from kubetune.control.lifecycle import failed, is_finished
 from kubetune.control.queue import Ticket, count_ahead, free_after, wait_reason
-from kubetune.control.reconcile import ControllerSettings, Decision, needs_preflight, reconcile
+from kubetune.control.reconcile import (
+    ControllerSettings,
+    Decision,
+    chained,
+    needs_preflight,
+    reconcile,
+)
 from kubetune.controller import metrics
 from kubetune.controller.cache import Caches, JobKey, job_key, job_key_of, parse_pool, with_capacity
 from kubetune.controller.kube import Fenced, Kube, StatusRejected
@@ -517,9 +524,17 @@ class Runtime:
         pools, capacity = self.live_pools()
         observed = self.caches.observe(job, pools)
         observed = replace(observed, cache_in_use=self.cache_in_use(key, job))
+        upstream = job.status.upstream if job.status is not None else None
+        chain = job.spec.model.uri
+        finished = job.status is not None and is_finished(job.status)
+        if chain.startswith(CHAIN_SCHEME) and upstream is None and not finished:
+            found = await self.kube.read_finetunejob(namespace, chain[len(CHAIN_SCHEME) :])
+            if found is not None:
+                observed = replace(observed, upstream=found[0], upstream_read=True)
+        preflight = input_refs(chained(job, upstream)) if needs_preflight(job) else []
         refs = [
             ref
-            for ref in (input_refs(job) if needs_preflight(job) else [])
+            for ref in preflight
             # A Secret is read only once its namespace consented to it (api/tenancy.py).
             if ref.kind != "Secret"
             or (observed.tenant is not None and observed.tenant.allows_secret(ref.name))
