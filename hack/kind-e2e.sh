@@ -192,8 +192,6 @@ lpp_helper=$(kubectl -n local-path-storage get configmap local-path-config \
 sed -e "s|@PROVISIONER_IMAGE@|$lpp_image|g" -e "s|@HELPER_IMAGE@|$lpp_helper|g" \
   hack/kind-shared-storage.yaml | kubectl apply -f -
 kubectl -n local-path-storage rollout status deployment/kubetune-shared-path-provisioner --timeout=120s
-# Stage-in pods' requests within a kind node's CPUs (the policy file says why).
-kubectl apply -f hack/kind-stage-in-requests.yaml
 
 stamp "loading images into the nodes"
 # The trainer image (several GB of CUDA torch) only where trainer pods run: the workers.
@@ -217,6 +215,7 @@ helm install kubetune charts/kubetune --namespace kubetune-system --wait \
   --set operator.trainerCPUPerGPU=250m --set operator.trainerMemoryPerGPU=1Gi \
   --set operator.allowTestFaults=true --set operator.startupTimeoutSeconds=90 \
   --set operator.cacheStorageClass=kubetune-shared \
+  --set operator.stageInCPU=250m --set operator.stageInMemory=1Gi \
   --set-json 'operator.stageInNodeSelector={"kubetune.io/pool":"local-cpu"}' \
   --set-json 'operator.stageInTolerations=[{"key":"nvidia.com/gpu","operator":"Exists","effect":"NoSchedule"}]' \
   --set 'operator.allowedTrainerImages={localhost/kubetune-missing:0}'
