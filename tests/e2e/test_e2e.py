@@ -882,6 +882,58 @@ def test_bad_s3_inputs_fail_the_job_before_any_trainer_pod(
         delete_job(target, name)
 
 
+def test_a_job_chained_after_another_trains_on_its_merged_model(target: Target) -> None:
+    """`ftj://sft` as the model: applied together, the second job waits while the first
+    trains, then trains on the first one's merged model; a chain whose upstream fails ends
+    naming it."""
+    first, second = "chain-sft", "chain-next"
+    started = time.monotonic()
+    target.apply(
+        job_doc(first, steps=10, output={"mergeAdapter": True}),
+        job_doc(second, steps=10, model={"uri": f"ftj://{first}"}),
+    )
+    wait_step(target, first, 1)
+    s = status(target, second)
+    assert s.get("phase") == "Pending", s
+    waiting = next(c for c in s["conditions"] if c["type"] == "UpstreamReady")
+    assert (waiting["status"], waiting["reason"]) == ("False", "WaitingForUpstream"), waiting
+    assert f"FineTuneJob {first}" in s["message"]
+    wait_phase(target, first, "Succeeded")
+    s = wait_phase(target, second, "Succeeded")
+    took = time.monotonic() - started
+    assert s["upstream"]["modelUri"] == f"pvc://{first}-ckpt/output/merged", s["upstream"]
+    runs = runs_of(train_log(target, second))
+    assert runs[-1].end == "finish" and runs[-1].last == 10, runs
+    outputs = target.list_volume(f"{second}-ckpt", "output")
+    assert "adapter/adapter_config.json" in outputs, outputs
+    # The second adapter was trained on the first one's merged weights.
+    config = json.loads(
+        target.read_volume_file(f"{second}-ckpt", "output/adapter/adapter_config.json") or "{}"
+    )
+    assert config["base_model_name_or_path"].endswith(f"{first}-ckpt/output/merged"), config
+
+    # An upstream that fails: its follower fails too, naming it.
+    broken, after = "chain-broken", "chain-after"
+    target.apply(
+        job_doc(broken, steps=10, output={"mergeAdapter": True},
+                dataset={"uri": f"pvc://{DATA_CLAIM}/data/no-such-file.jsonl"}),
+        job_doc(after, steps=10, model={"uri": f"ftj://{broken}"}),
+    )  # fmt: skip
+    wait_phase(target, broken, "Failed")
+    s = wait_phase(target, after, "Failed", timeout=120)
+    failed = next(c for c in s["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "UpstreamFailed", outcome(target, after)
+    assert f"upstream FineTuneJob {broken} failed" in failed["message"]
+    REPORT.append(
+        f"chained ftj://: apply both → second Succeeded {took:.1f}s, trained on "
+        f"pvc://{first}-ckpt/output/merged; a failed upstream → {failed['reason']}"
+    )
+    for name in (first, second, broken, after):
+        delete_job(target, name)
+        target.kubectl("delete", "pvc", f"{name}-ckpt", "-n", NAMESPACE, "--wait=false",
+                       check=False)  # fmt: skip
+
+
 MISSING_IMAGE = "localhost/kubetune-missing:0"
 """An image no node has (hack/kind-e2e.sh allows it as a trainer image)."""
 
