@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kubetune.api.v1alpha1 import FineTuneJob, FineTuneJobStatus, GPUPool
+from kubetune.api.vocabulary import StepKind
 from kubetune.control.reconcile import ControllerSettings, Decision, Observed, reconcile
 from kubetune.planning.catalog import default_pools
 from kubetune.sources import load_arch
@@ -114,5 +115,29 @@ def unschedulable(name: str, since: datetime) -> dict[str, Any]:
                     "lastTransitionTime": stamp,
                 }
             ],
+        },
+    }
+
+
+def step_job(kind: StepKind, *conditions: str) -> dict[str, Any]:
+    """The batch Job of the demo job's CPU step (`demo-stagein`, `demo-stageout`), with
+    these conditions (`Complete`, `Failed`) true."""
+    return {
+        "metadata": {"name": f"demo-{kind.value.replace('-', '')}"},
+        "status": {"conditions": [{"type": t, "status": "True"} for t in conditions]},
+    }
+
+
+def step_pod(kind: StepKind, code: int | None, message: str = "") -> dict[str, Any]:
+    """The CPU step's pod: running (`code` None), or ended with `code` and the termination
+    message."""
+    state: dict[str, Any] = {"running": {}}
+    if code is not None:
+        state = {"terminated": {"exitCode": code, "message": message, "finishedAt": "t"}}
+    return {
+        "metadata": {"name": f"demo-{kind.value.replace('-', '')}-x1"},
+        "status": {
+            "phase": "Running" if code is None else ("Succeeded" if code == 0 else "Failed"),
+            "containerStatuses": [{"name": kind.value, "state": state}],
         },
     }

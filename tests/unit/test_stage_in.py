@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kubetune.api.vocabulary import ConditionType, Reason
+from kubetune.api.vocabulary import ConditionType, Reason, StepKind
 from kubetune.control import conditions as c
 from kubetune.control.builders import (
     CACHE_CLAIM,
@@ -25,7 +25,7 @@ from kubetune.control.reconcile import Observed
 from kubetune.controller.settings import settings_from_env
 from kubetune.planning.catalog import default_pools
 from kubetune_trainer.contract import EXIT_CONFIG_ERROR, StageInConfig, StageInResult
-from support.reconcile import SETTINGS, T0, make_job, run
+from support.reconcile import SETTINGS, T0, make_job, run, step_job, step_pod
 
 S3_JOB: dict[str, Any] = {
     "model": {"uri": "Qwen/Qwen2.5-7B"},
@@ -46,23 +46,11 @@ RESULT = StageInResult(
 
 
 def stage_in_job(*conditions: str) -> dict[str, Any]:
-    return {
-        "metadata": {"name": "demo-stagein"},
-        "status": {"conditions": [{"type": t, "status": "True"} for t in conditions]},
-    }
+    return step_job(StepKind.STAGE_IN, *conditions)
 
 
 def stage_in_pod(code: int | None, message: str = "") -> dict[str, Any]:
-    state: dict[str, Any] = {"running": {}}
-    if code is not None:
-        state = {"terminated": {"exitCode": code, "message": message, "finishedAt": "t"}}
-    return {
-        "metadata": {"name": "demo-stagein-x1"},
-        "status": {
-            "phase": "Running" if code is None else ("Succeeded" if code == 0 else "Failed"),
-            "containerStatuses": [{"name": "stage-in", "state": state}],
-        },
-    }
+    return step_pod(StepKind.STAGE_IN, code, message)
 
 
 def seen(job: dict[str, Any] | None = None, *pods: dict[str, Any]) -> Observed:

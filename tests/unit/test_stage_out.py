@@ -20,7 +20,7 @@ from kubetune.control.builders import (
 from kubetune.control.reconcile import Observed
 from kubetune.planning.catalog import default_pools
 from kubetune_trainer.contract import EXIT_CONFIG_ERROR, StageOutConfig, StageOutResult
-from support.reconcile import T0, batch_job, make_job, run
+from support.reconcile import T0, batch_job, make_job, run, step_job, step_pod
 
 S3_OUT: dict[str, Any] = {
     "output": {"uri": "s3://results/support-bot/v1"},
@@ -36,24 +36,12 @@ RESULT = StageOutResult(
 )
 
 
-def step_job(*conditions: str) -> dict[str, Any]:
-    return {
-        "metadata": {"name": "demo-stageout"},
-        "status": {"conditions": [{"type": t, "status": "True"} for t in conditions]},
-    }
+def stage_out_job(*conditions: str) -> dict[str, Any]:
+    return step_job(StepKind.STAGE_OUT, *conditions)
 
 
-def step_pod(code: int | None, message: str = "") -> dict[str, Any]:
-    state: dict[str, Any] = {"running": {}}
-    if code is not None:
-        state = {"terminated": {"exitCode": code, "message": message, "finishedAt": "t"}}
-    return {
-        "metadata": {"name": "demo-stageout-x1"},
-        "status": {
-            "phase": "Running" if code is None else ("Succeeded" if code == 0 else "Failed"),
-            "containerStatuses": [{"name": StepKind.STAGE_OUT.value, "state": state}],
-        },
-    }
+def stage_out_pod(code: int | None, message: str = "") -> dict[str, Any]:
+    return step_pod(StepKind.STAGE_OUT, code, message)
 
 
 def trained(step: dict[str, Any] | None = None, *pods: dict[str, Any]) -> Observed:
@@ -111,13 +99,13 @@ def test_the_job_succeeds_only_after_the_upload() -> None:
     assert "s3://results/support-bot/v1" in (s.message or "")
     assert [e.reason for e in d.events] == [Reason.UPLOADING]
 
-    job, d = run(job, trained(step_job(), step_pod(None)), now=T0 + timedelta(minutes=31))
+    job, d = run(job, trained(stage_out_job(), stage_out_pod(None)), now=T0 + timedelta(minutes=31))
     s = job.status
     assert s is not None and s.phase == Phase.RUNNING and d.create == []
     assert s.message == "uploading the output: pod demo-stageout-x1 is uploading"
 
-    done = step_pod(0, RESULT.model_dump_json())
-    job, d = run(job, trained(step_job("Complete"), done), now=T0 + timedelta(minutes=32))
+    done = stage_out_pod(0, RESULT.model_dump_json())
+    job, d = run(job, trained(stage_out_job("Complete"), done), now=T0 + timedelta(minutes=32))
     s = job.status
     assert s is not None and s.phase == Phase.SUCCEEDED
     assert s.stage_out is not None and s.stage_out.files == 7
@@ -137,7 +125,7 @@ def test_a_permanent_upload_failure_fails_the_job_and_keeps_the_output() -> None
     job, _ = run(make_job(**S3_OUT))
     job, _ = run(job, trained(), now=T0 + timedelta(minutes=30))
     why = "config_error s3://results/support-bot/v1: AccessDenied. To fix: check spec.s3"
-    failed = trained(step_job("Failed"), step_pod(EXIT_CONFIG_ERROR, why))
+    failed = trained(stage_out_job("Failed"), stage_out_pod(EXIT_CONFIG_ERROR, why))
     job, d = run(job, failed, now=T0 + timedelta(minutes=31))
     s = job.status
     assert s is not None and s.phase == Phase.FAILED
@@ -152,7 +140,7 @@ def test_a_permanent_upload_failure_fails_the_job_and_keeps_the_output() -> None
 def test_a_stage_out_without_its_result_fails_with_the_reason() -> None:
     job, _ = run(make_job(**S3_OUT))
     job, _ = run(job, trained(), now=T0 + timedelta(minutes=30))
-    done = trained(step_job("Complete"), step_pod(0, "not json"))
+    done = trained(stage_out_job("Complete"), stage_out_pod(0, "not json"))
     job, _ = run(job, done, now=T0 + timedelta(minutes=31))
     s = job.status
     assert s is not None and s.phase == Phase.FAILED
@@ -164,7 +152,7 @@ def test_a_stage_out_without_its_result_fails_with_the_reason() -> None:
 def test_a_stage_out_pod_that_never_starts_fails_the_job() -> None:
     job, _ = run(make_job(**S3_OUT))
     job, _ = run(job, trained(), now=T0 + timedelta(minutes=30))
-    waiting = step_pod(None)
+    waiting = stage_out_pod(None)
     waiting["status"] = {
         "phase": "Pending",
         "conditions": [
@@ -178,10 +166,10 @@ def test_a_stage_out_pod_that_never_starts_fails_the_job() -> None:
             }
         ],
     }  # fmt: skip
-    job, _ = run(job, trained(step_job(), waiting), now=T0 + timedelta(minutes=31))
+    job, _ = run(job, trained(stage_out_job(), waiting), now=T0 + timedelta(minutes=31))
     assert job.status is not None and job.status.phase == Phase.RUNNING
     assert "s3-creds" in (job.status.message or "")
-    job, _ = run(job, trained(step_job(), waiting), now=T0 + timedelta(hours=2))
+    job, _ = run(job, trained(stage_out_job(), waiting), now=T0 + timedelta(hours=2))
     s = job.status
     assert s is not None and s.phase == Phase.FAILED
     cond = c.get_condition(s.conditions, ConditionType.FAILED)
