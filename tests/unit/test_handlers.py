@@ -1403,3 +1403,24 @@ def test_a_queued_jobs_new_position_alone_waits_like_progress() -> None:
     assert not only_volatile(queued, {**moved, "plan": {"pool": "h100"}})
     # A running job's message is never throttled.
     assert not only_volatile({**queued, "phase": "Running"}, moved)
+
+
+def test_stage_in_progress_alone_waits_like_progress() -> None:
+    only_volatile = runtime_module.only_volatile
+    staging = {
+        "phase": "Planning",
+        "message": "staging in: 1.0 GB of 4.0 GB, 1 of 7 files",
+        "stageIn": {"bytesDone": 10**9, "bytesTotal": 4 * 10**9},
+    }
+    more = {
+        "message": "staging in: 2.0 GB of 4.0 GB, 3 of 7 files",
+        "stageIn": {"bytesDone": 2 * 10**9, "bytesTotal": 4 * 10**9},
+        "progress": {"summary": "stage-in 2.0 GB/4.0 GB"},
+    }
+    assert only_volatile(staging, more)
+    # Its result, a failure or the plan is news, written at once.
+    assert not only_volatile(staging, {**more, "stageIn": {"modelPath": "/cache/models/m"}})
+    assert not only_volatile(staging, {**more, "phase": "Failed"})
+    assert not only_volatile(staging, {**more, "plan": {"pool": "h100"}})
+    assert not only_volatile(staging, {"message": "staging in: pod demo-stagein-x1 is pending"}
+                             | {"conditions": []})  # fmt: skip

@@ -121,6 +121,8 @@ def only_volatile(old: Mapping[str, Any], patch: Mapping[str, Any]) -> bool:
     condition). Such a patch may wait for `progress_write_seconds`."""
     if set(patch) <= VOLATILE:
         return True
+    if _only_stage_in_progress(old, patch):
+        return True
     if old.get("phase") != "Queued" or not set(patch) <= VOLATILE | {"message", "conditions"}:
         return False
 
@@ -128,6 +130,21 @@ def only_volatile(old: Mapping[str, Any], patch: Mapping[str, Any]) -> bool:
         return _QUEUE_NUMBERS.sub("#", json.dumps(value, sort_keys=True))
 
     return all(masked(patch[k]) == masked(old.get(k)) for k in patch if k not in VOLATILE)
+
+
+def _only_stage_in_progress(old: Mapping[str, Any], patch: Mapping[str, Any]) -> bool:
+    """A running stage-in's bytes and files so far (status.stageIn without a result yet, the
+    message and the Progress column that say them)."""
+    if old.get("phase") != "Planning" or not set(patch) <= VOLATILE | {"message", "stageIn"}:
+        return False
+    staged = patch.get("stageIn", old.get("stageIn"))
+    message = str(patch.get("message", old.get("message")) or "")
+    return (
+        isinstance(staged, Mapping)
+        and staged.get("modelPath") is None
+        and message.startswith("staging in: ")
+        and str(old.get("message") or "").startswith("staging in: ")
+    )
 
 
 async def _wait(wake: asyncio.Event, stopped: Stopped, delay: float | None) -> None:
