@@ -19,6 +19,7 @@ from pydantic.alias_generators import to_camel
 from kubetune.api.gpus import GPU_PRODUCT_LABEL, KNOWN_GPUS
 from kubetune.api.vocabulary import Phase, PlanReason, RecoveryReason
 from kubetune_trainer.contract import DatasetFormat, Method, Optimizer, Precision, Sharding
+from kubetune_trainer.contract import Objective as TrainingObjective
 
 GROUP = "kubetune.io"
 VERSION = "v1alpha1"
@@ -41,6 +42,10 @@ MODEL_URI_PATTERN = URI_PATTERN.replace("(hf|pvc|s3)://", "(hf|pvc|s3|ftj)://")
 """Models may also be another FineTuneJob's result: `ftj://<name>` in the same namespace."""
 CHAIN_SCHEME = "ftj://"
 """Datasets may also be a file served over https (fetched by the stage-in step)."""
+DPO_NEEDS_OBJECTIVE = (
+    "spec.training.dpo is only valid with spec.training.objective: dpo. To fix: set the "
+    "objective to dpo, or remove spec.training.dpo"
+)
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 INT64_MAX = 2**63 - 1
 
@@ -204,7 +209,27 @@ OFFLOADING_NEEDS_CHECKPOINTING = (
 )
 
 
+class DPOSettings(_Model):
+    beta: float = Field(
+        default=0.1, gt=0, le=10, description="How strongly the policy is held near the reference."
+    )
+    label_smoothing: float = Field(
+        default=0.0, ge=0, lt=0.5, description="Assumed share of flipped preference labels."
+    )
+
+
 class TrainingSettings(_Model):
+    objective: TrainingObjective = Field(
+        default="sft",
+        description=(
+            "`sft`: cross-entropy on the responses; `dpo`: Direct Preference Optimization on "
+            "{prompt, chosen, rejected} records (docs/dpo.md): batch sizes count pairs, "
+            "packing does not apply."
+        ),
+    )
+    dpo: DPOSettings | None = Field(
+        default=None, description="DPO's beta and label smoothing; only with objective dpo."
+    )
     epochs: float = Field(default=1.0, gt=0, le=100, description="Passes over the training data.")
     max_steps: int | None = Field(
         default=None,
@@ -275,6 +300,12 @@ class TrainingSettings(_Model):
     def _offloading_needs_checkpointing(self) -> TrainingSettings:
         if self.activation_offloading and self.gradient_checkpointing is False:
             raise ValueError(OFFLOADING_NEEDS_CHECKPOINTING)
+        return self
+
+    @model_validator(mode="after")
+    def _dpo_settings_need_dpo(self) -> TrainingSettings:
+        if self.dpo is not None and self.objective != "dpo":
+            raise ValueError(DPO_NEEDS_OBJECTIVE)
         return self
 
 
@@ -547,6 +578,11 @@ FINETUNEJOB_SPEC_RULES = [
         "!self.training.activationOffloading || !has(self.training.gradientCheckpointing) || "
         "self.training.gradientCheckpointing",
         OFFLOADING_NEEDS_CHECKPOINTING,
+    ),
+    _cel(
+        "!has(self.training) || !has(self.training.dpo) || "
+        "(has(self.training.objective) && self.training.objective == 'dpo')",
+        DPO_NEEDS_OBJECTIVE,
     ),
 ]
 

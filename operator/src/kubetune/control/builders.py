@@ -42,6 +42,7 @@ from kubetune_trainer.contract import (
     EXIT_STOPPED,
     CheckpointConfig,
     DatasetRef,
+    DpoConfig,
     FaultInjection,
     JobRef,
     LoraConfig,
@@ -496,6 +497,11 @@ def build_trainer_config(
             chunked_cross_entropy=bool(plan.chunked_cross_entropy),
             activation_offloading=bool(plan.activation_offloading),
             seed=training.seed,
+            objective=training.objective,
+            dpo=DpoConfig(
+                beta=dpo.beta if (dpo := training.dpo) else DpoConfig().beta,
+                label_smoothing=dpo.label_smoothing if dpo else DpoConfig().label_smoothing,
+            ),
         ),
         parallel=ParallelConfig(
             nodes=plan.nodes, gpus_per_node=plan.gpus_per_node, sharding=plan.sharding

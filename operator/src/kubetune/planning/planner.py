@@ -55,12 +55,14 @@ from kubetune.planning.estimator import (
     trainer_attention,
 )
 from kubetune.planning.throughput import (
+    ROWS_PER_PAIR,
     DatasetSize,
     StepTime,
     cost_usd,
     dataset_size,
     flops_per_token,
     micro_batch_efficiency,
+    reference_passes,
     startup_seconds,
     step_time,
     total_steps,
@@ -327,6 +329,11 @@ def _off_then_on(chosen: bool | None) -> list[bool]:
     return [False, True] if chosen is None else [chosen]
 
 
+def rows_per_sample(spec: FineTuneJobSpec) -> int:
+    """Sequences the model runs per sample of the batch: 2 for a DPO pair, else 1."""
+    return ROWS_PER_PAIR if spec.training.objective == "dpo" else 1
+
+
 def _setup(
     spec: FineTuneJobSpec,
     method: Method,
@@ -341,7 +348,8 @@ def _setup(
     lora = spec.lora_or_default
     return TrainingSetup(
         method=method,
-        micro_batch=micro,
+        # DPO's micro-batch of pairs holds a chosen and a rejected row each.
+        micro_batch=micro * rows_per_sample(spec),
         seq_len=spec.training.sequence_length,
         gpus=gpus,
         sharding=sharding,
@@ -372,7 +380,9 @@ class _Context:
         self.settings = settings
         self.dataset = dataset_size(spec.dataset, spec.training)
         self.steps = total_steps(self.dataset, spec.training)
-        self.tokens_per_step = spec.training.global_batch_size * spec.training.sequence_length
+        self.tokens_per_step = (
+            spec.training.global_batch_size * spec.training.sequence_length * rows_per_sample(spec)
+        )
         self.total_tokens = self.steps * self.tokens_per_step
         self.deadline_s = (
             parse_duration(spec.resources.deadline).total_seconds()
@@ -451,9 +461,10 @@ class _Context:
                 seq,
                 method,
                 ckpt,
+                extra_passes=reference_passes(self.spec.training, method),
             ),
             tokens_per_step=self.tokens_per_step,
-            micro_batch_tokens=micro * seq,
+            micro_batch_tokens=micro * seq * rows_per_sample(self.spec),
             weight_bytes=weight_bytes,
             grad_bytes=grad_bytes,
             offload_bytes=offloaded_bytes(self.arch, estimate.setup) * micro_batches,

@@ -56,7 +56,11 @@ def dataset_size(dataset: DatasetSource, training: TrainingSettings) -> DatasetS
     else:
         examples = examples or DEFAULT_EXAMPLES
         tokens = examples * min(seq, per_example or DEFAULT_TOKENS_PER_EXAMPLE)
-    if training.packing:
+    if training.objective == "dpo":
+        # A pair a record: its chosen and rejected rows, each padded to the sequence length.
+        sequences = examples
+        processed = examples * seq * ROWS_PER_PAIR
+    elif training.packing:
         sequences = max(1, math.ceil(tokens / seq))
         processed = sequences * seq
     else:
@@ -72,10 +76,32 @@ def total_steps(size: DatasetSize, training: TrainingSettings) -> int:
     return max(1, math.ceil(steps_per_epoch * training.epochs))
 
 
+ROWS_PER_PAIR = 2
+"""DPO trains on a chosen and a rejected row per preference pair."""
+
+
+def reference_passes(training: TrainingSettings, method: Method) -> float:
+    """Extra forward passes per token (in units of 1 = 2·params FLOPs, as `flops_per_token`
+    counts them) for DPO's reference model: LoRA/QLoRA run the base with the adapters off on
+    every step; full fine-tuning computes the reference log-probs once per start, a forward
+    over the data, spread here over the epochs."""
+    if training.objective != "dpo":
+        return 0.0
+    if method != "full":
+        return 2.0
+    return 2.0 / max(1.0, training.epochs)
+
+
 def flops_per_token(
-    active_params: int, num_layers: int, hidden: int, seq_len: int, method: Method, grad_ckpt: bool
+    active_params: int,
+    num_layers: int,
+    hidden: int,
+    seq_len: int,
+    method: Method,
+    grad_ckpt: bool,
+    extra_passes: float = 0.0,
 ) -> float:
-    passes = 6.0 if method == "full" else 4.0
+    passes = (6.0 if method == "full" else 4.0) + extra_passes
     if grad_ckpt:
         passes += 2.0
     attention = 12.0 * num_layers * hidden * seq_len * (passes / 6.0)
