@@ -86,6 +86,17 @@ def test_estimate_errors_are_actionable() -> None:
     assert code != 0 and "--model" in out
 
 
+def test_a_file_of_several_jobs_needs_the_job_named_and_chains_resolve_within_it() -> None:
+    example = str(ROOT / "examples/sft-then-dpo.yaml")
+    code, out = invoke("plan", example)
+    assert code != 0 and "pass --job NAME" in out and "support-sft, support-dpo" in out
+    code, out = invoke("plan", example, "--job", "nope")
+    assert code != 0 and "no FineTuneJob 'nope'" in out
+    # support-dpo's model is ftj://support-sft: planned as support-sft's model.
+    code, out = invoke("plan", example, "--job", "support-dpo")
+    assert code == 0 and "support-dpo: meta-llama/Llama-3.1-8B" in out, out
+
+
 def test_list_models() -> None:
     code, out = invoke("estimate", "--list-models")
     assert code == 0
@@ -93,18 +104,32 @@ def test_list_models() -> None:
     assert "meta-llama/Llama-3.1-8B" in out
 
 
-@pytest.mark.parametrize("job", JOBS, ids=lambda p: p.stem)
-def test_plan_every_example(job: Path) -> None:
-    code, out = invoke("plan", str(job))
+def _example_jobs() -> list[tuple[Path, list[str]]]:
+    """Each example file's FineTuneJobs, with `--job NAME` where it holds several."""
+    out = []
+    for path in JOBS:
+        docs = [d for d in yaml.safe_load_all(path.read_text()) if d["kind"] == "FineTuneJob"]
+        if len(docs) == 1:
+            out.append((path, []))
+        else:
+            out += [(path, ["--job", d["metadata"]["name"]]) for d in docs]
+    return out
+
+
+@pytest.mark.parametrize(
+    ("job", "which"), _example_jobs(), ids=lambda v: v.stem if isinstance(v, Path) else "-".join(v)
+)
+def test_plan_every_example(job: Path, which: list[str]) -> None:
+    code, out = invoke("plan", str(job), *which)
     assert code == 0, out
     assert "* " in out and "objective" in out
-    code, out = invoke("plan", str(job), "--json")
+    code, out = invoke("plan", str(job), *which, "--json")
     assert code == 0, out
     status = json.loads(out)
     assert status["totalGPUs"] == status["nodes"] * status["gpusPerNode"]
     assert status["estimatedCostUSD"] > 0
-    assert json.loads(invoke("plan", str(job), "-o", "json")[1]) == status
-    assert yaml.safe_load(invoke("plan", str(job), "-o", "yaml")[1]) == status
+    assert json.loads(invoke("plan", str(job), *which, "-o", "json")[1]) == status
+    assert yaml.safe_load(invoke("plan", str(job), *which, "-o", "yaml")[1]) == status
 
 
 def test_plan_with_custom_pools(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ import importlib.metadata
 import json
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from pydantic import ValidationError
 from kubetune.api.errors import KubetuneError
 from kubetune.api.hints import did_you_mean
 from kubetune.api.tenancy import Tenant
-from kubetune.api.v1alpha1 import FineTuneJob, GPUPool, Objective
+from kubetune.api.v1alpha1 import CHAIN_SCHEME, FineTuneJob, GPUPool, Objective
 from kubetune.planning.arch import ArchitectureError, ModelArch, known_models
 from kubetune.planning.catalog import default_pools
 from kubetune.planning.estimator import (
@@ -451,13 +452,37 @@ def load_pools(path: str | None) -> list[GPUPool]:
     return pools
 
 
-def load_job(path: str) -> FineTuneJob:
+def load_job(path: str, name: str | None = None) -> FineTuneJob:
+    """The FineTuneJob of `path` (the one called `name` in a file of several). A model that is
+    another job of the same file (`ftj://<name>`) is planned as that job's model."""
     docs = [d for d in _load_yaml_docs(path) if d.get("kind") == "FineTuneJob"]
-    if len(docs) != 1:
-        raise Abort(f"{path}: expected exactly one FineTuneJob, found {len(docs)}")
+    names = [str((d.get("metadata") or {}).get("name")) for d in docs]
+    if name is not None:
+        if name not in names:
+            raise Abort(f"{path}: no FineTuneJob {name!r} (it holds {', '.join(names) or 'none'})")
+        chosen = docs[names.index(name)]
+    elif len(docs) == 1:
+        chosen = docs[0]
+    else:
+        raise Abort(
+            f"{path}: expected one FineTuneJob, found {len(docs)} ({', '.join(names)}). "
+            "To fix: pass --job NAME"
+        )
+    job = _validated_job(path, chosen)
+    uri = job.spec.model.uri
+    upstream = uri[len(CHAIN_SCHEME) :] if uri.startswith(CHAIN_SCHEME) else None
+    if upstream in names and job.spec.model.architecture is None:
+        before = _validated_job(path, docs[names.index(upstream)]).spec.model
+        known = before.architecture or (None if "://" in before.uri else before.uri)
+        model = job.spec.model.model_copy(update={"architecture": known})
+        job = job.model_copy(update={"spec": job.spec.model_copy(update={"model": model})})
+    return job
+
+
+def _validated_job(path: str, doc: Mapping[str, Any]) -> FineTuneJob:
     try:
         # Field names as the API server takes them: camelCase only.
-        return FineTuneJob.model_validate(docs[0], by_alias=True, by_name=False)
+        return FineTuneJob.model_validate(doc, by_alias=True, by_name=False)
     except ValidationError as exc:
         lines = [f"{path}: invalid FineTuneJob:"]
         for err in exc.errors():
@@ -556,6 +581,9 @@ def format_plan(plan: Plan, objective_defaulted: bool = False) -> str:
     help="json|yaml: status.plan as the operator would write it.",
 )
 @click.option("--json", "as_json", is_flag=True, hidden=True, help="The same as -o json.")
+@click.option(
+    "--job", "job_name", default=None, help="In a file of several FineTuneJobs: the one to plan."
+)
 def plan(
     job_file: str,
     pools_file: str | None,
@@ -567,10 +595,11 @@ def plan(
     allow_network: bool,
     output: str,
     as_json: bool,
+    job_name: str | None,
 ) -> None:
     """Plan a FineTuneJob offline: the chosen pool, GPUs, method, time and cost."""
     output = "json" if as_json else output
-    job = load_job(job_file)
+    job = load_job(job_file, job_name)
     if from_cluster and pools_file:
         raise Abort("--from-cluster and --pools both say where pools come from: pass one")
     if (kubeconfig or context) and not from_cluster:
