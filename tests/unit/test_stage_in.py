@@ -338,3 +338,47 @@ def test_stage_in_progress_shows_in_status() -> None:
     assert s.stage_in.model_path == RESULT.model_path and s.stage_in.bytes_done is None
     assert s.plan is not None and s.progress is not None
     assert s.progress.summary == f"0/{s.plan.total_steps} (0%)"
+
+
+def test_one_cache_for_the_cluster_replaces_the_claims() -> None:
+    volume = {"csi": {"driver": "nfs.csi.k8s.io", "volumeAttributes": {"share": "/cache"}}}
+    settings = settings_from_env({"KUBETUNE_CACHE_VOLUME": json.dumps(volume)}).build
+    created = build_stage_in(make_job(**S3_JOB), settings)
+    assert [m["kind"] for m in created] == ["ConfigMap", "Job"]  # no claim of its own
+    pod = created[1]["spec"]["template"]["spec"]
+    assert {"name": "cache", **volume} in pod["volumes"]
+    # The trainer reads the same volume, read-only.
+    job, _ = run(make_job(**S3_JOB))
+    done = seen(stage_in_job("Complete"), stage_in_pod(0, RESULT.model_dump_json()))
+    job, _ = run(job, done, now=T0 + timedelta(seconds=60))
+    assert job.status is not None and job.status.plan is not None
+    (batch,) = [
+        m
+        for m in build_children(job, job.status.plan, default_pools()[0], settings, 1)
+        if m["kind"] == "Job"
+    ]
+    trainer = batch["spec"]["template"]["spec"]
+    assert {"name": "cache", **volume} in trainer["volumes"]
+    mount = next(m for m in trainer["containers"][0]["volumeMounts"] if m["name"] == "cache")
+    assert mount["readOnly"] is True
+    for bad in ('{"csi": {}, "nfs": {}}', '{"name": "x"}', "[1]", "not json"):
+        with pytest.raises(ValueError, match="KUBETUNE_CACHE_VOLUME"):
+            settings_from_env({"KUBETUNE_CACHE_VOLUME": bad})
+    assert settings_from_env({"KUBETUNE_CACHE_VOLUME": "{}"}).build.cache_volume is None
+
+
+def test_a_model_read_in_place_gives_trainer_pods_no_cache_to_mount() -> None:
+    job, _ = run(make_job(model={"uri": "pvc://models/llama", "architecture": None}))
+    result = RESULT.model_copy(
+        update={
+            "model_path": "/mnt/pvc/models/llama",
+            "dataset_path": "/mnt/pvc/data/train.jsonl",
+            "model_config_json": TINY_LLAMA_CONFIG,
+        }
+    )
+    done = seen(stage_in_job("Complete"), stage_in_pod(0, result.model_dump_json()))
+    job, d = run(job, done, now=T0 + timedelta(seconds=60))
+    assert job.status is not None and job.status.phase == "Running"
+    (batch,) = [m for m in d.create if m["kind"] == "Job"]
+    volumes = batch["spec"]["template"]["spec"]["volumes"]
+    assert all(v["name"] != "cache" for v in volumes), volumes

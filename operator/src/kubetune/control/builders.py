@@ -164,6 +164,10 @@ class BuildSettings:
     """HF_ENDPOINT of stage-in and trainer pods (a hub mirror); unset: huggingface.co."""
     cache_max_bytes: int | None = None
     """Evict least-recently-used cache entries above this many bytes (stage-in step)."""
+    cache_volume: Mapping[str, Any] | None = None
+    """A pod volume source (`{"csi": {...}}`, `{"nfs": {...}}`) every namespace's stage-in and
+    trainer pods mount as the cache instead of a claim of their own: one cache for the
+    cluster. None: a claim `kubetune-cache` per namespace."""
 
 
 @dataclass(frozen=True)
@@ -859,9 +863,10 @@ def build_indexed_job(
     claim_volumes, claim_mounts = _claim_volumes(job)
     volumes += claim_volumes
     mounts += claim_mounts
-    if _staged(job) is not None:
-        cache = {"claimName": CACHE_CLAIM, "readOnly": True}
-        volumes.append({"name": "cache", "persistentVolumeClaim": cache})
+    staged = _staged(job)
+    in_cache = [staged.model_path, staged.dataset_path] if staged is not None else []
+    if any(str(path).startswith(f"{CACHE_DIR}/") for path in in_cache):
+        volumes.append(_cache_volume(settings, read_only=True))
         mounts.append({"name": "cache", "mountPath": CACHE_DIR, "readOnly": True})
 
     container: dict[str, Any] = {
@@ -1058,12 +1063,11 @@ def build_stage_in(
     fetches = bool(fetched_sources(job, settings))
     # Only what is fetched needs the shared cache; a model read in place is checked and
     # measured with nothing kept.
-    cache = (
-        {"persistentVolumeClaim": {"claimName": CACHE_CLAIM}}
+    volumes: list[dict[str, Any]] = [
+        _cache_volume(settings, read_only=False)
         if fetches
-        else {"emptyDir": {"sizeLimit": settings.tmp_size}}
-    )
-    volumes: list[dict[str, Any]] = [{"name": "cache", **cache}]
+        else {"name": "cache", "emptyDir": {"sizeLimit": settings.tmp_size}}
+    ]
     mounts: list[dict[str, Any]] = [{"name": "cache", "mountPath": CACHE_DIR}]
     claim_volumes, claim_mounts = _claim_volumes(job, read_only_only=True)
     step = _step_job(
@@ -1080,7 +1084,20 @@ def build_stage_in(
             *_s3_env(job),
         ],
     )
-    return [build_cache_pvc(job, settings), *step] if fetches else step
+    if fetches and settings.cache_volume is None:
+        return [build_cache_pvc(job, settings), *step]
+    return step
+
+
+def _cache_volume(settings: BuildSettings, *, read_only: bool) -> dict[str, Any]:
+    """The cache as a pod volume named `cache`: the namespace's claim, or the cluster-wide
+    volume source `cache_volume` names (the same storage in every namespace)."""
+    if settings.cache_volume is not None:
+        return {"name": "cache", **json.loads(json.dumps(dict(settings.cache_volume)))}
+    claim: dict[str, Any] = {"claimName": CACHE_CLAIM}
+    if read_only:
+        claim["readOnly"] = True
+    return {"name": "cache", "persistentVolumeClaim": claim}
 
 
 # --------------------------------------------------------------------------- stage-out

@@ -891,18 +891,20 @@ class Runtime:
         )
 
     def cache_in_use(self, key: JobKey, job: FineTuneJob) -> tuple[str, ...]:
-        """Note what this job reads from its namespace's cache; return what the other
-        unfinished jobs there read."""
+        """Note what this job reads from its cache; return what the other unfinished jobs
+        with the same cache (its namespace's, or the cluster's) read."""
         staged = job.status.stage_in if job.status is not None else None
         finished = job.status is not None and job.status.phase in TERMINAL_PHASES
         paths = () if staged is None or finished else (staged.model_path, staged.dataset_path)
         self.cache_users[key] = tuple(path for path in paths if path)
+        # One cache for the cluster (`cache_volume`): every namespace's jobs read it.
+        shared = self.settings.build.cache_volume is not None
         return tuple(
             sorted(
                 {
                     path
                     for other, used in self.cache_users.items()
-                    if other[0] == key[0] and other != key
+                    if (shared or other[0] == key[0]) and other != key
                     for path in used
                 }
             )

@@ -16,6 +16,8 @@ KUBETUNE_STAGE_IN_CPU               CPU request of stage-in and stage-out pods (
 KUBETUNE_STAGE_IN_MEMORY            memory request of stage-in and stage-out pods (8Gi)
 KUBETUNE_CACHE_EVICT_ABOVE          evict least-recently-used cache entries above this size
                                     (90% of KUBETUNE_CACHE_SIZE)
+KUBETUNE_CACHE_VOLUME               JSON object: a pod volume source shared by every namespace as
+                                    the cache, instead of a claim per namespace ({})
 KUBETUNE_STAGE_IN_HUB               fetch hub models and datasets in the stage-in step (true)
 KUBETUNE_HF_ENDPOINT                HF_ENDPOINT of stage-in and trainer pods (huggingface.co)
 KUBETUNE_POLL_SECONDS               how often a running job's trainer metrics are read (10)
@@ -101,6 +103,24 @@ def _cache_max_bytes(env: Mapping[str, str]) -> int:
     if raw is None or raw == "":
         return int(default)
     return int(quantity_value(_quantity(env, "KUBETUNE_CACHE_EVICT_ABOVE", size)))
+
+
+def _cache_volume(env: Mapping[str, str]) -> dict[str, Any] | None:
+    """KUBETUNE_CACHE_VOLUME: one volume source (`{"csi": {...}}`); `{}` or unset: none."""
+    raw = env.get("KUBETUNE_CACHE_VOLUME") or "{}"
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f"KUBETUNE_CACHE_VOLUME is not JSON ({exc})") from None
+    if value == {}:
+        return None
+    if not isinstance(value, dict) or len(value) != 1 or "name" in value:
+        raise ValueError(
+            f"KUBETUNE_CACHE_VOLUME={raw!r} is not one pod volume source; to fix: give one, "
+            'e.g. {"csi": {"driver": "nfs.csi.k8s.io", "volumeAttributes": {"server": '
+            '"nfs.storage", "share": "/kubetune-cache"}}}, or {} for a claim per namespace'
+        )
+    return value
 
 
 def _url(env: Mapping[str, str], name: str) -> str | None:
@@ -230,6 +250,7 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> ControllerSetting
         stage_in_cpu=_quantity(env, "KUBETUNE_STAGE_IN_CPU", BuildSettings.stage_in_cpu),
         stage_in_memory=_quantity(env, "KUBETUNE_STAGE_IN_MEMORY", BuildSettings.stage_in_memory),
         cache_max_bytes=_cache_max_bytes(env),
+        cache_volume=_cache_volume(env),
         stage_in_hub=_bool(env, "KUBETUNE_STAGE_IN_HUB", BuildSettings.stage_in_hub),
         hub_endpoint=_url(env, "KUBETUNE_HF_ENDPOINT"),
         operator_namespace=(
