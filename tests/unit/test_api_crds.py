@@ -204,3 +204,36 @@ def test_examples_validate() -> None:
 def test_example_catalog_matches_builtin() -> None:
     builtin = ROOT / "operator/src/kubetune/planning/data/gpupools.yaml"
     assert (ROOT / "examples/gpupools.yaml").read_text() == builtin.read_text()
+
+
+def test_no_integer_default_meets_a_fractional_exclusive_bound() -> None:
+    """The API server checks an integer-valued default (`0.0` reads as 0) against a bound as
+    integers, truncating the bound: `default: 0` under `maximum: 0.5, exclusiveMaximum` reads
+    as 0 < 0 and the whole CRD is refused at install."""
+    found = []
+
+    def walk(node: object, path: str) -> None:
+        if isinstance(node, dict):
+            default = node.get("default")
+            for bound, exclusive in (
+                ("maximum", "exclusiveMaximum"),
+                ("minimum", "exclusiveMinimum"),
+            ):
+                limit = node.get(bound)
+                if (
+                    node.get(exclusive)
+                    and isinstance(limit, float | int)
+                    and not float(limit).is_integer()
+                    and isinstance(default, float | int)
+                    and float(default).is_integer()
+                ):
+                    found.append(f"{path}: default {default}, {bound} {limit} (exclusive)")
+            for key, value in node.items():
+                walk(value, f"{path}.{key}")
+        elif isinstance(node, list):
+            for i, value in enumerate(node):
+                walk(value, f"{path}[{i}]")
+
+    for name, text in render_all().items():
+        walk(yaml.safe_load(text), name)
+    assert not found, found

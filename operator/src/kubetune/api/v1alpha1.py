@@ -213,8 +213,10 @@ class DPOSettings(_Model):
     beta: float = Field(
         default=0.1, gt=0, le=10, description="How strongly the policy is held near the reference."
     )
+    # At most 0.49, not "under 0.5": the API server compares an integer-valued default (0)
+    # with an exclusive float maximum as integers, and would refuse the CRD.
     label_smoothing: float = Field(
-        default=0.0, ge=0, lt=0.5, description="Assumed share of flipped preference labels."
+        default=0.0, ge=0, le=0.49, description="Assumed share of flipped preference labels."
     )
 
 
