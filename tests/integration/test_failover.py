@@ -36,7 +36,7 @@ import yaml
 
 from kubetune.controller.leader import EXIT_LEASE_LOST
 from kubetune_dev.cluster import LocalCluster, free_port
-from support.cluster import Cluster, job_doc, operators_paused
+from support.cluster import FAST_OPERATOR, Cluster, job_doc, operators_paused
 from support.tcpproxy import TcpProxy
 from support.waiting import wait_for
 
@@ -69,6 +69,8 @@ class Replicas:
             "KUBETUNE_POLL_SECONDS": "1",
             "KUBETUNE_QUEUE_RETRY_SECONDS": "2",
             "KUBETUNE_TRAINER_IMAGE": "kubetune/trainer:drill",
+            # Hub models planned and launched directly, as in the rest of the tier.
+            "KUBETUNE_STAGE_IN_HUB": FAST_OPERATOR["KUBETUNE_STAGE_IN_HUB"],
         }
         if kubeconfig is not None:
             settings["KUBECONFIG"] = str(kubeconfig)
