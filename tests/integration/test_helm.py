@@ -209,6 +209,9 @@ def base_values() -> dict[str, Any]:
             "trainerImage": TRAINER_IMAGE,
             "pollSeconds": 1,
             "queueRetrySeconds": 2,
+            # The jobs here name a hub model, which kwok's pods never fetch: planned and
+            # launched directly, as in the rest of the tier (support/cluster.FAST_OPERATOR).
+            "stageInHub": False,
         },
         "metrics": {"port": free_port()},
         # No node here can run the operator pod (all are tainted GPU nodes); the test runs
