@@ -886,6 +886,11 @@ def test_a_job_chained_after_another_trains_on_its_merged_model(target: Target) 
     """`ftj://sft` as the model: applied together, the second job waits while the first
     trains, then trains on the first one's merged model; a chain whose upstream fails ends
     naming it."""
+    if not target.volumes_follow_pods:
+        pytest.skip(
+            f"on {target.name}, volumes are pinned to the node that wrote them: the second job "
+            "reads the first one's checkpoint volume, and its plan may pick another pool's node"
+        )
     first, second = "chain-sft", "chain-next"
     started = time.monotonic()
     target.apply(
