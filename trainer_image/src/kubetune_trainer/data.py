@@ -22,7 +22,7 @@ import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -480,6 +480,45 @@ class PreparedData:
     stats: DataStats
 
 
+class _BadRecords:
+    """Records that did not parse: how many, and the first MAX_ERRORS_SHOWN messages."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.shown: list[str] = []
+
+    def add(self, error: DataError) -> None:
+        self.count += 1
+        if len(self.shown) < MAX_ERRORS_SHOWN:
+            self.shown.append(str(error))
+
+    def raise_if_any(self, dataset: str) -> None:
+        if not self.count:
+            return
+        hidden = self.count - len(self.shown)
+        more = f"\n  ... and {hidden} more" if hidden else ""
+        raise DataError(
+            f"{self.count} bad record(s) in {dataset}:\n  " + "\n  ".join(self.shown) + more
+        )
+
+
+_Item = TypeVar("_Item")
+
+
+def _split(
+    items: Sequence[_Item], validation_split: float, seed: int, noun: str
+) -> tuple[list[_Item], list[_Item]]:
+    """(train, validation): a seeded shuffle, the first `validation_split` of it held out."""
+    order = list(range(len(items)))
+    random.Random(seed).shuffle(order)
+    n_val = math.ceil(len(items) * validation_split) if validation_split > 0 else 0
+    if n_val >= len(items):
+        raise DataError(
+            f"validation_split {validation_split} leaves no training {noun} out of {len(items)}"
+        )
+    return [items[i] for i in order[n_val:]], [items[i] for i in order[:n_val]]
+
+
 def prepare_data(
     records: Sequence[Record],
     *,
@@ -499,26 +538,19 @@ def prepare_data(
     if fmt in ("sharegpt", "chat", "instruction-response") and ensure_chat_template(tokenizer):
         stats.notes.append("tokenizer has no chat template; using ChatML")
     examples: list[Example] = []
-    errors: list[str] = []
-    n_errors = 0
+    bad = _BadRecords()
     for record in records:
         try:
             example = record_to_example(record, fmt, tokenizer)
         except DataError as e:
-            n_errors += 1
-            if len(errors) < MAX_ERRORS_SHOWN:
-                errors.append(str(e))
+            bad.add(e)
             continue
         for piece in _fit(example, sequence_length, fmt, stats):
             if piece.trainable_tokens == 0:
                 stats.dropped_no_target += 1
                 continue
             examples.append(piece)
-    if n_errors:
-        more = f"\n  ... and {n_errors - len(errors)} more" if n_errors > len(errors) else ""
-        raise DataError(
-            f"{n_errors} bad record(s) in the {fmt} dataset:\n  " + "\n  ".join(errors) + more
-        )
+    bad.raise_if_any(f"the {fmt} dataset")
     if not examples:
         raise DataError(
             f"no usable examples: {len(records)} record(s), {stats.dropped_no_target} left with "
@@ -526,16 +558,7 @@ def prepare_data(
             "training.sequence_length or shorten the prompts"
         )
     stats.examples = len(examples)
-    order = list(range(len(examples)))
-    random.Random(seed).shuffle(order)
-    n_val = math.ceil(len(examples) * validation_split) if validation_split > 0 else 0
-    if n_val >= len(examples):
-        raise DataError(
-            f"validation_split {validation_split} leaves no training examples out of "
-            f"{len(examples)}"
-        )
-    val = [examples[i] for i in order[:n_val]]
-    train = [examples[i] for i in order[n_val:]]
+    train, val = _split(examples, validation_split, seed, "examples")
     pad_id = tokenizer.pad_token_id
     if pad_id is None:
         pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
@@ -842,15 +865,12 @@ def prepare_preference_data(
     if ensure_chat_template(tokenizer):
         stats.notes.append("tokenizer has no chat template; using ChatML for chat pairs")
     pairs: list[Pair] = []
-    errors: list[str] = []
-    n_errors = 0
+    bad = _BadRecords()
     for record in records:
         try:
             pair = record_to_pair(record, tokenizer)
         except DataError as e:
-            n_errors += 1
-            if len(errors) < MAX_ERRORS_SHOWN:
-                errors.append(str(e))
+            bad.add(e)
             continue
         pair, cut = truncate_pair(pair, sequence_length)
         stats.truncated += int(cut)
@@ -858,26 +878,14 @@ def prepare_preference_data(
             stats.dropped_no_target += 1  # nothing to prefer: the loss would be constant
             continue
         pairs.append(pair)
-    if n_errors:
-        more = f"\n  ... and {n_errors - len(errors)} more" if n_errors > len(errors) else ""
-        raise DataError(
-            f"{n_errors} bad record(s) in the preference dataset:\n  " + "\n  ".join(errors) + more
-        )
+    bad.raise_if_any("the preference dataset")
     if not pairs:
         raise DataError(
             f"no usable preference pairs: {len(records)} record(s), {stats.dropped_no_target} "
             "with identical or empty responses within sequence_length"
         )
     stats.examples = len(pairs)
-    order = list(range(len(pairs)))
-    random.Random(seed).shuffle(order)
-    n_val = math.ceil(len(pairs) * validation_split) if validation_split > 0 else 0
-    if n_val >= len(pairs):
-        raise DataError(
-            f"validation_split {validation_split} leaves no training pairs out of {len(pairs)}"
-        )
-    val = [pairs[i] for i in order[:n_val]]
-    train = [pairs[i] for i in order[n_val:]]
+    train, val = _split(pairs, validation_split, seed, "pairs")
     stats.train_examples = len(train)
     stats.train_rows = len(train)
     stats.validation_rows = len(val)
