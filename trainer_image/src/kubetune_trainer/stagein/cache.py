@@ -104,18 +104,30 @@ def touch(entry: Entry) -> Entry:
     return Entry(entry.path, meta)
 
 
+def _open_lock(cache_dir: Path, key: str) -> int:
+    """A descriptor of `<cache_dir>/locks/<key>.lock`, created if need be."""
+    locks = cache_dir / LOCKS
+    locks.mkdir(parents=True, exist_ok=True)
+    return os.open(locks / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o664)
+
+
+def _lock_now(fd: int) -> bool:
+    """Take the lock on `fd` without waiting; False when someone else holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EAGAIN, errno.EACCES):
+            raise
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def locked(cache_dir: Path, key: str, what: str) -> Iterator[None]:
     """Hold `<cache_dir>/locks/<key>.lock` exclusively (waiting for whoever holds it)."""
-    locks = cache_dir / LOCKS
-    locks.mkdir(parents=True, exist_ok=True)
-    fd = os.open(locks / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o664)
+    fd = _open_lock(cache_dir, key)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
+        if not _lock_now(fd):
             log.info("%s: another stage-in is fetching or using it; waiting for it", what)
             t0 = time.monotonic()
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -130,15 +142,9 @@ def locked(cache_dir: Path, key: str, what: str) -> Iterator[None]:
 @contextlib.contextmanager
 def try_locked(cache_dir: Path, key: str) -> Iterator[bool]:
     """Hold `<cache_dir>/locks/<key>.lock` if nobody does (True), else do nothing (False)."""
-    locks = cache_dir / LOCKS
-    locks.mkdir(parents=True, exist_ok=True)
-    fd = os.open(locks / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o664)
+    fd = _open_lock(cache_dir, key)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
+        if not _lock_now(fd):
             yield False
             return
         try:
