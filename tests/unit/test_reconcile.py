@@ -7,6 +7,7 @@ play out like the real control loop.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any
@@ -482,6 +483,44 @@ def test_progress_eta_and_checkpoint_come_from_trainer_metrics() -> None:
     # The same checkpoint is not announced twice.
     _, d = run(job, obs)
     assert Reason.CHECKPOINT not in [e.reason for e in d.events]
+
+
+def test_dpo_rewards_reach_the_progress_status_and_sft_nans_do_not() -> None:
+    job, _ = run(make_job())
+    metrics = {
+        "step": 4.0,
+        "loss": 0.61234,
+        "dpo_reward_accuracy": 0.75,
+        "dpo_reward_margin": 0.123456,
+        "dpo_rewards_chosen": 0.1,
+        "dpo_rewards_rejected": -0.023456,
+        "eval_dpo_reward_accuracy": float("nan"),  # no evaluation yet
+        "eval_dpo_reward_margin": float("nan"),
+    }
+    obs = Observed(pools=default_pools(), batch_job=batch_job(active=1), trainer_metrics=metrics)
+    job, _ = run(job, obs)
+    p = job.status.progress  # type: ignore[union-attr]
+    assert p is not None
+    assert (p.dpo_reward_accuracy, p.dpo_reward_margin) == (0.75, 0.1235)
+    assert (p.dpo_rewards_chosen, p.dpo_rewards_rejected) == (0.1, -0.0235)
+    assert p.eval_dpo_reward_accuracy is None and p.eval_dpo_reward_margin is None
+    wire = job.status.to_wire()["progress"]  # type: ignore[union-attr]
+    assert wire["dpoRewardAccuracy"] == 0.75 and "evalDpoRewardAccuracy" not in wire
+    # The first evaluation arrives; a later NaN never erases a number read before.
+    evaluated = {**metrics, "step": 5.0, "eval_dpo_reward_accuracy": 0.9,
+                 "eval_dpo_reward_margin": 0.2}  # fmt: skip
+    job, _ = run(job, replace(obs, trainer_metrics=evaluated))
+    job, _ = run(job, replace(obs, trainer_metrics={**evaluated, "dpo_reward_accuracy": math.nan}))
+    p = job.status.progress  # type: ignore[union-attr]
+    assert p is not None
+    assert (p.eval_dpo_reward_accuracy, p.eval_dpo_reward_margin) == (0.9, 0.2)
+    assert p.dpo_reward_accuracy == 0.75
+    # An SFT run's gauges are NaN: its status has no DPO numbers at all.
+    sft, _ = run(make_job())
+    sft_metrics = {**dict.fromkeys(metrics, math.nan), "step": 3.0, "loss": 2.0}
+    sft, _ = run(sft, replace(obs, trainer_metrics=sft_metrics))
+    wire = sft.status.to_wire()["progress"]  # type: ignore[union-attr]
+    assert not [k for k in wire if "Dpo" in k or k.startswith("dpo")], wire
 
 
 def test_human_duration() -> None:

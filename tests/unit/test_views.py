@@ -166,6 +166,26 @@ def test_describe_of_a_new_job_says_what_it_does_not_have_yet() -> None:
     text = describe_job(job("fresh"), [], now=NOW)
     assert "Phase:       Pending" in text and "Events:      none" in text
     assert "Plan:" not in text and "Cost:" not in text
+    assert "DPO rewards:" not in text
+
+
+def test_describe_of_a_dpo_job_shows_its_rewards_train_and_held_out() -> None:
+    progress = {"step": 30, "totalSteps": 60, "percent": 50, "loss": 0.41,
+                "dpoRewardAccuracy": 0.875, "dpoRewardMargin": 0.4123,
+                "dpoRewardsChosen": 0.2, "dpoRewardsRejected": -0.2123,
+                "evalDpoRewardAccuracy": 0.9, "evalDpoRewardMargin": 0.38}  # fmt: skip
+    text = describe_job(job("prefs", phase="Running", progress=progress), [], now=NOW)
+    assert (
+        "DPO rewards: accuracy 0.88 (eval 0.90), margin 0.41 (eval 0.38), chosen 0.20, "
+        "rejected -0.21"
+    ) in text.splitlines()
+    # Before the first evaluation: the training numbers alone.
+    early = {"step": 1, "totalSteps": 60, "dpoRewardAccuracy": 0.0, "dpoRewardMargin": 0.0}
+    text = describe_job(job("prefs", phase="Running", progress=early), [], now=NOW)
+    assert "DPO rewards: accuracy 0.00, margin 0.00" in text.splitlines()
+    # An SFT job has none of them.
+    sft = {"step": 1, "totalSteps": 60, "loss": 2.0}
+    assert "DPO" not in describe_job(job("sft", phase="Running", progress=sft), [], now=NOW)
 
 
 def test_events_of_the_same_second_keep_the_order_they_were_stored_in() -> None:

@@ -220,6 +220,9 @@ def describe_job(
             f"Progress:    {progress.get('percent', 0)}% ({progress.get('step', 0)}/"
             f"{progress['totalSteps']} steps)" + "".join(f", {e}" for e in extra if e)
         )
+    rewards = dpo_rewards(progress)
+    if rewards:
+        lines.append(f"DPO rewards: {rewards}")
     cost = status.get("cost") or {}
     if cost:
         budget = (spec.get("resources") or {}).get("maxCostUSD")
@@ -367,6 +370,29 @@ def plan_line(plan: Mapping[str, Any]) -> str:
     )
 
 
+def dpo_rewards(progress: Mapping[str, Any]) -> str:
+    """A DPO job's implicit rewards in words, e.g. `accuracy 0.88 (eval 0.92), margin 0.41
+    (eval 0.38), chosen 0.21, rejected -0.20`; empty for an SFT job or before the first step."""
+
+    def pair(name: str, train: str, held_out: str) -> str:
+        value, at_eval = progress.get(train), progress.get(held_out)
+        if value is None and at_eval is None:
+            return ""
+        text = f"{name} {value:.2f}" if value is not None else f"{name} -"
+        return text + (f" (eval {at_eval:.2f})" if at_eval is not None else "")
+
+    parts = [
+        pair("accuracy", "dpoRewardAccuracy", "evalDpoRewardAccuracy"),
+        pair("margin", "dpoRewardMargin", "evalDpoRewardMargin"),
+        *(
+            f"{name} {progress[key]:.2f}"
+            for name, key in (("chosen", "dpoRewardsChosen"), ("rejected", "dpoRewardsRejected"))
+            if progress.get(key) is not None
+        ),
+    ]
+    return ", ".join(p for p in parts if p)
+
+
 def _progress_parts(job: Mapping[str, Any]) -> tuple[list[str], list[str]]:
     """The parts of a job's progress line: those whose change is news (phase, attempt, step,
     checkpoint, message), and those that only move along with them (loss, ETA, cost)."""
@@ -380,6 +406,8 @@ def _progress_parts(job: Mapping[str, Any]) -> tuple[list[str], list[str]]:
         news.append(f"step {progress.get('step', 0)}/{progress['totalSteps']}")
         if progress.get("loss") is not None:
             extra.append(f"loss {progress['loss']:.4f}")
+        if progress.get("dpoRewardAccuracy") is not None:
+            extra.append(f"reward accuracy {progress['dpoRewardAccuracy']:.2f}")
         if progress.get("eta"):
             extra.append(f"ETA {progress['eta']}")
     checkpoint = status.get("checkpoint") or {}

@@ -720,6 +720,27 @@ class ProgressStatus(_Model):
     )
     loss: float | None = Field(default=None, description="Latest training loss.")
     eval_loss: float | None = Field(default=None, description="Latest evaluation loss.")
+    dpo_reward_accuracy: float | None = Field(
+        default=None,
+        description="DPO jobs: fraction of the last step's pairs whose chosen response has the "
+        "larger implicit reward (0-1).",
+    )
+    dpo_reward_margin: float | None = Field(
+        default=None,
+        description="DPO jobs: mean chosen minus rejected implicit reward, last step.",
+    )
+    dpo_rewards_chosen: float | None = Field(
+        default=None, description="DPO jobs: mean implicit reward of the chosen responses."
+    )
+    dpo_rewards_rejected: float | None = Field(
+        default=None, description="DPO jobs: mean implicit reward of the rejected responses."
+    )
+    eval_dpo_reward_accuracy: float | None = Field(
+        default=None, description="DPO jobs: reward accuracy on the validation pairs."
+    )
+    eval_dpo_reward_margin: float | None = Field(
+        default=None, description="DPO jobs: reward margin on the validation pairs."
+    )
     tokens_per_second: float | None = Field(default=None, description="Measured throughput.")
     eta_seconds: float | None = Field(default=None, description="Estimated seconds left.")
     eta: str | None = Field(default=None, description="ETA in human form, e.g. 1h20m.")

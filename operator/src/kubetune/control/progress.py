@@ -23,6 +23,16 @@ from kubetune.control.conditions import now_rfc3339
 from kubetune.control.pods import parse_time
 from kubetune_trainer.contract import checkpoint_dir_name
 
+DPO_PROGRESS = (
+    "dpo_reward_accuracy",
+    "dpo_reward_margin",
+    "dpo_rewards_chosen",
+    "dpo_rewards_rejected",
+    "eval_dpo_reward_accuracy",
+    "eval_dpo_reward_margin",
+)
+"""Trainer gauges of a DPO run copied to `status.progress` under the same names."""
+
 
 def human_duration(seconds: float) -> str:
     """1h20m, 4m10s, 35s."""
@@ -113,6 +123,9 @@ def read_metrics(
         progress.loss = round(float(m["loss"]), 4)
     if "eval_loss" in m:
         progress.eval_loss = round(float(m["eval_loss"]), 4)
+    for key in DPO_PROGRESS:  # NaN (dropped above) in SFT runs
+        if key in m:
+            setattr(progress, key, round(float(m[key]), 4))
     tps = float(m.get("tokens_per_second", 0.0))
     if tps > 0:
         progress.tokens_per_second = round(tps, 1)
