@@ -198,6 +198,48 @@ def test_path_kind_is_read_in_place(
     assert not (cache / "models").exists() and not (cache / "datasets").exists()
 
 
+def test_preference_pairs_are_checked_and_measured_as_pairs(
+    tmp_path: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A DPO job's dataset holds {prompt, chosen, rejected} pairs, which the SFT reader
+    refuses: the stage-in measures pairs as training will, and names a broken pair's line."""
+    from transformers import AutoTokenizer
+
+    from kubetune_trainer.data import prepare_preference_data
+    from kubetune_trainer.tiny import make_preference_records
+
+    records = make_preference_records(60)
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", records)
+    cfg = stagein_config(
+        tmp_path / "good",
+        {"source": str(tiny_llama), "kind": "path"},
+        {"source": str(pairs), "kind": "path"},
+        objective="dpo",
+    )
+    code, message = run_stagein(tmp_path / "good", cfg, monkeypatch)
+    assert code == 0, message
+    prepared = prepare_preference_data(
+        read_records(str(pairs)),
+        tokenizer=AutoTokenizer.from_pretrained(str(tiny_llama)),
+        sequence_length=SEQUENCE_LENGTH,
+        validation_split=VALIDATION_SPLIT,
+        seed=TrainingConfig.model_fields["seed"].default,
+    )
+    assert counts(result_of(cfg, message)) == {
+        "examples": prepared.stats.train_examples,
+        "tokens": prepared.stats.train_tokens,
+        "packed_sequences": prepared.stats.train_examples,
+    }
+    assert 0 < prepared.stats.train_examples < 60  # the validation pairs are held out
+
+    broken = [dict(r) for r in records]
+    del broken[4]["rejected"]
+    cfg["dataset"]["source"] = str(write_jsonl(tmp_path / "broken.jsonl", broken))
+    code, message = run_stagein(tmp_path / "broken", cfg, monkeypatch)
+    assert code == EXIT_CONFIG_ERROR
+    assert "broken.jsonl" in message and "rejected" in message and "To fix" in message
+
+
 # ------------------------------------------------------------------ the hub
 
 

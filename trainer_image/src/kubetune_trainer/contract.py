@@ -264,6 +264,11 @@ class StageInConfig(_Strict):
     method: Method
     sequence_length: int = 2048
     packing: bool = True
+    objective: Objective = Field(
+        default="sft",
+        description="How the dataset is checked and measured: `sft` records (examples, tokens, "
+        "packed rows) or `dpo` preference pairs (pairs, tokens of both sides, no packing).",
+    )
     model_type: str | None = Field(
         default=None,
         description="The config.json `model_type` the plan assumed; a different one fails.",
@@ -294,10 +299,11 @@ class StageInResult(_Strict):
     model_config_json: dict[str, object] = Field(
         default_factory=dict, description="The model's config.json, as fetched."
     )
-    examples: int = Field(description="Records in the training split.")
+    examples: int = Field(description="Records (DPO: pairs) in the training split.")
     tokens: int = Field(description="Tokens in one epoch of the training split, templated.")
     packed_sequences: int = Field(
-        description="Sequences of sequence_length one epoch packs into (records, unpacked)."
+        description="Sequences of sequence_length one epoch packs into (records, unpacked; "
+        "DPO: pairs)."
     )
     downloaded_bytes: int = 0
     reused_bytes: int = Field(default=0, description="Bytes found in the cache already.")

@@ -1005,6 +1005,7 @@ def build_stage_in_config(
         method="lora" if spec.method == "auto" else spec.method,
         sequence_length=spec.training.sequence_length,
         packing=spec.training.packing,
+        objective=spec.training.objective,
         metrics_port=settings.metrics_port,
         cache_max_bytes=settings.cache_max_bytes,
         keep_paths=list(keep_paths),

@@ -3,8 +3,9 @@
 The model: its config.json parses (and names the architecture the plan assumed), its
 tokenizer loads. The dataset: `data.read_records` reads it (a line that is not JSON fails
 here, before the model is fetched), then `data.prepare_data` formats, templates, tokenizes,
-splits and packs it exactly as training will, which both checks every record and gives the
-counts the operator plans with.
+splits and packs it exactly as training will (`data.prepare_preference_data` for DPO's
+preference pairs), which both checks every record and gives the counts the operator plans
+with.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kubetune_trainer.contract import StageInConfig, TrainingConfig
-from kubetune_trainer.data import Record, prepare_data, read_records
+from kubetune_trainer.data import Record, prepare_data, prepare_preference_data, read_records
 from kubetune_trainer.errors import ConfigError, DataError
 
 DEFAULT_SEED = int(TrainingConfig.model_fields["seed"].default)
@@ -105,17 +106,28 @@ def measure(
     *,
     renames: Renames,
 ) -> Measured:
-    """Training-split examples, their tokens as templated, and the rows one epoch makes."""
+    """Training-split examples, their tokens as templated, and the rows one epoch makes. For
+    DPO (`cfg.objective`) an example is a preference pair, its tokens those of both sides
+    (the prompt twice), and a pair one row of each side: never packed."""
     try:
-        prepared = prepare_data(
-            records,
-            fmt=cfg.dataset.format,
-            tokenizer=tokenizer,
-            sequence_length=cfg.sequence_length,
-            packing=cfg.packing,
-            validation_split=cfg.dataset.validation_split,
-            seed=DEFAULT_SEED,
-        )
+        if cfg.objective == "dpo":
+            prepared = prepare_preference_data(
+                records,
+                tokenizer=tokenizer,
+                sequence_length=cfg.sequence_length,
+                validation_split=cfg.dataset.validation_split,
+                seed=DEFAULT_SEED,
+            )
+        else:
+            prepared = prepare_data(
+                records,
+                fmt=cfg.dataset.format,
+                tokenizer=tokenizer,
+                sequence_length=cfg.sequence_length,
+                packing=cfg.packing,
+                validation_split=cfg.dataset.validation_split,
+                seed=DEFAULT_SEED,
+            )
     except DataError as e:
         raise DataError(_data_message(str(e), cfg.dataset.source, renames)) from e
     stats = prepared.stats
