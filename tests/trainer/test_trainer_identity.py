@@ -147,6 +147,9 @@ def test_the_fingerprint_covers_what_shapes_the_run_and_not_what_a_replan_change
         "training.sequence_length": 256,
         "training.packing": False,
         "training.seed": 8,
+        "training.objective": "dpo",
+        "training.dpo.beta": 0.5,
+        "training.dpo.label_smoothing": 0.1,
     }
     for dotted, value in shaping.items():
         other = identity(load_config(with_value(base, dotted, value)))

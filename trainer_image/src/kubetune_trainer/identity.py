@@ -5,9 +5,10 @@ same name mounts the old job's checkpoints. Every checkpoint therefore records `
 in its trainer_state.json, and at start-up `whose` says what the newest one is to this run.
 
 The fingerprint covers what shapes the trained weights (model, data, method, LoRA, the
-optimisation that is asked for), never what an out-of-memory re-plan changes between attempts
-of one job (micro-batch, accumulation, precision, optimizer, memory savers, parallelism):
-those attempts must go on resuming their own checkpoints.
+objective and its DPO settings, the optimisation that is asked for), never what an
+out-of-memory re-plan changes between attempts of one job (micro-batch, accumulation,
+precision, optimizer, memory savers, parallelism): those attempts must go on resuming their
+own checkpoints.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ TRAINING_FIELDS = (
     "sequence_length",
     "packing",
     "seed",
+    "objective",
 )
+DPO_FIELDS = ("beta", "label_smoothing")
 
 Owner = Literal["own", "adopted", "unknown", "foreign"]
 """`own`: this job's. `adopted`: the job `checkpoint.resume_from_uid` names. `unknown`: no
@@ -54,6 +57,7 @@ def fingerprint_fields(cfg: TrainerConfig) -> dict[str, Any]:
     }
     fields.update({f"lora.{n}": getattr(lora, n) if lora else None for n in LORA_FIELDS})
     fields.update({f"training.{n}": getattr(cfg.training, n) for n in TRAINING_FIELDS})
+    fields.update({f"training.dpo.{n}": getattr(cfg.training.dpo, n) for n in DPO_FIELDS})
     return dict(json.loads(json.dumps(fields)))
 
 
