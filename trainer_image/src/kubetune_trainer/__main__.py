@@ -3,7 +3,9 @@
 Exit codes (`contract.EXIT_*`): 0 done; 2 bad config or data; 42 preempted, checkpoint
 written; 43 out of memory, `peak_gib=<float>` in the termination message; 44 stop requested,
 checkpoint written; 45 a checkpoint could not be written or none can be loaded,
-`checkpoint_failed <message>` in the termination message; anything else is a crash.
+`checkpoint_failed <message>` in the termination message; anything else is a crash. With
+early stopping on, rank 0 leaves `early_stopped step=... best_step=...` (patience ran out)
+or `completed step=... best_step=...` in the termination message of its exit 0.
 """
 
 from __future__ import annotations
@@ -157,6 +159,10 @@ def _run(config_path: str | None) -> int:
         traceback.print_exc()
         write_termination_message(crash_message(e))
         return 1
+    said = result.termination_message()
+    if said is not None and _rank() == 0:
+        # The operator reads it from the pod: the job ends EarlyStopped instead of Completed.
+        write_termination_message(said)
     log.info(
         "done: step %d/%d loss %.4f, %d tokens in %.1fs; output in %s",
         result.step,

@@ -247,6 +247,9 @@ class Checkpointer:
         self.verified: Path | None = None
         """The newest checkpoint known to load: the one resumed from or the last one written.
         Pruning never removes it."""
+        self.protected: int | None = None
+        """The step of the best evaluation when early stopping is on: pruning never removes
+        its checkpoint, since the run's output is made from it."""
         self.last_hash_seconds = 0.0
         self.last_bytes = 0
 
@@ -595,6 +598,7 @@ class Checkpointer:
         keep = {path for _, path in done[-self.keep :]}
         if self.verified is not None:
             keep.add(self.verified)  # never the last checkpoint known to load
+        keep.update(path for step, path in done if step == self.protected)
         for _, path in done:
             if path not in keep:
                 shutil.rmtree(path, ignore_errors=True)

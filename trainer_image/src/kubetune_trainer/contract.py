@@ -36,6 +36,10 @@ Sharding = Literal["full", "grad-op", "none"]
 Objective = Literal["sft", "dpo"]
 """`sft`: next-token cross-entropy on the responses; `dpo`: Direct Preference Optimization on
 {prompt, chosen, rejected} pairs (docs/dpo.md)."""
+EarlyStoppingMetric = Literal["eval_loss", "eval_reward_accuracy"]
+"""What early stopping watches: the validation loss (lower is better), or, with objective
+`dpo`, the share of validation pairs whose chosen response out-rewards the rejected one
+(higher is better)."""
 DatasetFormat = Literal["alpaca", "sharegpt", "chat", "instruction-response", "text"]
 SourceKind = Literal["path", "hub", "s3", "https"]
 
@@ -45,6 +49,11 @@ OPTIMIZERS: tuple[Optimizer, ...] = get_args(Optimizer)
 SHARDINGS: tuple[Sharding, ...] = get_args(Sharding)
 DATASET_FORMATS: tuple[DatasetFormat, ...] = get_args(DatasetFormat)
 OBJECTIVES: tuple[Objective, ...] = get_args(Objective)
+EARLY_STOPPING_METRICS: tuple[EarlyStoppingMetric, ...] = get_args(EarlyStoppingMetric)
+HIGHER_IS_BETTER: frozenset[EarlyStoppingMetric] = frozenset({"eval_reward_accuracy"})
+EARLY_STOPPED = "early_stopped"
+"""First word of the trainer's termination message when it stopped early and exited 0:
+`early_stopped step=<N> best_step=<M> metric=<name> value=<float> patience=<P>`."""
 
 # Checkpoints: the trainer writes `<checkpoint.dir>/step-<N>/` by renaming a finished
 # `.tmp-step-<N>/`; the operator reports the newest by the same name.
@@ -141,6 +150,15 @@ class DpoConfig(_Strict):
     label_smoothing: float = Field(default=0.0, ge=0, lt=0.5)
 
 
+class EarlyStoppingConfig(_Strict):
+    """Stop when `metric` has not improved by more than `min_delta` for `patience`
+    evaluations in a row; the output is then the best evaluated step's weights."""
+
+    patience: int = Field(default=3, ge=1)
+    min_delta: float = Field(default=0.0, ge=0)
+    metric: EarlyStoppingMetric = "eval_loss"
+
+
 class TrainingConfig(_Strict):
     epochs: float = 1.0
     max_steps: int | None = None
@@ -169,6 +187,10 @@ class TrainingConfig(_Strict):
         "the dataset holds {prompt, chosen, rejected} records and packing does not apply.",
     )
     dpo: DpoConfig = Field(default_factory=DpoConfig)
+    early_stopping: EarlyStoppingConfig | None = Field(
+        default=None,
+        description="Stop when the validation metric stops improving (None: train to the end).",
+    )
 
 
 class ParallelConfig(_Strict):

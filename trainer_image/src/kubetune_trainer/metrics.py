@@ -45,6 +45,11 @@ GAUGES = {
     "dpo_reward_accuracy": "DPO: fraction of pairs whose chosen reward is the larger, last step",
     "eval_dpo_reward_accuracy": "DPO: reward accuracy on the validation pairs, last evaluation",
     "eval_dpo_reward_margin": "DPO: mean reward margin on the validation pairs, last evaluation",
+    "early_stopping_best_step": "Early stopping: step of the best evaluation so far (-1: none)",
+    "early_stopping_best_value": "Early stopping: the watched metric's best value so far",
+    "early_stopping_evaluations_without_improvement": "Early stopping: evaluations in a row "
+    "that did not improve on the best",
+    "early_stopped": "1 once the run stopped early because patience ran out, else 0",
 }
 DPO_GAUGES = tuple(name for name in GAUGES if "dpo_" in name)
 """NaN unless the run's objective is DPO."""
@@ -77,6 +82,8 @@ class TrainerMetrics:
         for name in DPO_GAUGES:
             self.gauges[name].set(math.nan)
         self.gauges["last_checkpoint_step"].set(-1)
+        self.gauges["early_stopping_best_step"].set(-1)
+        self.gauges["early_stopping_best_value"].set(math.nan)
         self.values: dict[str, float] = {}
         self.port: int | None = None
         self._server: Any = None

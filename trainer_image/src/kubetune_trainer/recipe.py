@@ -34,7 +34,12 @@ from kubetune_trainer.checkpoint import (
     quarantined_checkpoints,
     restore_rng,
 )
-from kubetune_trainer.contract import OOM_PHASES, TrainerConfig
+from kubetune_trainer.contract import (
+    EARLY_STOPPED,
+    OOM_PHASES,
+    TrainerConfig,
+    checkpoint_dir_name,
+)
 from kubetune_trainer.data import (
     IGNORE_INDEX,
     Batch,
@@ -56,6 +61,8 @@ from kubetune_trainer.distributed import (
     init_distributed,
 )
 from kubetune_trainer.dpo import DpoSums, DpoTerms, dpo_loss
+from kubetune_trainer.early_stopping import STATE_KEY as EARLY_STOPPING_KEY
+from kubetune_trainer.early_stopping import EarlyStopping
 from kubetune_trainer.errors import (
     CheckpointFailed,
     ConfigError,
@@ -188,6 +195,22 @@ class TrainResult:
     tokens_seen: int
     seconds: float
     output_dir: Path | None = None
+    early_stopping: EarlyStopping | None = None
+    stopped_early: bool = False
+    """Patience ran out before the last step."""
+
+    def termination_message(self) -> str | None:
+        """The line rank 0 leaves in the termination message on success: how early
+        stopping ended (None without early stopping)."""
+        es = self.early_stopping
+        if es is None or es.best_step is None:
+            return None
+        head = EARLY_STOPPED if self.stopped_early else "completed"
+        return (
+            f"{head} step={self.step} best_step={es.best_step} metric={es.metric} "
+            f"value={es.best_value!r} patience={es.patience} "
+            f"evaluations_without_improvement={es.evaluations_without_improvement}"
+        )
 
 
 class FineTuneRecipe:
@@ -200,6 +223,10 @@ class FineTuneRecipe:
         self.samples_seen = 0
         self.last_loss = math.nan
         self.last_eval_loss: float | None = None
+        self.eval_values: dict[str, float] = {}
+        """The last evaluation's metrics by early stopping's names (`eval_loss`, ...)."""
+        es = cfg.training.early_stopping
+        self.early_stopping = EarlyStopping.from_config(es) if es is not None else None
         self.last_checkpoint_step = -1
         self.resumed_from: Path | None = None
         self._grad_norm = math.nan
@@ -270,6 +297,7 @@ class FineTuneRecipe:
             time.monotonic() - t0,
             "".join(f"; {n}" for n in st.notes),
         )
+        self._check_early_stopping()
         t = cfg.training
         self.pad_id = int(self.tokenizer.pad_token_id)
         self.batches = StepBatches(
@@ -355,6 +383,22 @@ class FineTuneRecipe:
             self.batches.global_batch,
         )
 
+    def _check_early_stopping(self) -> None:
+        es = self.early_stopping
+        if es is None:
+            return
+        if self.data.validation is None:
+            raise ConfigError(
+                "training.early_stopping needs validation data, and dataset.validation_split "
+                f"is {self.cfg.dataset.validation_split}. To fix: set a validation split "
+                "(e.g. 0.05), or turn early stopping off"
+            )
+        if es.metric == "eval_reward_accuracy" and not self.dpo:
+            raise ConfigError(
+                "training.early_stopping.metric eval_reward_accuracy needs objective dpo. "
+                "To fix: use metric eval_loss, or objective dpo"
+            )
+
     def _total_steps(self) -> int:
         t = self.cfg.training
         if t.max_steps is not None:
@@ -418,6 +462,9 @@ class FineTuneRecipe:
             self.tokens_seen = int(state["tokens_seen"])
             self.samples_seen = int(state["samples_seen"])
             self.last_loss = float(state.get("loss") or math.nan)
+            if self.early_stopping is not None:
+                self.early_stopping.restore(state.get(EARLY_STOPPING_KEY))
+                self.checkpointer.protected = self.early_stopping.best_step
             self.last_checkpoint_step = step
             self.resumed_from = path
             ck.mark_verified(path)
@@ -554,7 +601,7 @@ class FineTuneRecipe:
         t_start = time.monotonic()
         interval_steps = cfg.checkpoint.interval_steps
         self._last_save_time = time.monotonic()
-        while self.step < self.total_steps:
+        while self.step < self.total_steps and not self._patience_ran_out():
             self._check_flags(at_step_start=True)
             rng_at_start = capture_rng()
             t0 = time.monotonic()
@@ -583,12 +630,14 @@ class FineTuneRecipe:
             self._log_step(loss, tokens, rows, dt)
             due_steps = interval_steps is not None and self.step % interval_steps == 0
             if due_steps or self._time_due():
-                self.save_checkpoint()
-                self.evaluate()
+                self._checkpoint_and_evaluate()
         if self.last_checkpoint_step != self.step:
-            self.save_checkpoint()
+            self._checkpoint_and_evaluate()
         if self.last_eval_loss is None:
             self.evaluate()
+        stopped_early = self.step < self.total_steps and self._patience_ran_out()
+        if self.early_stopping is not None:
+            self._end_early_stopping(stopped_early)
         self.metrics.event("finish")
         return TrainResult(
             step=self.step,
@@ -597,7 +646,94 @@ class FineTuneRecipe:
             eval_loss=self.last_eval_loss,
             tokens_seen=self.tokens_seen,
             seconds=time.monotonic() - t_start,
+            early_stopping=self.early_stopping,
+            stopped_early=stopped_early,
         )
+
+    def _checkpoint_and_evaluate(self) -> None:
+        """Checkpoint and evaluate. Without early stopping the checkpoint comes first (it is
+        safe before an evaluation can fail); with it the evaluation comes first, so the
+        checkpoint records the early-stopping counters of its own step (a resumed run goes
+        on counting) and pruning already knows the best step."""
+        es = self.early_stopping
+        if es is None:
+            self.save_checkpoint()
+            self.evaluate()
+            return
+        if self.evaluate() is not None:
+            value = self.eval_values.get(es.metric, math.nan)
+            improved = es.update(value, self.step)
+            self.checkpointer.protected = es.best_step
+            self.metrics.set(
+                early_stopping_best_step=float(es.best_step if es.best_step is not None else -1),
+                early_stopping_best_value=math.nan if es.best_value is None else es.best_value,
+                early_stopping_evaluations_without_improvement=es.evaluations_without_improvement,
+            )
+            if self.env.is_main:
+                log.info(
+                    "early stopping: %s %.6g at step %d, %s; best %.6g at step %s, "
+                    "%d of %d evaluations without improvement",
+                    es.metric,
+                    value,
+                    self.step,
+                    "improved" if improved else "no improvement",
+                    es.best_value if es.best_value is not None else math.nan,
+                    es.best_step,
+                    es.evaluations_without_improvement,
+                    es.patience,
+                )
+        self.save_checkpoint()
+
+    def _patience_ran_out(self) -> bool:
+        return self.early_stopping is not None and self.early_stopping.exhausted
+
+    def _end_early_stopping(self, stopped_early: bool) -> None:
+        """Put the best step's weights back in the model (the output is made from them),
+        and say how early stopping ended."""
+        es = self.early_stopping
+        assert es is not None
+        best = es.best_step
+        if best is not None and best != self.step:
+            self._load_best(best)
+        if stopped_early:
+            self.metrics.set(early_stopped=1.0)
+            self.metrics.event(
+                EARLY_STOPPED,
+                stopped_at_step=self.step,
+                best_step=best,
+                metric=es.metric,
+                best_value=es.best_value,
+                patience=es.patience,
+                min_delta=es.min_delta,
+            )
+            if self.env.is_main:
+                log.info(
+                    "early stopped at step %d of %d: %s did not improve for %d evaluations; "
+                    "the output is step %s's (%s %.6g)",
+                    self.step,
+                    self.total_steps,
+                    es.metric,
+                    es.evaluations_without_improvement,
+                    best,
+                    es.metric,
+                    es.best_value if es.best_value is not None else math.nan,
+                )
+
+    def _load_best(self, best: int) -> None:
+        """Load the model (and optimizer) state of the best step's checkpoint on every rank,
+        as a resume does. Pruning kept it (`Checkpointer.protected`)."""
+        path = self.checkpointer.root / checkpoint_dir_name(best)
+        if all(step != best for step, _ in complete_checkpoints(self.checkpointer.root)):
+            raise CheckpointFailed(
+                f"early stopping: the best step's checkpoint {path} is missing or incomplete, "
+                "so the output cannot be made from it. To fix: put the folder back and run "
+                "the job again (it resumes and exports), or turn early stopping off"
+            )
+        with self._in_phase("resume"):
+            self.checkpointer.load(path, self.model, self.optimizer)
+        self.metrics.event("best_checkpoint_loaded", checkpoint=path.name, step=best)
+        if self.env.is_main:
+            log.info("loaded %s, the best evaluation's weights, for the output", path)
 
     def _time_due(self) -> bool:
         """Rank 0's clock decides, so every rank checkpoints at the same step."""
@@ -891,6 +1027,7 @@ class FineTuneRecipe:
         self.model.train()
         total, n = all_reduce_sum([loss_sum, targets], self.env)
         self.last_eval_loss = total / max(n, 1.0)
+        self.eval_values = {"eval_loss": self.last_eval_loss}
         self.metrics.set(eval_loss=self.last_eval_loss)
         self.metrics.event("eval")
         log.info("step %d eval_loss %.4f", self.step, self.last_eval_loss)
@@ -915,6 +1052,10 @@ class FineTuneRecipe:
         total = DpoSums.from_list(all_reduce_sum(sums.as_list(), self.env))
         self.last_eval_loss = total.loss / max(total.pairs, 1.0)
         means = total.means("eval_")
+        self.eval_values = {
+            "eval_loss": self.last_eval_loss,
+            "eval_reward_accuracy": means["eval_dpo_reward_accuracy"],
+        }
         self.metrics.set(eval_loss=self.last_eval_loss, **means)
         self.metrics.event("eval")
         log.info(
@@ -970,6 +1111,8 @@ class FineTuneRecipe:
             "job": self.cfg.job.name,
             IDENTITY_KEY: identity(self.cfg),
         }
+        if self.early_stopping is not None:
+            state[EARLY_STOPPING_KEY] = self.early_stopping.state()
         path, seconds = self.checkpointer.save(
             self.step, self.model, self.optimizer, state, capture_rng()
         )
@@ -1026,6 +1169,16 @@ class FineTuneRecipe:
                 "eval_loss": self.last_eval_loss,
                 "tokens_seen": self.tokens_seen,
             }
+            es = self.early_stopping
+            if es is not None:
+                summary["early_stopping"] = {
+                    **es.state(),
+                    "patience": es.patience,
+                    "min_delta": es.min_delta,
+                    "stopped_early": self.step < self.total_steps and es.exhausted,
+                    "stopped_at_step": self.step,
+                    "output_step": es.best_step,
+                }
             (out / "trainer_summary.json").write_text(json.dumps(summary, indent=2))
         self.metrics.event("output", path=str(out))
         return out
