@@ -73,6 +73,24 @@ def test_fake_step_allocates_what_a_real_cpu_step_does(method: str) -> None:
     assert backward > real["forward"] > real["weights"] > 0
 
 
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_the_dpo_step_is_simulated_as_the_trainer_runs_it(method: str) -> None:
+    """Fake and real tensors agree on the DPO step too (the LoRA reference forward runs with
+    the adapters off, without gradients), and it allocates what an SFT step on the pairs'
+    rows does: what the planner counts for DPO."""
+    setup = SimulationSetup(method=method, micro_batch=2, seq_len=32, objective="dpo")  # type: ignore[arg-type]
+    fake = _totals(_run_once(setup, TINY_LLAMA, None, fake=True).phases)
+    real = _totals(_run_once(setup, TINY_LLAMA, None, fake=False).phases)
+    rows = SimulationSetup(method=method, micro_batch=4, seq_len=32)  # type: ignore[arg-type]
+    assert fake.keys() == real.keys()
+    for name in fake:
+        assert 0 <= fake[name] - real[name] <= _mask_bytes(rows), name
+    sft = _totals(_run_once(rows, TINY_LLAMA, None, fake=True).phases)
+    peak = max(v for k, v in fake.items() if k.startswith("peak:"))
+    sft_peak = max(v for k, v in sft.items() if k.startswith("peak:"))
+    assert peak == pytest.approx(sft_peak, rel=0.02)
+
+
 @pytest.mark.parametrize("chunked", [False, True])
 def test_extrapolation_from_one_and_two_blocks_equals_the_whole_model(chunked: bool) -> None:
     fields = {**TINY_LLAMA, "num_hidden_layers": 6}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -54,6 +55,21 @@ def test_estimate_json_has_total_and_breakdown() -> None:
     assert data["perGPUGiB"] == pytest.approx(data["perGPUBytes"] / 1024**3, rel=1e-3)
     assert data["trainableParams"] == 32 * 16 * (4096 + 4096) + 32 * 16 * (4096 + 1024)
     assert data["setup"]["method"] == "qlora"
+
+
+def test_estimate_counts_a_dpo_micro_batch_of_pairs_as_twice_the_sequences() -> None:
+    def estimate(*flags: str) -> dict[str, Any]:
+        code, out = invoke("estimate", "--model", "Qwen/Qwen2.5-0.5B", "--json", *flags)
+        assert code == 0, out
+        return dict(json.loads(out))
+
+    dpo = estimate("--objective", "dpo", "--micro-batch", "2")
+    sft = estimate("--micro-batch", "4")
+    assert dpo["objective"] == "dpo" and sft["objective"] == "sft"
+    assert dpo["perGPUBytes"] == sft["perGPUBytes"]
+    assert dpo["perGPUBytes"] > estimate("--micro-batch", "2")["perGPUBytes"]
+    code, out = invoke("estimate", "--model", "Qwen/Qwen2.5-0.5B", "--objective", "dpo")
+    assert code == 0 and "micro-batch 1 pairs (2 sequences)" in out, out
 
 
 def test_estimate_from_config_file(tmp_path: Path) -> None:

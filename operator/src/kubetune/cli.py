@@ -29,6 +29,7 @@ from kubetune.planning.estimator import (
     trainer_attention,
 )
 from kubetune.planning.planner import Plan, PlannerSettings, plan_job
+from kubetune.planning.throughput import ROWS_PER_PAIR
 from kubetune.sources import load_arch
 from kubetune.views import (
     ObjectWatcher,
@@ -42,6 +43,7 @@ from kubetune.views import (
 )
 from kubetune_trainer.contract import (
     METHODS,
+    OBJECTIVES,
     OPTIMIZERS,
     PRECISIONS,
     SHARDINGS,
@@ -50,6 +52,7 @@ from kubetune_trainer.contract import (
     Precision,
     Sharding,
 )
+from kubetune_trainer.contract import Objective as TrainingObjective
 
 GIB = 1024**3
 
@@ -148,7 +151,16 @@ def _arch(config: str | None, model: str | None, allow_network: bool) -> ModelAr
     show_default=True,
     help="Comma-separated module names, or all-linear.",
 )
-@click.option("--micro-batch", type=int, default=1, show_default=True, help="Sequences per GPU.")
+@click.option(
+    "--objective",
+    type=click.Choice(OBJECTIVES),
+    default="sft",
+    show_default=True,
+    help="dpo: --micro-batch counts preference pairs, each a chosen and a rejected sequence.",
+)
+@click.option(
+    "--micro-batch", type=int, default=1, show_default=True, help="Sequences (DPO: pairs) per GPU."
+)
 @click.option("--seq-len", type=int, default=2048, show_default=True)
 @click.option(
     "--gpus", type=int, default=1, show_default=True, help="GPUs the model is sharded over."
@@ -216,6 +228,7 @@ def estimate(
     lora_rank: int,
     lora_dropout: float,
     lora_targets: str,
+    objective: TrainingObjective,
     micro_batch: int,
     seq_len: int,
     gpus: int,
@@ -244,9 +257,10 @@ def estimate(
         return
     arch = _arch(config, model, allow_network)
     targets = tuple(t.strip() for t in lora_targets.split(",") if t.strip())
+    rows = micro_batch * (ROWS_PER_PAIR if objective == "dpo" else 1)
     setup = TrainingSetup(
         method=method,
-        micro_batch=micro_batch,
+        micro_batch=rows,
         seq_len=seq_len,
         gpus=gpus,
         sharding=sharding,
@@ -268,16 +282,19 @@ def estimate(
         est = estimate_vram(arch, setup)
     except EstimatorError as exc:
         raise Abort(str(exc)) from exc
-    sim = _simulate(config, arch, setup) if simulate else None
+    sim = _simulate(config, arch, setup, objective) if simulate else None
     if as_json:
         out = est.to_dict()
         out["model"] = arch.name
+        out["objective"] = objective
         if sim is not None:
             out["simulated"] = sim
         click.echo(json.dumps(out, indent=2, sort_keys=True))
         return
+    batch = f"{micro_batch} pairs ({rows} sequences)" if objective == "dpo" else f"{micro_batch}"
     click.echo(
-        f"{arch.name}: {method}, {gpus} GPU(s), micro-batch {micro_batch} × {seq_len} tokens, "
+        f"{arch.name}: {method}{' DPO' if objective == 'dpo' else ''}, {gpus} GPU(s), "
+        f"micro-batch {batch} × {seq_len} tokens, "
         f"{precision}, {optimizer}, checkpointing {'on' if grad_ckpt else 'off'}"
         + (", chunked loss" if chunked_ce else "")
         + (", activations offloaded" if activation_offload else "")
@@ -320,8 +337,11 @@ def _config_fields(config: str | None, arch: ModelArch) -> dict[str, Any]:
     )
 
 
-def _simulate(config: str | None, arch: ModelArch, setup: TrainingSetup) -> dict[str, Any]:
-    """The trainer's step on fake tensors for `setup`, with the terms fake tensors cannot see
+def _simulate(
+    config: str | None, arch: ModelArch, setup: TrainingSetup, objective: TrainingObjective
+) -> dict[str, Any]:
+    """The trainer's step on fake tensors for `setup` (its DPO step for `objective` dpo: the
+    simulation counts pairs where `setup` counts rows), with the terms fake tensors cannot see
     taken from the estimator's constants; a JSON-ready dict."""
     import dataclasses
 
@@ -338,9 +358,10 @@ def _simulate(config: str | None, arch: ModelArch, setup: TrainingSetup) -> dict
             "To fix: pip install 'kubetune[trainer]' (the trainer extra), or drop --simulate."
         ) from exc
     names = {f.name for f in dataclasses.fields(sim_mod.SimulationSetup)}
-    sim_setup = sim_mod.SimulationSetup(
-        **{k: v for k, v in dataclasses.asdict(setup).items() if k in names}
-    )
+    same = {k: v for k, v in dataclasses.asdict(setup).items() if k in names}
+    if objective == "dpo":
+        same.update(objective=objective, micro_batch=setup.micro_batch // ROWS_PER_PAIR)
+    sim_setup = sim_mod.SimulationSetup(**same)
     try:
         result = sim_mod.simulate(fields, sim_setup)
     except (sim_mod.SimulationError, ValueError) as exc:

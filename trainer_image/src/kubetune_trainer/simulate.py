@@ -35,6 +35,11 @@ compares against; `docs/simulate.md` has the measured error).
 What fake tensors cannot see (CUDA context, NCCL buffers, caching-allocator slack) is not part of
 the result; the CLI adds those terms from the estimator's constants and says so.
 
+DPO (`objective="dpo"`, `micro_batch` pairs) runs the trainer's DPO step instead: the
+reference log-probabilities first (LoRA: the same model with its adapters off, without
+gradients; full: precomputed once per start, so zeros here), then the policy's over the
+pair's two rows, then the sigmoid loss.
+
 Limits: one process (`gpus=1`); QLoRA is not simulated (bitsandbytes quantizes real weights on a
 GPU); the attention kernel is the CPU one of `scaled_dot_product_attention` (saved tensors of
 the same size as the CUDA flash kernel's: output and log-sum-exp).
@@ -45,7 +50,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -60,6 +65,7 @@ from kubetune_trainer.contract import (
     LoraConfig,
     Method,
     ModelRef,
+    Objective,
     Optimizer,
     ParallelConfig,
     Precision,
@@ -67,7 +73,8 @@ from kubetune_trainer.contract import (
     TrainerConfig,
     TrainingConfig,
 )
-from kubetune_trainer.loss import ChunkedLoss, loss_sum
+from kubetune_trainer.dpo import dpo_loss
+from kubetune_trainer.loss import ChunkedLoss, loss_sum, sequence_logps
 from kubetune_trainer.modeling import (
     _add_lora,
     _hf_model,
@@ -136,6 +143,9 @@ class SimulationSetup:
     activation_offload: bool = False
     loss_chunk_tokens: int | None = None
     fused_experts: bool = True
+    objective: Objective = "sft"
+    """`dpo`: `micro_batch` counts preference pairs, each a chosen and a rejected row; the
+    step is the trainer's DPO step (the estimator's `TrainingSetup` counts rows instead)."""
 
 
 @dataclass(frozen=True)
@@ -235,6 +245,8 @@ def trainer_config(setup: SimulationSetup, source: str = "simulated") -> Trainer
             precision=setup.precision,
             optimizer=setup.optimizer,
             chunked_cross_entropy=setup.chunked_ce,
+            objective=setup.objective,
+            packing=setup.objective != "dpo",
         ),
         parallel=ParallelConfig(gpus_per_node=setup.gpus, sharding=setup.sharding),
     )
@@ -554,7 +566,7 @@ def _step(
         adapters = sum(
             p.numel() * p.element_size() for p in _unique_params(model) if p.requires_grad
         )
-        b, s = setup.micro_batch, setup.seq_len
+        b, s = setup.micro_batch * (2 if setup.objective == "dpo" else 1), setup.seq_len
         input_ids = torch.zeros((b, s), dtype=torch.long, device=_DEVICE)
         labels = torch.zeros((b, s), dtype=torch.long, device=_DEVICE)
         position_ids = torch.arange(s, device=_DEVICE).unsqueeze(0).expand(b, s).contiguous()
@@ -572,15 +584,22 @@ def _step(
     take("weights")
     with fake_mode, assume, tracker:
         tracker.stage = "forward"
-        loss = loss_sum(
-            model,
-            input_ids=input_ids,
-            labels=labels,
-            attention_mask=None,
-            position_ids=position_ids,
-            autocast_dtype=autocast,
-            chunked=chunked,
-        )
+        if setup.objective == "dpo":
+            # MemTracker follows one forward per module and step: forget the reference's
+            # per-module numbers (the windows' peaks stay) before the policy's forward.
+            loss = _dpo_forward(
+                model, cfg, input_ids, labels, autocast, chunked, between=tracker.reset_mod_stats
+            )
+        else:
+            loss = loss_sum(
+                model,
+                input_ids=input_ids,
+                labels=labels,
+                attention_mask=None,
+                position_ids=position_ids,
+                autocast_dtype=autocast,
+                chunked=chunked,
+            )
         take("forward")
         tracker.stage = "backward"
         scaled: Any = loss * (1.0 / (b * (s - 1)))
@@ -594,6 +613,56 @@ def _step(
     for name, (_, snap, tagged) in tracker.windows.items():
         phases[f"peak:{name}"] = _breakdown(snap, tagged, lora, setup.method)
     return _Run(phases=phases, total_params=total, trainable_params=trainable, blocks=blocks)
+
+
+def _dpo_forward(
+    model: Any,
+    cfg: TrainerConfig,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    autocast: torch.dtype | None,
+    chunked: ChunkedLoss | None,
+    *,
+    between: Callable[[], None],
+) -> torch.Tensor:
+    """`FineTuneRecipe._dpo_terms`' forward: the reference log-probabilities (LoRA: the model
+    with its adapters off, without gradients, in eval mode; full: precomputed once per start,
+    here zeros), then the policy's, then the DPO loss summed over the pairs."""
+    rows = input_ids.size(0)
+    if cfg.method == "full":
+        ref = torch.zeros(rows, dtype=torch.float32, device=input_ids.device)
+    else:
+        model.eval()
+        with torch.no_grad(), model.disable_adapter():
+            ref = sequence_logps(
+                model,
+                input_ids=input_ids,
+                labels=labels,
+                attention_mask=None,
+                autocast_dtype=autocast,
+                chunked=chunked,
+            )
+        model.train()
+        between()
+    logps = sequence_logps(
+        model,
+        input_ids=input_ids,
+        labels=labels,
+        attention_mask=None,
+        autocast_dtype=autocast,
+        chunked=chunked,
+    )
+    half = rows // 2
+    dpo = cfg.training.dpo
+    terms = dpo_loss(
+        logps[:half],
+        logps[half:],
+        ref[:half],
+        ref[half:],
+        beta=dpo.beta,
+        label_smoothing=dpo.label_smoothing,
+    )
+    return terms.losses.sum()
 
 
 def _unique_params(model: nn.Module) -> Iterator[nn.Parameter]:
