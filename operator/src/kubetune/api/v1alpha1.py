@@ -19,6 +19,7 @@ from pydantic.alias_generators import to_camel
 from kubetune.api.gpus import GPU_PRODUCT_LABEL, KNOWN_GPUS
 from kubetune.api.vocabulary import Phase, PlanReason, RecoveryReason
 from kubetune_trainer.contract import DatasetFormat, Method, Optimizer, Precision, Sharding
+from kubetune_trainer.contract import EarlyStoppingMetric as StoppingMetric
 from kubetune_trainer.contract import Objective as TrainingObjective
 
 GROUP = "kubetune.io"
@@ -220,6 +221,53 @@ class DPOSettings(_Model):
     )
 
 
+EARLY_STOPPING_NEEDS_VALIDATION = (
+    "spec.training.earlyStopping watches the validation metrics, and spec.dataset."
+    "validationSplit is 0 (no validation data). To fix: set spec.dataset.validationSplit, "
+    "e.g. 0.05, or remove spec.training.earlyStopping"
+)
+REWARD_ACCURACY_NEEDS_DPO = (
+    "spec.training.earlyStopping.metric eval_reward_accuracy is only valid with "
+    "spec.training.objective: dpo. To fix: use metric eval_loss, or objective dpo"
+)
+EARLY_STOPPING_DEFAULTS: dict[str, Any] = {"patience": 3, "min_delta": 0.0, "metric": "eval_loss"}
+"""What an unset field of spec.training.earlyStopping means (applied by the operator, not
+the schema, so a change of default never rewrites stored jobs)."""
+
+
+class EarlyStoppingSettings(_Model):
+    """Stop training when the validation metric stops improving; the output is then the
+    best evaluation's weights (docs/training.md#early-stopping). Unset fields take the
+    defaults their descriptions name."""
+
+    patience: int | None = Field(
+        default=None,
+        ge=1,
+        le=1000,
+        description="Evaluations in a row without improvement before training stops (unset: "
+        "3). The trainer evaluates at every checkpoint (spec.checkpoint.intervalSteps or "
+        "intervalMinutes), and patience counts evaluations, as HF's early_stopping_patience.",
+    )
+    min_delta: float | None = Field(
+        default=None,
+        ge=0,
+        le=1000,
+        description="Smallest change of the metric that counts as an improvement (unset: 0; "
+        "HF's early_stopping_threshold).",
+    )
+    metric: StoppingMetric | None = Field(
+        default=None,
+        description="`eval_loss` (validation loss, lower is better; unset means this) or, with "
+        "objective dpo, `eval_reward_accuracy` (share of validation pairs whose chosen "
+        "response gets the higher reward; higher is better).",
+    )
+
+    def effective(self) -> dict[str, Any]:
+        """patience, min_delta and metric with the defaults filled in."""
+        given = {k: getattr(self, k) for k in EARLY_STOPPING_DEFAULTS}
+        return {k: EARLY_STOPPING_DEFAULTS[k] if v is None else v for k, v in given.items()}
+
+
 class TrainingSettings(_Model):
     objective: TrainingObjective = Field(
         default="sft",
@@ -231,6 +279,11 @@ class TrainingSettings(_Model):
     )
     dpo: DPOSettings | None = Field(
         default=None, description="DPO's beta and label smoothing; only with objective dpo."
+    )
+    early_stopping: EarlyStoppingSettings | None = Field(
+        default=None,
+        description="Stop when the validation metric stops improving (needs "
+        "spec.dataset.validationSplit); unset: train all epochs or maxSteps.",
     )
     epochs: float = Field(default=1.0, gt=0, le=100, description="Passes over the training data.")
     max_steps: int | None = Field(
@@ -308,6 +361,13 @@ class TrainingSettings(_Model):
     def _dpo_settings_need_dpo(self) -> TrainingSettings:
         if self.dpo is not None and self.objective != "dpo":
             raise ValueError(DPO_NEEDS_OBJECTIVE)
+        return self
+
+    @model_validator(mode="after")
+    def _reward_accuracy_needs_dpo(self) -> TrainingSettings:
+        es = self.early_stopping
+        if es is not None and es.metric == "eval_reward_accuracy" and self.objective != "dpo":
+            raise ValueError(REWARD_ACCURACY_NEEDS_DPO)
         return self
 
 
@@ -554,6 +614,12 @@ class FineTuneJobSpec(_Model):
             )
         return value
 
+    @model_validator(mode="after")
+    def _early_stopping_needs_validation(self) -> FineTuneJobSpec:
+        if self.training.early_stopping is not None and self.dataset.validation_split <= 0:
+            raise ValueError(EARLY_STOPPING_NEEDS_VALIDATION)
+        return self
+
     @property
     def lora_or_default(self) -> LoraSettings:
         return self.lora if self.lora is not None else LoraSettings()
@@ -574,6 +640,18 @@ FINETUNEJOB_SPEC_RULES = [
         "!has(self.training) || !has(self.training.microBatchSize) || "
         "self.training.globalBatchSize % self.training.microBatchSize == 0",
         "spec.training.globalBatchSize must be a multiple of spec.training.microBatchSize",
+    ),
+    _cel(
+        "!has(self.training) || !has(self.training.earlyStopping) || "
+        "(has(self.dataset.validationSplit) && self.dataset.validationSplit > 0.0)",
+        EARLY_STOPPING_NEEDS_VALIDATION,
+    ),
+    _cel(
+        "!has(self.training) || !has(self.training.earlyStopping) || "
+        "!has(self.training.earlyStopping.metric) || "
+        "self.training.earlyStopping.metric != 'eval_reward_accuracy' || "
+        "(has(self.training.objective) && self.training.objective == 'dpo')",
+        REWARD_ACCURACY_NEEDS_DPO,
     ),
     _cel(
         "!has(self.training) || !has(self.training.activationOffloading) || "
@@ -814,6 +892,19 @@ class CheckpointStatus(_Model):
     path: str | None = Field(default=None, description="Folder inside the checkpoint volume.")
 
 
+class EarlyStoppedStatus(_Model):
+    """Training stopped before its last step because the validation metric stopped
+    improving (status.earlyStopped); the output holds the weights of step bestStep."""
+
+    step: int = Field(description="The step training stopped at.")
+    best_step: int = Field(description="The step of the best evaluation: the output's weights.")
+    metric: StoppingMetric = Field(description="The metric watched.")
+    value: float | None = Field(default=None, description="Its value at bestStep.")
+    patience: int | None = Field(
+        default=None, description="Evaluations without improvement that ended training."
+    )
+
+
 class Recovery(_Model):
     reason: RecoveryReason = Field(description="What went wrong.")
     time: str = Field(description="When it was handled (RFC 3339).")
@@ -866,6 +957,10 @@ class FineTuneJobStatus(_Model):
     )
     progress: ProgressStatus | None = Field(default=None, description="Training progress.")
     checkpoint: CheckpointStatus | None = Field(default=None, description="Newest checkpoint.")
+    early_stopped: EarlyStoppedStatus | None = Field(
+        default=None,
+        description="Set when spec.training.earlyStopping ended training before its last step.",
+    )
     attempt: int = Field(
         default=0, description="Trainer launches so far (names the current batch Job)."
     )

@@ -118,6 +118,9 @@ class Reason(StrEnum):
     RESCHEDULED = "Rescheduled"
     # the end
     COMPLETED = "Completed"
+    EARLY_STOPPED = "EarlyStopped"
+    """Succeeded: the validation metric stopped improving (spec.training.earlyStopping), so
+    training ended before its last step; the output is the best evaluation's weights."""
     TRAINER_CONFIG_ERROR = "TrainerConfigError"
     CHECKPOINT_FAILED = "CheckpointFailed"
     """The trainer could not write a checkpoint (no room on the volume, a write error), or

@@ -43,6 +43,7 @@ from kubetune_trainer.contract import (
     CheckpointConfig,
     DatasetRef,
     DpoConfig,
+    EarlyStoppingConfig,
     FaultInjection,
     JobRef,
     LoraConfig,
@@ -505,6 +506,11 @@ def build_trainer_config(
             dpo=DpoConfig(
                 beta=dpo.beta if (dpo := training.dpo) else DpoConfig().beta,
                 label_smoothing=dpo.label_smoothing if dpo else DpoConfig().label_smoothing,
+            ),
+            early_stopping=(
+                EarlyStoppingConfig(**es.effective())
+                if (es := training.early_stopping) is not None
+                else None
             ),
         ),
         parallel=ParallelConfig(

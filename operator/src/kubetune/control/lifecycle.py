@@ -114,12 +114,13 @@ class Transitions:
             ConditionType.SUSPENDED, False, Reason.RESUMED, "resumed by spec.suspend=false"
         )
 
-    def succeed(self) -> None:
+    def succeed(self, reason: Reason = Reason.COMPLETED, message: str | None = None) -> None:
+        """Done: COMPLETED, or EARLY_STOPPED with `message` saying where and why."""
         move(self.status, Phase.SUCCEEDED)
         self.status.completion_time = now_rfc3339(self.now)
-        self.status.message = "training finished"
-        self.condition(ConditionType.RUNNING, False, Reason.COMPLETED, "trainer finished")
-        self.condition(ConditionType.SUCCEEDED, True, Reason.COMPLETED, "trainer finished")
+        self.status.message = message or "training finished"
+        self.condition(ConditionType.RUNNING, False, reason, message or "trainer finished")
+        self.condition(ConditionType.SUCCEEDED, True, reason, message or "trainer finished")
 
     def fail(self, reason: Reason, message: str) -> None:
         """The one way a job fails, whoever finds the reason (reconcile or the handlers)."""

@@ -15,9 +15,10 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
-from kubetune.api.v1alpha1 import Recovery
+from kubetune.api.v1alpha1 import EarlyStoppedStatus, Recovery
 from kubetune.api.vocabulary import Reason, RecoveryReason, StepKind
 from kubetune_trainer.contract import (
+    EARLY_STOPPED,
     EXIT_CHECKPOINT_FAILED,
     EXIT_CONFIG_ERROR,
     EXIT_OOM,
@@ -172,6 +173,35 @@ def step_end(pods: Sequence[Mapping[str, Any]], kind: StepKind) -> StepEnd:
         return StepEnd(None, f"no {kind.value} exit recorded")
     _, code, message = max(ends, key=lambda e: e[0])
     return StepEnd(None if code is None else int(code), message.strip())
+
+
+def early_stopped(pods: Sequence[Mapping[str, Any]]) -> EarlyStoppedStatus | None:
+    """How early stopping ended the run, from the trainer's termination message on exit 0
+    (rank 0's pod: `early_stopped step=N best_step=M metric=... value=... patience=P`);
+    None when no pod says it stopped early."""
+    for pod in pods:
+        for term in _trainer_terminations(pod):
+            if term.get("exitCode") != 0:
+                continue
+            for line in str(term.get("message") or "").splitlines():
+                words = line.split()
+                if not words or words[0] != EARLY_STOPPED:
+                    continue
+                fields = dict(w.split("=", 1) for w in words[1:] if "=" in w)
+                try:
+                    value = float(fields["value"]) if "value" in fields else None
+                    return EarlyStoppedStatus.model_validate(
+                        {
+                            "step": int(fields["step"]),
+                            "bestStep": int(fields["best_step"]),
+                            "metric": fields.get("metric", "eval_loss"),
+                            "value": None if value is None or value != value else round(value, 6),
+                            "patience": int(fields["patience"]) if "patience" in fields else None,
+                        }
+                    )
+                except (KeyError, ValueError):
+                    continue
+    return None
 
 
 def oom_phase(detail: str) -> str | None:

@@ -149,16 +149,26 @@ def complete(status: FineTuneJobStatus, now: datetime) -> None:
     """Progress at 100 % and the last step's checkpoint, once the trainer exited 0.
 
     The trainer exits 0 only after it checkpointed the last step (its contract); the last
-    metrics read may have come before that checkpoint.
+    metrics read may have come before that checkpoint. A run that stopped early
+    (status.earlyStopped) checkpointed the step it stopped at, and its progress stays there.
     """
     total = (status.progress or status.plan or ProgressStatus()).total_steps
-    if total and (status.checkpoint is None or status.checkpoint.latest_step != total):
+    stopped = status.early_stopped
+    last = stopped.step if stopped is not None else total
+    if last and (status.checkpoint is None or status.checkpoint.latest_step != last):
         status.checkpoint = CheckpointStatus(
-            latest_step=total, time=now_rfc3339(now), path=checkpoint_dir_name(total)
+            latest_step=last, time=now_rfc3339(now), path=checkpoint_dir_name(last)
         )
     if status.progress is not None:
-        status.progress.step = status.progress.total_steps
-        status.progress.percent = 100
-        status.progress.eta_seconds = 0
-        status.progress.eta = "0s"
-        status.progress.summary = _summary(status.progress)
+        progress = status.progress
+        progress.step = last if stopped is not None else progress.total_steps
+        progress.percent = (
+            100
+            if stopped is None
+            else min(100, int(100 * progress.step / max(1, progress.total_steps)))
+        )
+        progress.eta_seconds = 0
+        progress.eta = "0s"
+        progress.summary = _summary(progress)
+        if stopped is not None:
+            progress.summary += f" early stopped, best step {stopped.best_step}"

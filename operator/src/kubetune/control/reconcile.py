@@ -38,6 +38,7 @@ from kubetune.api.units import about, size
 from kubetune.api.v1alpha1 import (
     CHAIN_SCHEME,
     INT64_MAX,
+    EarlyStoppedStatus,
     FineTuneJob,
     FineTuneJobSpec,
     FineTuneJobStatus,
@@ -977,9 +978,17 @@ class _Reconciler:
         return False
 
     def succeed(self) -> None:
-        self.go.succeed()
-        progress.complete(self.s, self.now)
-        self.d.event(Reason.COMPLETED, "Training finished")
+        stopped = self.s.early_stopped or p.early_stopped(self.observed.pods)
+        if stopped is None:
+            self.go.succeed()
+            progress.complete(self.s, self.now)
+            self.d.event(Reason.COMPLETED, "Training finished")
+        else:
+            self.s.early_stopped = stopped
+            said = early_stop_message(stopped, self.s.progress)
+            self.go.succeed(Reason.EARLY_STOPPED, said)
+            progress.complete(self.s, self.now)
+            self.d.event(Reason.EARLY_STOPPED, said)
         self.finished()
 
     # ------------------------------------------------------------------ recovery
@@ -1376,6 +1385,18 @@ STALL_STEPS = 20
 """An attempt is stalled after at least this many planned step times without progress."""
 KEEP_RECOVERIES = 20
 """Entries of earlier attempts kept in status.recoveries (the current attempt's all stay)."""
+
+
+def early_stop_message(stopped: EarlyStoppedStatus, progress: ProgressStatus | None) -> str:
+    """What status.message and the Succeeded condition say of a run that stopped early."""
+    total = f" of {progress.total_steps}" if progress is not None and progress.total_steps else ""
+    value = f" {stopped.value:.4g}" if stopped.value is not None else ""
+    evaluations = f" for {stopped.patience} evaluations" if stopped.patience else ""
+    return (
+        f"training stopped early at step {stopped.step}{total}: {stopped.metric} did not "
+        f"improve{evaluations}; the output holds step {stopped.best_step}'s weights "
+        f"({stopped.metric}{value})"
+    )
 
 
 def trim_recoveries(recoveries: list[Recovery], attempt: int) -> list[Recovery]:
