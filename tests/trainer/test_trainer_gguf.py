@@ -21,7 +21,13 @@ import torch
 
 from kubetune_dev.llamacpp import LlamaCpp, ensure_llama_cpp
 from kubetune_trainer.__main__ import main
-from kubetune_trainer.contract import EXIT_CONFIG_ERROR, EXIT_OK
+from kubetune_trainer.contract import (
+    EXIT_CONFIG_ERROR,
+    EXIT_OK,
+    ExportConfig,
+    ExportResult,
+    JobRef,
+)
 from kubetune_trainer.errors import ConfigError
 from kubetune_trainer.gguf import export_gguf
 from kubetune_trainer.tiny import synthetic_sentences
@@ -245,3 +251,62 @@ def test_gguf_cli_exits_with_the_config_error_code(merged: Path, tmp_path: Path)
     )
     assert proc.returncode == EXIT_CONFIG_ERROR, proc.stderr
     assert "To fix:" in proc.stderr
+
+
+# ------------------------------------------------------------------ the export step
+
+
+def test_the_export_step_writes_a_gguf_llama_cpp_loads(
+    merged: Path, llama_cpp: LlamaCpp, tmp_path: Path
+) -> None:
+    """`python -m kubetune_trainer.export` as the operator's export pod runs it: the config
+    file in, the GGUF file and the ExportResult (termination message) out; a refusal is
+    `config_error` with exit 2 and no file."""
+    out = tmp_path / "output"
+    config = ExportConfig(
+        job=JobRef(name="demo", namespace="ns", uid="u1"),
+        model_dir=str(merged),
+        out_file=str(out / "gguf" / "demo-q8_0.gguf"),
+        quantization="q8_0",
+        pre_tokenizer=PRE_TOKENIZER,
+    )
+
+    def run_step(cfg: ExportConfig, extra_env: dict[str, str]) -> tuple[int, str]:
+        path = tmp_path / "step.json"
+        path.write_text(cfg.model_dump_json())
+        term = tmp_path / "termination-log"
+        term.write_text("")
+        proc = subprocess.run(
+            [sys.executable, "-m", "kubetune_trainer.export", "--config", str(path)],
+            env={**os.environ, "KUBETUNE_TERMINATION_LOG": str(term), **extra_env},
+            capture_output=True,
+            text=True,
+            timeout=TINY_TIMEOUT_S,
+            check=False,
+        )
+        return proc.returncode, term.read_text()
+
+    code, message = run_step(config, {"KUBETUNE_LLAMA_CPP_DIR": str(llama_cpp.converter_dir)})
+    assert code == EXIT_OK, message
+    result = ExportResult.model_validate_json(message)
+    gguf = Path(result.file)
+    assert gguf == out / "gguf" / "demo-q8_0.gguf" and result.quantization == "q8_0"
+    assert result.bytes == gguf.stat().st_size > 0 and result.seconds > 0
+    assert sorted(p.name for p in gguf.parent.iterdir()) == [gguf.name]  # nothing half-written
+    prompts = prompt_ids(merged)
+    got = llama_cpp_run(llama_cpp, gguf, prompts, [])
+    want = hf_next_tokens(merged, prompts)
+    agree = sum(a == b for a, b in zip(got["next"], want, strict=True))
+    print(f"export step q8_0: {agree}/{PROMPTS} agree, {result.bytes} bytes, {result.seconds}s")
+    assert agree >= 9, (got["next"], want)
+
+    # No quantizer here (no llama-quantize on PATH, no bindings importable): a k-quant is a
+    # permanent failure that says what to do.
+    k_quant = config.model_copy(
+        update={"quantization": "q4_k_m", "out_file": str(out / "gguf" / "demo-q4_k_m.gguf")}
+    )
+    env = {"KUBETUNE_LLAMA_CPP_DIR": str(llama_cpp.converter_dir), "PATH": "/usr/bin:/bin"}
+    code, message = run_step(k_quant, env)
+    assert code == EXIT_CONFIG_ERROR, message
+    assert message.startswith("config_error ") and "To fix:" in message
+    assert not Path(k_quant.out_file).exists()

@@ -384,6 +384,65 @@ UPLOAD_MANIFEST = "kubetune-upload.json"
 """Written last under the destination: {"files": [{"path", "bytes", "sha256"}], "job": ...}."""
 
 
+# GGUF export: the types llama.cpp's converter writes itself, then those that need its
+# quantizer (llama-quantize's names, lower case). The API's spec.output.gguf.quantization and
+# kubetune_trainer.gguf take them from here.
+GGUFConverterType = Literal["f32", "f16", "bf16", "q8_0"]
+GGUFQuantizerType = Literal[
+    "q4_0",
+    "q4_1",
+    "q5_0",
+    "q5_1",
+    "q2_k",
+    "q3_k_s",
+    "q3_k_m",
+    "q3_k_l",
+    "q4_k_s",
+    "q4_k_m",
+    "q5_k_s",
+    "q5_k_m",
+    "q6_k",
+]
+GGUFType = Literal[GGUFConverterType, GGUFQuantizerType]
+GGUF_CONVERTER_TYPES: tuple[GGUFConverterType, ...] = get_args(GGUFConverterType)
+GGUF_QUANTIZER_TYPES: tuple[GGUFQuantizerType, ...] = get_args(GGUFQuantizerType)
+GGUF_TYPES: tuple[str, ...] = GGUF_CONVERTER_TYPES + GGUF_QUANTIZER_TYPES
+
+
+class ExportConfig(_Strict):
+    """What the export step turns into GGUF once training succeeded.
+
+    The operator runs it as a CPU-only pod (`python -m kubetune_trainer.export --config F`)
+    with the volume that holds the run's output mounted read-write. It converts the whole
+    model in `model_dir` (a merged LoRA model or a full fine-tune's model) into `out_file`
+    with llama.cpp's converter (and quantizer for k-quants), writing under a temporary name
+    and renaming when complete. Exit 0: written (the termination message is the
+    `ExportResult` as JSON); EXIT_CONFIG_ERROR: permanent (no model there, an architecture or
+    type llama.cpp cannot write, no quantizer in the image); anything else: transient
+    (retried)."""
+
+    contract_version: int = CONTRACT_VERSION
+    job: JobRef
+    model_dir: str = Field(description="The whole model to convert (config.json, safetensors).")
+    out_file: str = Field(description="The GGUF file to write.")
+    quantization: GGUFType = "q8_0"
+    pre_tokenizer: str | None = Field(
+        default=None,
+        description="llama.cpp's name for a BPE pre-tokenizer its converter does not "
+        "recognise (e.g. gpt-2); models it knows ignore it.",
+    )
+
+
+class ExportResult(_Strict):
+    """What the export step wrote."""
+
+    file: str
+    quantization: str
+    bytes: int
+    seconds: float = 0.0
+    tool: str = Field(default="", description="convert_hf_to_gguf[+llama-quantize|llama_cpp].")
+
+
 class ContractError(ValueError):
     pass
 
@@ -413,3 +472,8 @@ def parse_stage_in_config(text: str, source: str) -> StageInConfig:
 def parse_stage_out_config(text: str, source: str) -> StageOutConfig:
     """`parse_config` for the stage-out step's config."""
     return StageOutConfig.model_validate(_known_version(text, source))
+
+
+def parse_export_config(text: str, source: str) -> ExportConfig:
+    """`parse_config` for the export step's config."""
+    return ExportConfig.model_validate(_known_version(text, source))

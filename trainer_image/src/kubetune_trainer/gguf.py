@@ -38,29 +38,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kubetune_trainer.contract import GGUF_CONVERTER_TYPES, GGUF_QUANTIZER_TYPES, GGUF_TYPES
 from kubetune_trainer.errors import ConfigError, TrainerExit
 
 log = logging.getLogger(__name__)
 
 #: Types convert_hf_to_gguf.py writes itself.
-CONVERTER_TYPES: tuple[str, ...] = ("f32", "f16", "bf16", "q8_0")
+CONVERTER_TYPES: tuple[str, ...] = GGUF_CONVERTER_TYPES
 #: Types that need llama.cpp's quantizer after the conversion (llama-quantize's names).
-QUANTIZER_TYPES: tuple[str, ...] = (
-    "q4_0",
-    "q4_1",
-    "q5_0",
-    "q5_1",
-    "q2_k",
-    "q3_k_s",
-    "q3_k_m",
-    "q3_k_l",
-    "q4_k_s",
-    "q4_k_m",
-    "q5_k_s",
-    "q5_k_m",
-    "q6_k",
-)
-SUPPORTED_TYPES: tuple[str, ...] = CONVERTER_TYPES + QUANTIZER_TYPES
+QUANTIZER_TYPES: tuple[str, ...] = GGUF_QUANTIZER_TYPES
+SUPPORTED_TYPES: tuple[str, ...] = GGUF_TYPES
 
 DEFAULT_CONVERTER_DIR = Path("/opt/llama.cpp")
 CONVERTER_DIR_ENV = "KUBETUNE_LLAMA_CPP_DIR"
