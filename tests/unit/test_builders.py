@@ -23,13 +23,20 @@ import pytest
 import yaml
 
 from kubetune.api.errors import SpecError
-from kubetune.api.v1alpha1 import FineTuneJob, GPUPool, PlanStatus
+from kubetune.api.v1alpha1 import (
+    FineTuneJob,
+    FineTuneJobStatus,
+    GGUFSettings,
+    GPUPool,
+    PlanStatus,
+)
 from kubetune.api.vocabulary import PlanReason
 from kubetune.control.builders import (
     BuildSettings,
     build_checkpoint_pvc,
     build_children,
     build_config_map,
+    build_export,
     build_headless_service,
     build_indexed_job,
     build_network_policy,
@@ -835,3 +842,18 @@ def test_a_hub_datasets_revision_reaches_the_trainer_and_a_files_does_not() -> N
     )
     job.spec.dataset.uri = "pvc://data/train.jsonl"
     assert build_trainer_config(job, tiny_lora_plan(), SETTINGS, 1).dataset.revision is None
+
+
+def test_export_job_matches_fixture() -> None:
+    """The GGUF export step of the full 8B job (a `pvc://` output): the ConfigMap and Job."""
+    job = full_8b_job()
+    job.spec.output.gguf = GGUFSettings(quantization="q8_0")
+    job.status = FineTuneJobStatus(plan=full_8b_plan())
+    rendered = _render(build_export(job, SETTINGS))
+    path = FIXTURES / "full-8b-export.yaml"
+    if UPDATE:
+        path.write_text(rendered, encoding="utf-8")
+    assert path.exists(), f"{path} is missing; create it with KUBETUNE_UPDATE_FIXTURES=1"
+    assert rendered == path.read_text(encoding="utf-8"), (
+        f"{path.name} differs; if the change is intended, rerun with KUBETUNE_UPDATE_FIXTURES=1"
+    )

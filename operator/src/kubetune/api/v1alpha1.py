@@ -18,7 +18,14 @@ from pydantic.alias_generators import to_camel
 
 from kubetune.api.gpus import GPU_PRODUCT_LABEL, KNOWN_GPUS
 from kubetune.api.vocabulary import Phase, PlanReason, RecoveryReason
-from kubetune_trainer.contract import DatasetFormat, Method, Optimizer, Precision, Sharding
+from kubetune_trainer.contract import (
+    DatasetFormat,
+    GGUFType,
+    Method,
+    Optimizer,
+    Precision,
+    Sharding,
+)
 from kubetune_trainer.contract import EarlyStoppingMetric as StoppingMetric
 from kubetune_trainer.contract import Objective as TrainingObjective
 
@@ -468,6 +475,33 @@ class CheckpointSettings(_Model):
     )
 
 
+GGUF_NEEDS_A_WHOLE_MODEL = (
+    "spec.output.gguf needs a whole model, and a LoRA/QLoRA run writes only an adapter "
+    "unless spec.output.mergeAdapter is true. To fix: set spec.output.mergeAdapter: true "
+    "(a full fine-tune ignores it), or use method full, or remove spec.output.gguf"
+)
+
+
+class GGUFSettings(_Model):
+    """A GGUF file (llama.cpp, Ollama, LM Studio) made from the trained model after training,
+    by a CPU-only export step (docs/serving.md)."""
+
+    quantization: GGUFType = Field(
+        default="q8_0",
+        description="The GGUF type, as llama.cpp names it: f32, f16, bf16 and q8_0 are written "
+        "by llama.cpp's converter; the k-quants and q4_0..q5_1 need llama-quantize in the "
+        "trainer image (the default image has none: docs/serving.md).",
+    )
+    pre_tokenizer: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=64,
+        pattern=r"^[a-z0-9][a-z0-9._-]*$",
+        description="llama.cpp's name of the BPE pre-tokenizer (e.g. gpt-2, llama-bpe) for a "
+        "tokenizer its converter does not recognise; unset for models it knows.",
+    )
+
+
 class OutputSettings(_Model):
     uri: str | None = Field(
         default=None,
@@ -482,6 +516,11 @@ class OutputSettings(_Model):
     )
     merge_adapter: bool = Field(
         default=False, description="Also write the base model with the adapter merged in."
+    )
+    gguf: GGUFSettings | None = Field(
+        default=None,
+        description="Also write the trained model as GGUF to `output/gguf/<job>-<quantization>"
+        ".gguf` (before the upload of an `s3://` output). LoRA/QLoRA need mergeAdapter: true.",
     )
 
 
@@ -615,6 +654,13 @@ class FineTuneJobSpec(_Model):
         return value
 
     @model_validator(mode="after")
+    def _gguf_needs_a_whole_model(self) -> FineTuneJobSpec:
+        out = self.output
+        if out.gguf is not None and self.method != "full" and not out.merge_adapter:
+            raise ValueError(GGUF_NEEDS_A_WHOLE_MODEL)
+        return self
+
+    @model_validator(mode="after")
     def _early_stopping_needs_validation(self) -> FineTuneJobSpec:
         if self.training.early_stopping is not None and self.dataset.validation_split <= 0:
             raise ValueError(EARLY_STOPPING_NEEDS_VALIDATION)
@@ -663,6 +709,11 @@ FINETUNEJOB_SPEC_RULES = [
         "!has(self.training) || !has(self.training.dpo) || "
         "(has(self.training.objective) && self.training.objective == 'dpo')",
         DPO_NEEDS_OBJECTIVE,
+    ),
+    _cel(
+        "!has(self.output) || !has(self.output.gguf) || self.method == 'full' || "
+        "(has(self.output.mergeAdapter) && self.output.mergeAdapter)",
+        GGUF_NEEDS_A_WHOLE_MODEL,
     ),
 ]
 
@@ -857,6 +908,18 @@ class StageOutStatus(_Model):
     seconds: float | None = Field(default=None, description="How long the upload took.")
 
 
+class ExportStatus(_Model):
+    """What the export step wrote (status.export)."""
+
+    uri: str = Field(
+        description="Where the GGUF file is: `pvc://<claim>/<path>` (an `s3://` output also "
+        "has it under `gguf/` once uploaded)."
+    )
+    quantization: str = Field(description="Its GGUF type.")
+    bytes: int | None = Field(default=None, description="Its size.")
+    seconds: float | None = Field(default=None, description="How long the export took.")
+
+
 class StageInStatus(_Model):
     """What the stage-in step fetched and measured (status.stageIn)."""
 
@@ -951,6 +1014,9 @@ class FineTuneJobStatus(_Model):
     )
     stage_in: StageInStatus | None = Field(
         default=None, description="What the stage-in step fetched and measured."
+    )
+    export: ExportStatus | None = Field(
+        default=None, description="What the export step wrote (spec.output.gguf)."
     )
     stage_out: StageOutStatus | None = Field(
         default=None, description="What the stage-out step uploaded (an `s3://` output)."

@@ -48,6 +48,10 @@ class ConditionType(StrEnum):
     STAGED_IN = "StagedIn"
     """The stage-in step fetched, checked and measured the model and data (False while it
     runs); set only on jobs that read from a remote store."""
+    EXPORTED = "Exported"
+    """The export step wrote the GGUF file spec.output.gguf asks for (False while it runs);
+    set only on jobs with spec.output.gguf. It runs after training and before the stage-out,
+    so an `s3://` output uploads the file too; the job succeeds after both."""
     UPLOADED = "Uploaded"
     """The stage-out step uploaded the output to the `s3://` URI spec.output.uri names
     (False while it runs); set only on jobs with such an output. The job succeeds after it."""
@@ -89,6 +93,13 @@ class Reason(StrEnum):
     STAGE_IN_FAILED = "StageInFailed"
     """The stage-in step could not fetch, check or measure the model or data: a permanent
     failure (no access, no such object, bad data) or too many transient ones."""
+    # the export step
+    EXPORTING = "Exporting"
+    EXPORTED = "Exported"
+    EXPORT_FAILED = "ExportFailed"
+    """The export step could not write the GGUF file: a permanent failure (an architecture,
+    tokenizer or type llama.cpp cannot write, no quantizer in the image) or too many transient
+    ones. The trained output stays on its volume."""
     # the stage-out step
     UPLOADING = "Uploading"
     UPLOADED = "Uploaded"
@@ -190,6 +201,8 @@ class StepKind(StrEnum):
 
     STAGE_IN = "stage-in"
     """Fetch, check and measure the model and data before any GPU is asked for."""
+    EXPORT = "export"
+    """Convert the trained model to GGUF after training, before the stage-out."""
     STAGE_OUT = "stage-out"
     """Upload the output to S3 after training."""
 

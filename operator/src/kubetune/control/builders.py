@@ -40,10 +40,12 @@ from kubetune_trainer.contract import (
     EXIT_OOM,
     EXIT_PREEMPTED,
     EXIT_STOPPED,
+    GGUF_QUANTIZER_TYPES,
     CheckpointConfig,
     DatasetRef,
     DpoConfig,
     EarlyStoppingConfig,
+    ExportConfig,
     FaultInjection,
     JobRef,
     LoraConfig,
@@ -154,6 +156,11 @@ class BuildSettings:
     stage_in_memory: str = "8Gi"
     """CPU and memory requests of a stage-in or stage-out pod (it downloads and tokenizes the
     data, or hashes and uploads the output)."""
+    export_cpu: str = "4"
+    export_memory: str = "16Gi"
+    """CPU and memory requests of an export pod. llama.cpp's converter reads the model
+    lazily, one tensor at a time through the page cache, so it needs a few GiB beyond the
+    largest tensor, not the whole model; the quantizer uses every CPU it gets."""
     stage_in_node_selector: tuple[tuple[str, str], ...] = ()
     stage_in_tolerations: tuple[dict[str, Any], ...] = ()
     """Where stage-in pods may run: by default any node, preferring ones without a GPU; a
@@ -396,6 +403,9 @@ def checkpoint_size(job: FineTuneJob, plan: PlanStatus) -> str:
       or `mergeAdapter`) and it is written to this volume (output is not `pvc://`).
     - hub cache: `HF_HOME` lives on this volume so relaunches do not download again, so
       a hub model adds its bf16 weights, 2 B/param.
+    - GGUF (`output.gguf`, output not `pvc://`): the file, 4/2/1 B/param for f32, f16 or
+      bf16, and q8_0 or smaller; a quantized type adds its f16 intermediate, 2 B/param, which
+      exists beside it while the export runs.
     - 1 GiB headroom: adapters, tokenizer, metrics log, small hub datasets.
     """
     storage = job.spec.checkpoint.storage
@@ -411,6 +421,12 @@ def checkpoint_size(job: FineTuneJob, plan: PlanStatus) -> str:
         total += 2 * plan.model_params
     if _locate(job.spec.model.uri).kind == "hub" and _staged(job) is None:
         total += 2 * plan.model_params
+    gguf = job.spec.output.gguf
+    if gguf is not None and _output_location(job) is None:
+        per_param = {"f32": 4, "f16": 2, "bf16": 2}.get(gguf.quantization, 1)
+        if gguf.quantization in GGUF_QUANTIZER_TYPES:
+            per_param += 2
+        total += per_param * plan.model_params
     total += GIB
     return f"{max(1, math.ceil(total / GIB))}Gi"
 
@@ -1140,14 +1156,95 @@ def build_stage_out(job: FineTuneJob, settings: BuildSettings) -> list[dict[str,
     return _step_job(job, settings, StepKind.STAGE_OUT, config, volumes, mounts, env=_s3_env(job))
 
 
+# --------------------------------------------------------------------------- export
+
+GGUF_DIR = "gguf"
+"""The export writes `<output>/gguf/<job>-<quantization>.gguf`."""
+
+
+def needs_export(job: FineTuneJob) -> bool:
+    """Whether a CPU-only export step writes a GGUF file after training."""
+    return job.spec.output.gguf is not None
+
+
+def _output_dir(job: FineTuneJob) -> str:
+    """Where the trainer writes the output inside its pods (and the export pod)."""
+    out = _output_location(job)
+    return out.source if out is not None else OUTPUT_DIR
+
+
+def gguf_file_name(job: FineTuneJob) -> str:
+    gguf = job.spec.output.gguf
+    assert gguf is not None
+    return f"{_metadata(job)[0]}-{gguf.quantization}.gguf"
+
+
+def gguf_uri(job: FineTuneJob) -> str:
+    """Where the GGUF file is, as a `pvc://` URI: under the claim spec.output.uri names, or
+    under `output/` of the checkpoint claim."""
+    tail = f"{GGUF_DIR}/{gguf_file_name(job)}"
+    uri = job.spec.output.uri
+    if uri is not None and uri.startswith("pvc://"):
+        return f"{uri.rstrip('/')}/{tail}"
+    return f"pvc://{child_names(_metadata(job)[0], 1).pvc}/output/{tail}"
+
+
+def build_export_config(job: FineTuneJob) -> ExportConfig:
+    """The export of the whole model: `model/` of a full fine-tune, `merged/` of a LoRA or
+    QLoRA run (the API requires mergeAdapter for those)."""
+    name, namespace, uid = _metadata(job)
+    gguf = job.spec.output.gguf
+    assert gguf is not None
+    plan = job.status.plan if job.status is not None else None
+    method = plan.method if plan is not None else job.spec.method
+    if method != "full" and not job.spec.output.merge_adapter:
+        raise SpecError(
+            f"spec.output.gguf needs a whole model, and the plan's method {method} writes "
+            "only an adapter. To fix: set spec.output.mergeAdapter: true"
+        )
+    out = _output_dir(job)
+    return ExportConfig(
+        job=JobRef(name=name, namespace=namespace, uid=uid),
+        model_dir=f"{out}/{'model' if method == 'full' else 'merged'}",
+        out_file=f"{out}/{GGUF_DIR}/{gguf_file_name(job)}",
+        quantization=gguf.quantization,
+        pre_tokenizer=gguf.pre_tokenizer,
+    )
+
+
+def build_export(job: FineTuneJob, settings: BuildSettings) -> list[dict[str, Any]]:
+    """The export config and Job: one CPU-only pod that writes the GGUF file next to the
+    output (`kubetune_trainer.export`), with the claim that holds the output mounted
+    read-write: the checkpoint claim, or the one a `pvc://` output names."""
+    name, _, _ = _metadata(job)
+    config = build_export_config(job).model_dump(mode="json")
+    out = _output_location(job)
+    if out is not None and out.claim is not None:
+        volume = _dns_label(f"pvc-{out.claim}", 63)
+        claim, mount_path = out.claim, f"{PVC_ROOT}/{out.claim}"
+    else:
+        volume, claim, mount_path = "checkpoints", child_names(name, 1).pvc, CHECKPOINT_DIR
+    volumes = [{"name": volume, "persistentVolumeClaim": {"claimName": claim}}]
+    mounts = [{"name": volume, "mountPath": mount_path}]
+    resources = {"cpu": settings.export_cpu, "memory": settings.export_memory}
+    return _step_job(
+        job, settings, StepKind.EXPORT, config, volumes, mounts, env=[], requests=resources
+    )
+
+
 # --------------------------------------------------------------------------- CPU steps
 
 
 STEP_MODULES: dict[StepKind, str] = {
     StepKind.STAGE_IN: "kubetune_trainer.stagein",
+    StepKind.EXPORT: "kubetune_trainer.export",
     StepKind.STAGE_OUT: "kubetune_trainer.stageout",
 }
-STEP_BACKOFF_LIMITS: dict[StepKind, int] = {StepKind.STAGE_IN: 2, StepKind.STAGE_OUT: 5}
+STEP_BACKOFF_LIMITS: dict[StepKind, int] = {
+    StepKind.STAGE_IN: 2,
+    StepKind.EXPORT: 2,
+    StepKind.STAGE_OUT: 5,
+}
 """Pods a step may fail transiently before it fails: Kubernetes waits 10 s, 20 s, 40 s, …
 between them, so an upload rides out a store that is down for about ten minutes."""
 STEP_CONFIG_KEY = "step.json"
@@ -1170,6 +1267,7 @@ def _step_job(
     volumes: list[dict[str, Any]],
     mounts: list[dict[str, Any]],
     env: list[dict[str, Any]],
+    requests: Mapping[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """A step's ConfigMap and batch Job: one pod of the trainer image, no GPU asked for,
     preferring nodes without one (or where `stage_in_node_selector`/`_tolerations` say). A
@@ -1196,7 +1294,9 @@ def _step_job(
             *env,
         ],
         "resources": {
-            "requests": {"cpu": settings.stage_in_cpu, "memory": settings.stage_in_memory}
+            "requests": dict(requests)
+            if requests is not None
+            else {"cpu": settings.stage_in_cpu, "memory": settings.stage_in_memory}
         },
         "volumeMounts": [
             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},

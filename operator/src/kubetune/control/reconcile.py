@@ -39,6 +39,7 @@ from kubetune.api.v1alpha1 import (
     CHAIN_SCHEME,
     INT64_MAX,
     EarlyStoppedStatus,
+    ExportStatus,
     FineTuneJob,
     FineTuneJobSpec,
     FineTuneJobStatus,
@@ -68,11 +69,14 @@ from kubetune.control.builders import (
     BuildSettings,
     InputRef,
     build_children,
+    build_export,
     build_stage_in,
     build_stage_out,
     child_names,
     fetched_sources,
+    gguf_uri,
     input_refs,
+    needs_export,
     needs_stage_in,
     needs_stage_out,
 )
@@ -92,6 +96,7 @@ from kubetune_trainer.contract import (
     EXIT_CONFIG_ERROR,
     EXIT_OOM,
     EXIT_STOPPED,
+    ExportResult,
     StageInResult,
     StageOutResult,
 )
@@ -189,6 +194,9 @@ class Observed:
     """The running stage-in pod's progress gauges (`kubetune_trainer_stagein_` removed)."""
     cache_in_use: Sequence[str] = ()
     """Cache entries (status.stageIn paths) that unfinished jobs of the namespace read."""
+    export_job: Mapping[str, Any] | None = None
+    """The export step's batch Job, if it exists (jobs with spec.output.gguf)."""
+    export_pods: Sequence[Mapping[str, Any]] = field(default_factory=list)
     stage_out_job: Mapping[str, Any] | None = None
     """The stage-out step's batch Job, if it exists (jobs with an `s3://` output)."""
     stage_out_pods: Sequence[Mapping[str, Any]] = field(default_factory=list)
@@ -689,6 +697,64 @@ class _Reconciler:
                 )
         return None
 
+    # ------------------------------------------------------------------ export
+
+    def exporting(self) -> bool:
+        """After training succeeded, write the GGUF file spec.output.gguf asks for with the
+        export step: create it, follow it, fail the job with its reason, or record what it
+        wrote. True while it holds the job (the stage-out and the success wait for it)."""
+        if not needs_export(self.job) or self.s.export is not None:
+            return False
+        batch = self.observed.export_job
+        self.d.requeue_after = self.settings.poll_seconds
+        if batch is None:
+            try:
+                self.d.create.extend(build_export(self.job, self.settings.build))
+                where = gguf_uri(self.job)
+            except SpecError as exc:
+                self.fail(Reason.INVALID_SPEC, str(exc))
+                return True
+            what = f"exporting the trained model to GGUF: {where}"
+            if get_condition(self.s.conditions, ConditionType.EXPORTED) is None:
+                self.d.event(Reason.EXPORTING, what)
+            self.go.condition(ConditionType.EXPORTED, False, Reason.EXPORTING, what)
+            self.s.message = what
+            return True
+        end = self.step_ended(StepKind.EXPORT, batch, self.observed.export_pods)
+        if end is None:
+            return True
+        kept = "The trained output stays on its volume"
+        if end.code == 0:
+            exported = parse_export(end.message, gguf_uri(self.job))
+            if exported is None:
+                self.fail(
+                    Reason.EXPORT_FAILED, f"{_no_result(StepKind.EXPORT, batch, end)}. {kept}"
+                )
+                return True
+            self.s.export = exported
+            summary = (
+                f"wrote {exported.uri} ({exported.quantization}, {exported.bytes} bytes) in "
+                f"{exported.seconds}s"
+            )
+            self.go.condition(ConditionType.EXPORTED, True, Reason.EXPORTED, summary)
+            self.d.event(Reason.EXPORTED, summary)
+            return False
+        why = "a permanent failure" if end.code == EXIT_CONFIG_ERROR else "failed repeatedly"
+        name = (batch.get("metadata") or {}).get("name")
+        then = (
+            "Then"
+            if "To fix" in end.message
+            else f"To fix: read its log (`kubectl logs job/{name}`); then"
+        )
+        self.fail(
+            Reason.EXPORT_FAILED,
+            f"the export step {why}: {end.message[-600:]}. {kept}. {then}, to export without "
+            "training again, delete this job and create it again under the same name with the "
+            "fixed spec.output.gguf and spec.checkpoint.resumeFromUID: "
+            f"{self.job.metadata.get('uid')} (it resumes at the last step and exports)",
+        )
+        return True
+
     # ------------------------------------------------------------------ stage-out
 
     def staging_out(self) -> bool:
@@ -878,7 +944,7 @@ class _Reconciler:
         progress.accrue(self.s.cost, self.now, self.training_share())
         job_status = job.get("status") or {}
         if p.job_succeeded(job_status):
-            if not self.staging_out():
+            if not self.exporting() and not self.staging_out():
                 self.succeed()
             return
         if p.job_failed(job_status):
@@ -1308,13 +1374,31 @@ def parse_stage_out(message: str) -> StageOutStatus | None:
     )
 
 
+def parse_export(message: str, uri: str) -> ExportStatus | None:
+    """status.export from the export pod's termination message (an ExportResult as JSON);
+    None when it is not one. `uri` says where the file is for the user (the pod's path is
+    its mount)."""
+    try:
+        result = ExportResult.model_validate_json(message)
+    except ValueError:
+        return None
+    return ExportStatus(
+        uri=uri,
+        quantization=result.quantization,
+        bytes=result.bytes,
+        seconds=round(result.seconds, 1),
+    )
+
+
 STEP_VERBS: dict[StepKind, tuple[str, str]] = {
     StepKind.STAGE_IN: ("staging in", "is fetching and measuring"),
+    StepKind.EXPORT: ("exporting to GGUF", "is converting the model"),
     StepKind.STAGE_OUT: ("uploading the output", "is uploading"),
 }
 """What status.message says while a step's pod waits or runs."""
 STEP_FAILURES: dict[StepKind, Reason] = {
     StepKind.STAGE_IN: Reason.STAGE_IN_FAILED,
+    StepKind.EXPORT: Reason.EXPORT_FAILED,
     StepKind.STAGE_OUT: Reason.UPLOAD_FAILED,
 }
 

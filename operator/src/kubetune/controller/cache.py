@@ -232,10 +232,13 @@ class Caches:
     def _steps(self, key: JobKey, uid: Any) -> dict[str, Any]:
         """The job's CPU steps' Jobs (owned by this object) and pods, as Observed fields."""
         stage_in_job, stage_in_pods = self._step(key, uid, StepKind.STAGE_IN)
+        export_job, export_pods = self._step(key, uid, StepKind.EXPORT)
         stage_out_job, stage_out_pods = self._step(key, uid, StepKind.STAGE_OUT)
         return {
             "stage_in_job": stage_in_job,
             "stage_in_pods": stage_in_pods,
+            "export_job": export_job,
+            "export_pods": export_pods,
             "stage_out_job": stage_out_job,
             "stage_out_pods": stage_out_pods,
         }

@@ -14,6 +14,8 @@ KUBETUNE_STAGE_IN_NODE_SELECTOR     JSON object: node labels stage-in pods need 
 KUBETUNE_STAGE_IN_TOLERATIONS       JSON list: tolerations of stage-in pods ([])
 KUBETUNE_STAGE_IN_CPU               CPU request of stage-in and stage-out pods (2)
 KUBETUNE_STAGE_IN_MEMORY            memory request of stage-in and stage-out pods (8Gi)
+KUBETUNE_EXPORT_CPU                 CPU request of GGUF export pods (4)
+KUBETUNE_EXPORT_MEMORY              memory request of GGUF export pods (16Gi)
 KUBETUNE_CACHE_EVICT_ABOVE          evict least-recently-used cache entries above this size
                                     (90% of KUBETUNE_CACHE_SIZE)
 KUBETUNE_CACHE_VOLUME               JSON object: a pod volume source shared by every namespace as
@@ -249,6 +251,8 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> ControllerSetting
         stage_in_tolerations=_tolerations(env, "KUBETUNE_STAGE_IN_TOLERATIONS"),
         stage_in_cpu=_quantity(env, "KUBETUNE_STAGE_IN_CPU", BuildSettings.stage_in_cpu),
         stage_in_memory=_quantity(env, "KUBETUNE_STAGE_IN_MEMORY", BuildSettings.stage_in_memory),
+        export_cpu=_quantity(env, "KUBETUNE_EXPORT_CPU", BuildSettings.export_cpu),
+        export_memory=_quantity(env, "KUBETUNE_EXPORT_MEMORY", BuildSettings.export_memory),
         cache_max_bytes=_cache_max_bytes(env),
         cache_volume=_cache_volume(env),
         stage_in_hub=_bool(env, "KUBETUNE_STAGE_IN_HUB", BuildSettings.stage_in_hub),
