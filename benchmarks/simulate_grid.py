@@ -8,12 +8,17 @@ allocated-bytes reading measures (`comparable_bytes(estimate, "allocated")`), an
 relative difference. QLoRA and more than one GPU are not simulated (docs/simulate.md), so the
 grid has none.
 
+`--objective dpo` runs the trainer's DPO step instead (a micro-batch of preference pairs, two
+rows each; the LoRA reference forward with the adapters off) over sequence length {512, 2048}
+× micro-batch {1, 4} pairs, against the estimate the planner makes for it (the rows of the
+pairs), and writes docs/simulate-grid-dpo.md, its results and its own sample.
+
 Writes docs/simulate-grid.md (summary and every cell), the cells as JSON lines under
 benchmarks/results/, and every seventh cell to tests/unit/data/simulate_grid_sample.json, which
 a unit test holds the estimator to, so that a change of the estimator that moves it away from
 (or towards) the simulation shows up in CI until this script is run again.
 
-    .venv/bin/python benchmarks/simulate_grid.py [--families llama qwen2 ...]
+    .venv/bin/python benchmarks/simulate_grid.py [--families llama qwen2 ...] [--objective dpo]
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from kubetune.planning.estimator import (
     trainer_attention,
 )
 from kubetune.planning.models_table import MODELS
+from kubetune.planning.throughput import ROWS_PER_PAIR
 from kubetune.sources import load_arch
 from kubetune_trainer.simulate import SimulationError, SimulationSetup, simulate
 
@@ -55,6 +61,17 @@ METHODS = ("full", "lora")
 SEQ_LENS = (512, 2048, 8192)
 MICRO_BATCHES = (1, 4, 8)
 CHECKPOINTING = (True, False)
+DPO_SEQ_LENS = (512, 2048)
+DPO_MICRO_BATCHES = (1, 4)  # pairs
+
+
+def outputs(objective: str) -> tuple[Path, Path]:
+    """The doc and the unit test's sample for `objective`'s grid."""
+    if objective == "dpo":
+        return DOC.with_name("simulate-grid-dpo.md"), SAMPLE.with_name(
+            "simulate_grid_dpo_sample.json"
+        )
+    return DOC, SAMPLE
 
 
 def smallest_per_family() -> dict[str, str]:
@@ -73,6 +90,8 @@ def analytical(row: dict[str, Any]) -> int:
     names = {f.name for f in dataclasses.fields(TrainingSetup)} - {"attention"}
     fields = {k: v for k, v in row.items() if k in names}
     fields["lora_targets"] = tuple(fields["lora_targets"])
+    if row.get("objective") == "dpo":  # the planner's estimate: the rows of the pairs
+        fields["micro_batch"] = row["micro_batch"] * ROWS_PER_PAIR
     setup = TrainingSetup(**fields, attention=trainer_attention(arch))
     return comparable_bytes(estimate_vram(arch, setup), "allocated")
 
@@ -99,19 +118,36 @@ def cell(model: str, fields: Any, setup: SimulationSetup) -> dict[str, Any]:
 
 
 def label(row: dict[str, Any]) -> str:
+    pairs = " pairs" if row.get("objective") == "dpo" else ""
     return (
-        f"{row['method']} b{row['micro_batch']}×{row['seq_len']} "
+        f"{row['method']} b{row['micro_batch']}{pairs}×{row['seq_len']} "
         f"{'ckpt' if row['grad_ckpt'] else 'no-ckpt'}"
     )
 
 
-def write_doc(rows: list[dict[str, Any]], families: dict[str, str], elapsed: float) -> None:
+def write_doc(
+    rows: list[dict[str, Any]], families: dict[str, str], elapsed: float, objective: str
+) -> None:
     done = [r for r in rows if "error" in r]
     errors = [r["error"] for r in done]
+    dpo = objective == "dpo"
     lines = [
-        "# The analytical estimator against the simulated step",
+        "# The analytical estimator against the simulated " + ("DPO step" if dpo else "step"),
         "",
-        f"Made by `python benchmarks/simulate_grid.py` on {datetime.date.today()} in "
+    ]
+    if dpo:
+        lines += [
+            "The trainer's DPO step (docs/dpo.md) simulated for micro-batches of preference "
+            "pairs, each a chosen and a rejected row of the sequence length; the LoRA cells run "
+            "the reference forward with the adapters off and without gradients, the full cells "
+            "use precomputed reference log-probabilities (zeros here). The estimate is the one "
+            "the planner makes for a DPO job: the estimator's step for twice the rows. The SFT "
+            "grid is docs/simulate-grid.md.",
+            "",
+        ]
+    lines += [
+        f"Made by `python benchmarks/simulate_grid.py{' --objective dpo' if dpo else ''}` on "
+        f"{datetime.date.today()} in "
         f"{elapsed / 60:.0f} minutes (2-core machine); docs/simulate.md says what the simulation "
         "runs. One GPU, bf16, AdamW, LoRA rank 16 on all linears without dropout (the "
         "simulation's CPU dropout keeps a 4-byte noise tensor where CUDA keeps a 1-byte mask), "
@@ -164,7 +200,7 @@ def write_doc(rows: list[dict[str, Any]], families: dict[str, str], elapsed: flo
                 f"| {r['model']} | {label(r)} | – | {r['analytical_bytes'] / GIB:.2f} "
                 f"| {r['not_simulated']} | |"
             )
-    DOC.write_text("\n".join(lines) + "\n")
+    outputs(objective)[0].write_text("\n".join(lines) + "\n")
 
 
 def main() -> int:
@@ -176,6 +212,7 @@ def main() -> int:
         help="a results .jsonl: keep its simulations, recompute the estimate (after an estimator "
         "change), rewrite the doc and the sample",
     )
+    parser.add_argument("--objective", choices=("sft", "dpo"), default="sft")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
@@ -188,14 +225,22 @@ def main() -> int:
             score(row)
         args.rescore.write_text("".join(json.dumps(row) + "\n" for row in rows))
         elapsed = sum(float(row.get("seconds", 0)) for row in rows)
-        write_outputs(rows, families, elapsed, args.rescore)
+        write_outputs(rows, families, elapsed, args.rescore, args.objective)
         return 0
     fields = {m.hf_id: m.config for m in MODELS}
-    results = ROOT / "benchmarks" / "results" / f"simulate-grid-{datetime.date.today()}.jsonl"
+    dpo = args.objective == "dpo"
+    name = f"simulate-grid{'-dpo' if dpo else ''}-{datetime.date.today()}.jsonl"
+    results = ROOT / "benchmarks" / "results" / name
     rows: list[dict[str, Any]] = []
     start = time.monotonic()
     grid = list(
-        itertools.product(families.items(), METHODS, SEQ_LENS, MICRO_BATCHES, CHECKPOINTING)
+        itertools.product(
+            families.items(),
+            METHODS,
+            DPO_SEQ_LENS if dpo else SEQ_LENS,
+            DPO_MICRO_BATCHES if dpo else MICRO_BATCHES,
+            CHECKPOINTING,
+        )
     )
     with results.open("w") as out:
         for i, ((_family, model), method, seq, micro, ckpt) in enumerate(grid, 1):
@@ -205,6 +250,7 @@ def main() -> int:
                 micro_batch=micro,
                 grad_ckpt=ckpt,
                 lora_dropout=LORA_DROPOUT,
+                objective=args.objective,
             )
             row = cell(model, fields[model], setup)
             score(row)
@@ -213,23 +259,34 @@ def main() -> int:
             out.flush()
             shown = f"{row['error']:+.1%}" if "error" in row else row["not_simulated"]
             print(f"[{i}/{len(grid)}] {model} {label(row)}: {shown}", flush=True)
-    write_outputs(rows, families, time.monotonic() - start, results)
+    write_outputs(rows, families, time.monotonic() - start, results, args.objective)
     return 0
 
 
 def write_outputs(
-    rows: list[dict[str, Any]], families: dict[str, str], elapsed: float, results: Path
+    rows: list[dict[str, Any]],
+    families: dict[str, str],
+    elapsed: float,
+    results: Path,
+    objective: str,
 ) -> None:
-    write_doc(rows, families, elapsed)
+    write_doc(rows, families, elapsed, objective)
+    doc, sample_path = outputs(objective)
     keys = ("model", "method", "seq_len", "micro_batch", "grad_ckpt", "lora_dropout")
+    extra = {"objective": objective} if objective == "dpo" else {}
     sample = [
-        {**{k: r[k] for k in keys}, "simulated_bytes": r["simulated_bytes"], "error": r["error"]}
+        {
+            **{k: r[k] for k in keys},
+            **extra,
+            "simulated_bytes": r["simulated_bytes"],
+            "error": r["error"],
+        }
         for r in rows[::SAMPLE_EVERY]
         if "error" in r
     ]
-    SAMPLE.parent.mkdir(parents=True, exist_ok=True)
-    SAMPLE.write_text(json.dumps(sample, indent=1) + "\n")
-    print(f"wrote {DOC}, {results} and {SAMPLE} ({len(sample)} cells)")
+    sample_path.parent.mkdir(parents=True, exist_ok=True)
+    sample_path.write_text(json.dumps(sample, indent=1) + "\n")
+    print(f"wrote {doc}, {results} and {sample_path} ({len(sample)} cells)")
 
 
 if __name__ == "__main__":

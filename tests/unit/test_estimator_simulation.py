@@ -1,5 +1,6 @@
 """The analytical estimator against the simulated step: a sample of the grid
-(`benchmarks/simulate_grid.py`, docs/simulate-grid.md) held in CI.
+(`benchmarks/simulate_grid.py`, docs/simulate-grid.md) and of the DPO grid
+(`--objective dpo`, docs/simulate-grid-dpo.md) held in CI.
 
 The simulations are too slow for a unit test; their results are data here, and the estimator
 is recomputed for each cell. A change of the estimator that moves it away from the simulation
@@ -18,26 +19,31 @@ from kubetune.planning.estimator import (
     estimate_vram,
     trainer_attention,
 )
+from kubetune.planning.throughput import ROWS_PER_PAIR
 from kubetune.sources import load_arch
 
 pytestmark = pytest.mark.unit
 
 SAMPLE = Path(__file__).parent / "data" / "simulate_grid_sample.json"
+DPO_SAMPLE = SAMPLE.with_name("simulate_grid_dpo_sample.json")
+"""`benchmarks/simulate_grid.py --objective dpo`: the DPO step, micro-batches of pairs."""
 # The recorded error is a ratio of integers computed the same way: only a change of the
 # estimator moves it.
 DRIFT = 1e-9
 
 
-def _cells() -> list[dict[str, object]]:
-    return list(json.loads(SAMPLE.read_text()))
+def _cells(sample: Path = SAMPLE) -> list[dict[str, object]]:
+    return list(json.loads(sample.read_text()))
 
 
 def _error(cell: dict[str, object]) -> float:
     arch = load_arch(str(cell["model"]))
+    # A DPO cell's micro-batch counts pairs; the planner estimates the rows of the pairs.
+    rows = ROWS_PER_PAIR if cell.get("objective") == "dpo" else 1
     setup = TrainingSetup(
         method=cell["method"],  # type: ignore[arg-type]
         seq_len=int(cell["seq_len"]),  # type: ignore[call-overload]
-        micro_batch=int(cell["micro_batch"]),  # type: ignore[call-overload]
+        micro_batch=int(cell["micro_batch"]) * rows,  # type: ignore[call-overload]
         grad_ckpt=bool(cell["grad_ckpt"]),
         lora_dropout=float(cell["lora_dropout"]),  # type: ignore[arg-type]
         attention=trainer_attention(arch),
@@ -54,8 +60,20 @@ def test_the_sample_covers_every_family_and_both_methods() -> None:
     assert {c["grad_ckpt"] for c in cells} == {True, False}
 
 
+def test_the_dpo_sample_covers_both_methods_and_the_pairs() -> None:
+    cells = _cells(DPO_SAMPLE)
+    assert len(cells) >= 20
+    assert {c["objective"] for c in cells} == {"dpo"}
+    assert {c["method"] for c in cells} == {"full", "lora"}
+    assert len({c["model"] for c in cells}) >= 10
+
+
 @pytest.mark.parametrize(
-    "cell", _cells(), ids=lambda c: f"{c['model']}-{c['method']}-b{c['micro_batch']}x{c['seq_len']}"
+    "cell",
+    _cells() + _cells(DPO_SAMPLE),
+    ids=lambda c: (
+        f"{c.get('objective', 'sft')}-{c['model']}-{c['method']}-b{c['micro_batch']}x{c['seq_len']}"
+    ),
 )
 def test_the_estimate_is_where_the_grid_recorded_it(cell: dict[str, object]) -> None:
     assert _error(cell) == pytest.approx(cell["error"], abs=DRIFT), (
