@@ -18,7 +18,7 @@ from kubetune.api.v1alpha1 import (
 from kubetune.api.vocabulary import ConditionType, Reason
 from kubetune.control import conditions as c
 from kubetune.control import pods as p
-from kubetune.control.builders import build_trainer_config
+from kubetune.control.builders import build_trainer_config, checkpoint_size
 from kubetune_trainer.contract import EARLY_STOPPED, EarlyStoppingConfig
 from support.reconcile import SETTINGS, T0, batch_job, make_job, observed, run
 
@@ -126,6 +126,22 @@ def test_the_trainer_config_carries_early_stopping_with_defaults_filled_in() -> 
     assert plain.status is not None and plain.status.plan is not None
     config = build_trainer_config(plain, plain.status.plan, SETTINGS.build, 1)
     assert config.training.early_stopping is None
+
+
+def test_the_volume_holds_one_checkpoint_more_with_early_stopping() -> None:
+    """The best step's checkpoint is kept beside the `keep` newest ones."""
+    job, _ = run(make_job(dataset=DATASET, method="full", checkpoint={"keep": 1}))
+    assert job.status is not None and job.status.plan is not None
+    plan = job.status.plan
+    es = make_job(
+        dataset=DATASET,
+        method="full",
+        checkpoint={"keep": 1},
+        training={"earlyStopping": {}},
+    )
+    two, three = (int(checkpoint_size(j, plan).removesuffix("Gi")) for j in (job, es))
+    per_copy = 12 * plan.model_params / 2**30
+    assert three - two == pytest.approx(per_copy, abs=1)
 
 
 def test_the_plan_does_not_change_with_early_stopping() -> None:

@@ -395,7 +395,8 @@ def checkpoint_size(job: FineTuneJob, plan: PlanStatus) -> str:
     Estimate (bytes), rounded up to whole GiB, at least 1Gi:
 
     - checkpoints: `keep + 1` of them exist while the newest is written and before the
-      oldest is pruned. Full fine-tuning stores weights plus two Adam moments, taken as
+      oldest is pruned (`keep + 2` with early stopping: the best step's is never pruned).
+      Full fine-tuning stores weights plus two Adam moments, taken as
       12 B/param (fp32 weights and moments, the `amp-bf16`/`fp32` layout; `bf16` and 8-bit
       optimizers need less). LoRA/QLoRA store only adapters: 16 B per trainable param
       (fp32 adapter, two fp32 moments, gradient-scaler/RNG slack).
@@ -412,6 +413,8 @@ def checkpoint_size(job: FineTuneJob, plan: PlanStatus) -> str:
     if storage.size:
         return storage.size
     copies = job.spec.checkpoint.keep + 1
+    if job.spec.training.early_stopping is not None:
+        copies += 1
     if plan.method == "full":
         total = copies * 12 * plan.model_params
     else:
