@@ -237,7 +237,7 @@ def test_preference_pairs_are_checked_and_measured_as_pairs(
     cfg["dataset"]["source"] = str(write_jsonl(tmp_path / "broken.jsonl", broken))
     code, message = run_stagein(tmp_path / "broken", cfg, monkeypatch)
     assert code == EXIT_CONFIG_ERROR
-    assert "broken.jsonl" in message and "rejected" in message and "To fix" in message
+    assert "broken.jsonl:5" in message and "rejected" in message and "To fix" in message
 
 
 # ------------------------------------------------------------------ the hub
