@@ -8,7 +8,7 @@ Two dashboards, both with a templated Prometheus datasource and a `namespace` va
 * "kubetune / Jobs overview": phases, queue, GPUs in use by pool, cost, failures,
   recoveries, estimator error, operator health (reconcile p50/p95/p99, errors).
 * "kubetune / Training run": one job (`finetunejob` variable): loss and eval loss,
-  tokens/s against the plan, MFU, GPU memory estimated against the trainer's peak and the
+  DPO reward accuracy and margin (train and eval), tokens/s against the plan, MFU, GPU memory estimated against the trainer's peak and the
   GPU's capacity, GPU utilisation and memory per GPU (DCGM exporter) and pod memory
   (cAdvisor), progress and ETA, cost against estimate and budget, checkpoints, restarts.
 
@@ -724,6 +724,34 @@ def training_run() -> Dashboard:
                 "Learning rate of the last optimizer step.",
                 "sci",
                 Query(f"max(kubetune_trainer_learning_rate{trainer})", "lr"),
+            )
+        )
+        .with_row(Row("Preference training (DPO)"))
+        .with_panel(
+            ts(
+                "DPO reward accuracy",
+                "DPO jobs: the fraction of preference pairs whose chosen answer has the larger "
+                "implicit reward, over the last optimizer step's pairs (train) and the "
+                "validation pairs at the last evaluation (eval). 0 before the first step (a "
+                "tie is not accurate); empty for SFT jobs.",
+                "percentunit",
+                Query(f"max(kubetune_trainer_dpo_reward_accuracy{trainer})", "train"),
+                Query(f"max(kubetune_trainer_eval_dpo_reward_accuracy{trainer})", "eval"),
+                bounds=(0, 1),
+            )
+        )
+        .with_panel(
+            ts(
+                "DPO reward margin",
+                "DPO jobs: the mean chosen minus rejected implicit reward (β times the "
+                "log-probability gained over the reference model) on the last step's pairs "
+                "(train) and on the validation pairs (eval), and the mean rewards of the "
+                "chosen and the rejected answers of the last step. Empty for SFT jobs.",
+                "none",
+                Query(f"max(kubetune_trainer_dpo_reward_margin{trainer})", "train margin"),
+                Query(f"max(kubetune_trainer_eval_dpo_reward_margin{trainer})", "eval margin"),
+                Query(f"max(kubetune_trainer_dpo_rewards_chosen{trainer})", "chosen"),
+                Query(f"max(kubetune_trainer_dpo_rewards_rejected{trainer})", "rejected"),
             )
         )
         .with_row(Row("GPU memory"))

@@ -5,7 +5,9 @@
 * A Prometheus started on loopback scrapes a live operator metrics endpoint (the real
   `OperatorMetrics`, fed with statuses of several jobs through the handlers' API) and a live
   trainer: `python -m kubetune_trainer` fine-tuning a tiny random-init model with LoRA on CPU,
-  checkpointing and evaluating every few steps, its metrics on a loopback port. While it
+  with DPO on preference pairs (its metrics are SFT's and the DPO rewards, so every panel
+  has its data), checkpointing and evaluating every few steps, its metrics on a loopback
+  port. While it
   trains, every PromQL expression of every dashboard panel, variable and annotation must
   return data (but those of the panels fed by the DCGM exporter and cAdvisor, which this test
   does not run: they are reported), and every number must be finite (MFU is measured against
@@ -354,14 +356,15 @@ class LiveTrainer:
 
 
 def start_trainer(tmp: Path) -> LiveTrainer:
-    """A real trainer run on CPU: tiny Llama, LoRA, checkpoint and evaluation every 25 steps.
+    """A real trainer run on CPU: tiny Llama, LoRA, DPO, checkpoint and evaluation every 25
+    steps.
 
     It is planned far longer than the test lasts; the test preempts it.
     """
-    from kubetune_trainer.tiny import make_model, make_records, write_jsonl
+    from kubetune_trainer.tiny import make_model, make_preference_records, write_jsonl
 
     model = make_model(tmp / "model")
-    data = write_jsonl(tmp / "data.jsonl", make_records("alpaca", 200))
+    data = write_jsonl(tmp / "data.jsonl", make_preference_records(200))
     steps = 100_000
     config = {
         "job": {"name": "run-1", "namespace": "team-a", "uid": "u1"},
@@ -373,7 +376,7 @@ def start_trainer(tmp: Path) -> LiveTrainer:
             "total_steps": steps, "max_steps": steps, "micro_batch_size": 2,
             "gradient_accumulation": 2, "global_batch_size": 4, "sequence_length": 128,
             "precision": "fp32", "learning_rate": 2e-3, "warmup_ratio": 0.0,
-            "gradient_checkpointing": False,
+            "gradient_checkpointing": False, "objective": "dpo", "dpo": {"beta": 0.1},
         },
         "checkpoint": {"dir": str(tmp / "ckpt"), "interval_steps": 25, "interval_minutes": 0,
                        "keep": 2},
@@ -429,6 +432,7 @@ READY = [
     "changes(kubetune_trainer_step[1m]) >= 3",
     "kubetune_trainer_last_checkpoint_step > 0",
     "kubetune_trainer_eval_loss > 0",
+    "kubetune_trainer_eval_dpo_reward_accuracy >= 0",
     "kubetune_trainer_mfu_ratio > 0",
 ]
 
@@ -595,6 +599,9 @@ def test_every_dashboard_query_returns_data_from_a_live_run(live: Live) -> None:
         ("kubetune_trainer_mfu_ratio", 1e-6, 1),
         ("kubetune_trainer_learning_rate", 1e-4, 2e-3),
         ("kubetune_trainer_memory_reserved_peak_bytes", 2**20, 2**40),
+        ("kubetune_trainer_dpo_reward_accuracy", 0, 1),
+        ("kubetune_trainer_eval_dpo_reward_accuracy", 0, 1),
+        ("kubetune_trainer_eval_dpo_reward_margin", -10, 10),
     ):
         (sample,) = query(live.url, expr)
         assert low <= float(sample["value"][1]) <= high, (expr, sample, trainer.peak_tflops)

@@ -174,8 +174,9 @@ EXTERNAL_PANELS = {
     "GPU memory used per GPU (DCGM)",
     "Trainer pod memory (cAdvisor)",
 }
-UNITLESS = {"Phase", "Loss"}
-"""Panels whose numbers have no unit (a text stat, a loss); every other one names its unit."""
+UNITLESS = {"Phase", "Loss", "DPO reward margin"}
+"""Panels whose numbers have no unit (a text stat, a loss, DPO's rewards: β times a
+difference of log-probabilities); every other one names its unit."""
 RUN_UID = "kubetune-training-run"
 
 
@@ -358,6 +359,28 @@ def test_links_go_to_the_training_run_dashboard_and_its_variables() -> None:
         (link,) = json.loads(path.read_text())["links"]
         assert link["type"] == "dashboards" and link["tags"] == ["kubetune"]
         assert link["keepTime"] and link["includeVars"]
+
+
+def test_the_training_run_charts_every_dpo_number_train_and_eval() -> None:
+    """Reward accuracy and margin of the last step and of the last evaluation, and the
+    rewards of chosen and rejected answers: each DPO gauge of the trainer in one panel."""
+    from kubetune_trainer.metrics import DPO_GAUGES
+
+    run = json.loads((DASHBOARDS / "training-run.json").read_text())
+    charted = {
+        target["expr"]: panel for panel in panels(run) for target in panel.get("targets") or []
+    }
+    for gauge in DPO_GAUGES:
+        (panel,) = [p for expr, p in charted.items() if f"kubetune_trainer_{gauge}{{" in expr]
+        assert panel["title"].startswith("DPO reward"), (gauge, panel["title"])
+    accuracy = next(p for p in panels(run) if p["title"] == "DPO reward accuracy")
+    assert accuracy["fieldConfig"]["defaults"]["unit"] == "percentunit"
+    assert (
+        accuracy["fieldConfig"]["defaults"]["min"],
+        accuracy["fieldConfig"]["defaults"]["max"],
+    ) == (0, 1)
+    legends = [t["legendFormat"] for t in accuracy["targets"]]
+    assert legends == ["train", "eval"]
 
 
 def test_annotations_mark_recoveries_and_checkpoints() -> None:
