@@ -273,6 +273,22 @@ def test_loss_rewards_and_gradients_equal_trl(
     assert all(v <= PARITY_TOLERANCE for v in errors.values()), errors
 
 
+def test_the_kept_reference_is_used_only_by_the_run_it_was_computed_for(tmp_path: Path) -> None:
+    from kubetune_trainer.dpo import REFERENCE_FILE, read_reference, write_reference
+
+    values = {"train": [-1.0, -2.0, -3.0, -4.0], "validation": [-5.0, -6.0]}
+    sizes = {"train": 2, "validation": 1}
+    write_reference(tmp_path / "ckpt", "f1", values)
+    assert read_reference(tmp_path / "ckpt", "f1", sizes) == values
+    assert read_reference(tmp_path / "ckpt", "f2", sizes) is None  # another run's
+    assert read_reference(tmp_path / "ckpt", "f1", {"train": 3, "validation": 1}) is None
+    assert read_reference(tmp_path / "ckpt", "f1", {"train": 2}) is None
+    assert read_reference(tmp_path / "none", "f1", sizes) is None
+    (tmp_path / "ckpt" / REFERENCE_FILE).write_text('{"fingerprint": "f1", "values": ')
+    assert read_reference(tmp_path / "ckpt", "f1", sizes) is None  # torn: computed again
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [REFERENCE_FILE]
+
+
 def test_dpo_loss_formula_edge_cases() -> None:
     zero = torch.zeros(3)
     terms = dpo_loss(zero, zero, zero, zero, beta=0.1, label_smoothing=0.1)
@@ -361,7 +377,7 @@ def test_dpo_resumes_step_exactly_after_sigterm(
 ) -> None:
     """SIGTERM between the micro-batches of step 4: step-3 is written, and the resumed run
     reproduces the uninterrupted loss and reward curves (LoRA dropout on: the RNG is restored
-    too; full: the reference is recomputed from the initial weights before the load)."""
+    too; full: the reference computed at the first start is read back from the volume)."""
     base: dict[str, Any] = {
         "training": {"max_steps": 8, "learning_rate": 5e-3 if method == "lora" else 1e-3},
         "checkpoint": {"interval_steps": None},
@@ -373,8 +389,11 @@ def test_dpo_resumes_step_exactly_after_sigterm(
     _signal_at_policy_forward(monkeypatch, 2 * 3 + 1)
     assert run_main(tmp_path / "b", b) == EXIT_PREEMPTED
     monkeypatch.undo()
-    assert sorted(p.name for p in (tmp_path / "b" / "ckpt").iterdir()) == ["step-3"]
+    kept = ["dpo-reference.json"] if method == "full" else []
+    assert sorted(p.name for p in (tmp_path / "b" / "ckpt").iterdir()) == [*kept, "step-3"]
     assert run_main(tmp_path / "b", b) == EXIT_OK
+    sources = [x["source"] for x in read_log(tmp_path / "b" / "metrics.jsonl", "dpo_reference")]
+    assert sources == (["computed", "read"] if method == "full" else [])
 
     want = step_losses(tmp_path / "a" / "metrics.jsonl")
     got = step_losses(tmp_path / "b" / "metrics.jsonl")

@@ -222,6 +222,10 @@ def test_resume_keeps_the_counters_and_stops_where_an_uninterrupted_run_does(
     assert saved["best_step"] == 2 and saved["evaluations_without_improvement"] == 1
 
     assert run_main(tmp_path / "b", b, monkeypatch) == EXIT_OK
+    start = read_log(tmp_path / "b" / "metrics.jsonl", "start")[-1]
+    assert start["resumed_from"].endswith("step-4")
+    assert start["early_stopping_best_step"] == 2
+    assert start["early_stopping_evaluations_without_improvement"] == 1
     want = step_losses(tmp_path / "a" / "metrics.jsonl")
     got = step_losses(tmp_path / "b" / "metrics.jsonl")
     assert sorted(got) == sorted(want) == list(range(1, 7))

@@ -17,16 +17,18 @@ chosen reward is the larger. Log-probabilities are sums over response tokens onl
   No second copy of the weights and nothing precomputed: the frozen base *is* the reference.
   Cost: one extra forward per micro-batch (no backward), about a third more compute per step.
 * Full fine-tuning: the reference log-probabilities are precomputed in one pass over the
-  training and validation pairs with the initial weights, before the optimizer's first step
-  (and again at every start, before a checkpoint is loaded, so a resumed run uses exactly the
-  same numbers: the pass is deterministic). Chosen over a frozen copy because the copy would
-  hold a second set of weights on every GPU for the whole run (2 bytes per parameter in bf16,
-  sharded like the policy under FSDP), which for the models full fine-tuning is planned for is
-  often the difference between fitting and not. The precomputed values take 8 bytes per pair
+  training and validation pairs with the initial weights, before the optimizer's first step,
+  and kept on the checkpoint volume (`REFERENCE_FILE`, with the run's fingerprint): a later
+  start of the same run (a resume after preemption, an out-of-memory re-plan) reads them
+  instead of passing over the data again, so every attempt uses exactly the same numbers.
+  Chosen over a frozen copy because the copy would hold a second set of weights on every GPU
+  for the whole run (2 bytes per parameter in bf16, sharded like the policy under FSDP),
+  which for the models full fine-tuning is planned for is often the difference between
+  fitting and not. The precomputed values take 8 bytes per pair
   in host memory (two fp32 numbers; 8 MB per million pairs) and no accelerator memory beyond
   one forward's activations, which the training step exceeds anyway. The price is time: one
-  forward over the dataset at every start, about a quarter to a third of one epoch's compute
-  at one epoch.
+  forward over the dataset at the first start, about a quarter to a third of one epoch's
+  compute at one epoch.
 
 What the planner should count for DPO on top of SFT at the same micro-batch of *pairs*: the
 rows per micro-batch double (chosen and rejected), so activations and logits are those of
@@ -35,7 +37,11 @@ rows per micro-batch double (chosen and rejected), so activations and logits are
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -108,3 +114,53 @@ class DpoSums:
             f"{prefix}dpo_reward_margin": (self.chosen - self.rejected) / n,
             f"{prefix}dpo_reward_accuracy": self.accurate / n,
         }
+
+
+log = logging.getLogger(__name__)
+
+REFERENCE_FILE = "dpo-reference.json"
+"""Full DPO's precomputed reference log-probabilities, in the checkpoint folder: the run's
+fingerprint (`identity.fingerprint`), and per split (`train`, `validation`) the chosen then
+the rejected values, one per pair in the split's order."""
+
+
+def read_reference(
+    folder: Path, fingerprint: str, sizes: dict[str, int]
+) -> dict[str, list[float]] | None:
+    """The reference values kept in `folder` for this run: None when there are none, they
+    were written for another fingerprint, or a split has another number of pairs (`sizes`,
+    pairs by split) than this run's."""
+    path = folder / REFERENCE_FILE
+    try:
+        saved = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        log.warning("%s is not readable (%s): the reference is computed again", path, e)
+        return None
+    if not isinstance(saved, dict) or saved.get("fingerprint") != fingerprint:
+        return None
+    values = saved.get("values")
+    if not isinstance(values, dict) or set(values) != set(sizes):
+        return None
+    for split, pairs in sizes.items():
+        got = values[split]
+        if not isinstance(got, list) or len(got) != 2 * pairs:
+            return None
+    return {split: [float(v) for v in values[split]] for split in sizes}
+
+
+def write_reference(folder: Path, fingerprint: str, values: dict[str, list[float]]) -> None:
+    """Keep the reference values in `folder`, atomically (a reader sees all or nothing). A
+    failed write is logged, not raised: the next start computes them again."""
+    path = folder / REFERENCE_FILE
+    tmp = folder / f".{REFERENCE_FILE}.tmp"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"fingerprint": fingerprint, "values": values}))
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning(
+            "could not keep the DPO reference in %s (%s): the next start computes it again", path, e
+        )
+        tmp.unlink(missing_ok=True)

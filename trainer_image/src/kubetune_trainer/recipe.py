@@ -465,6 +465,7 @@ class FineTuneRecipe:
             if self.early_stopping is not None:
                 self.early_stopping.restore(state.get(EARLY_STOPPING_KEY))
                 self.checkpointer.protected = self.early_stopping.best_step
+                self._show_early_stopping()
             self.last_checkpoint_step = step
             self.resumed_from = path
             ck.mark_verified(path)
@@ -664,11 +665,7 @@ class FineTuneRecipe:
             value = self.eval_values.get(es.metric, math.nan)
             improved = es.update(value, self.step)
             self.checkpointer.protected = es.best_step
-            self.metrics.set(
-                early_stopping_best_step=float(es.best_step if es.best_step is not None else -1),
-                early_stopping_best_value=math.nan if es.best_value is None else es.best_value,
-                early_stopping_evaluations_without_improvement=es.evaluations_without_improvement,
-            )
+            self._show_early_stopping()
             if self.env.is_main:
                 log.info(
                     "early stopping: %s %.6g at step %d, %s; best %.6g at step %s, "
@@ -683,6 +680,16 @@ class FineTuneRecipe:
                     es.patience,
                 )
         self.save_checkpoint()
+
+    def _show_early_stopping(self) -> None:
+        es = self.early_stopping
+        if es is None:
+            return
+        self.metrics.set(
+            early_stopping_best_step=float(es.best_step if es.best_step is not None else -1),
+            early_stopping_best_value=math.nan if es.best_value is None else es.best_value,
+            early_stopping_evaluations_without_improvement=es.evaluations_without_improvement,
+        )
 
     def _patience_ran_out(self) -> bool:
         return self.early_stopping is not None and self.early_stopping.exhausted
