@@ -60,7 +60,14 @@ from kubetune_trainer.distributed import (
     destroy_distributed,
     init_distributed,
 )
-from kubetune_trainer.dpo import DpoSums, DpoTerms, dpo_loss
+from kubetune_trainer.dpo import (
+    REFERENCE_FILE,
+    DpoSums,
+    DpoTerms,
+    dpo_loss,
+    read_reference,
+    write_reference,
+)
 from kubetune_trainer.early_stopping import STATE_KEY as EARLY_STOPPING_KEY
 from kubetune_trainer.early_stopping import EarlyStopping
 from kubetune_trainer.errors import (
@@ -896,11 +903,25 @@ class FineTuneRecipe:
         pairs and sum what they computed."""
         t0 = time.monotonic()
         env, micro = self.env, self.cfg.training.micro_batch_size
+        splits = {
+            name: rows
+            for name, rows in (("train", self.data.train), ("validation", self.data.validation))
+            if isinstance(rows, PairRows)
+        }
+        folder, fingerprint = self.checkpointer.root, identity(self.cfg)["fingerprint"]
+        kept = read_reference(folder, fingerprint, {k: len(v) for k, v in splits.items()})
+        # Every rank reads the same file; all use it or all compute (they compute together).
+        (readers,) = all_reduce_sum([float(kept is not None)], env)
+        if kept is not None and readers == env.world_size:
+            for name, rows in splits.items():
+                n = len(rows)
+                rows.ref_chosen, rows.ref_rejected = kept[name][:n], kept[name][n:]
+            self.metrics.event("dpo_reference", source="read", seconds=time.monotonic() - t0)
+            log.info("DPO reference log-probabilities read from %s", folder / REFERENCE_FILE)
+            return
+        computed: dict[str, list[float]] = {}
         self.model.eval()
-        for rows in (self.data.train, self.data.validation):
-            if rows is None:
-                continue
-            assert isinstance(rows, PairRows)
+        for name, rows in splits.items():
             n = len(rows)
             values = [0.0] * (2 * n)
             with torch.no_grad():
@@ -923,7 +944,12 @@ class FineTuneRecipe:
                         values[n + start + j] = got[half + j]
             total = all_reduce_sum(values, env) if env.world_size > 1 else values
             rows.ref_chosen, rows.ref_rejected = total[:n], total[n:]
+            computed[name] = list(total)
         self.model.train()
+        if env.is_main:
+            write_reference(folder, fingerprint, computed)
+        barrier()
+        self.metrics.event("dpo_reference", source="computed", seconds=time.monotonic() - t0)
         log.info("DPO reference log-probabilities precomputed in %.1fs", time.monotonic() - t0)
 
     def _dpo_train_step(self, rng_at_start: dict[str, Any]) -> tuple[float, float, float]:
