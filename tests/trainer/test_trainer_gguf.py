@@ -130,6 +130,12 @@ def test_merged_folder_is_serving_ready(merged: Path) -> None:
     # TGI reads the chat template from tokenizer_config.json only, not chat_template.jinja.
     tok_config = json.loads((merged / "tokenizer_config.json").read_text())
     assert tok_config.get("chat_template"), "no chat template in tokenizer_config.json"
+    # A serving pod running as another user reads the claim: safetensors writes 0600.
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in [merged.parent, *merged.parent.rglob("*")]:
+        want = (0o777 if path.is_dir() else 0o666) & ~umask
+        assert path.stat().st_mode & 0o777 == want, f"{path}: {oct(path.stat().st_mode)}"
 
 
 _NO_PEFT_CHILD = """

@@ -1213,6 +1213,7 @@ class FineTuneRecipe:
                     "output_step": es.best_step,
                 }
             (out / "trainer_summary.json").write_text(json.dumps(summary, indent=2))
+            readable_by_all(out)
         self.metrics.event("output", path=str(out))
         return out
 
@@ -1257,6 +1258,19 @@ class FineTuneRecipe:
             self.metrics.close()
         self.signals.restore()
         destroy_distributed()
+
+
+def readable_by_all(folder: Path) -> None:
+    """Give the output the modes the process's umask allows (0644 and 0755 under the usual
+    022): safetensors writes its files 0600, which a serving pod running as another user
+    (vLLM, TGI, KServe reading the claim) could not open."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in [folder, *folder.rglob("*")]:
+        if path.is_symlink():
+            continue
+        mode = (0o777 if path.is_dir() else 0o666) & ~umask
+        path.chmod(path.stat().st_mode & 0o7000 | mode)
 
 
 def is_out_of_memory(e: BaseException) -> bool:
