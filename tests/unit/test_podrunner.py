@@ -47,11 +47,13 @@ from kubetune_dev.podrunner.status import (
 from kubetune_dev.podrunner.volumes import (
     Mount,
     VolumePlan,
+    image_env,
     map_path,
     materialise,
     path_map,
     plan_mounts,
     plan_volumes,
+    runtime_paths,
 )
 
 pytestmark = pytest.mark.unit
@@ -751,3 +753,22 @@ def test_runtime_paths_under_a_volume_stay_visible() -> None:
     assert "/usr" not in by_target
     order = [m.target for m in mounts]
     assert order.index("/tmp") < order.index("/tmp/ci/.venv")
+
+
+def test_pods_get_the_cached_llama_cpp_converter_the_image_would_have(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer image has llama.cpp's converter in /opt/llama.cpp; pods run here get the
+    one `kubetune_dev.llamacpp` cached, and nothing while it is not (fully) built."""
+    from kubetune_dev import llamacpp
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert "KUBETUNE_LLAMA_CPP_DIR" not in image_env()
+    converter = llamacpp.cache_root() / "converter"
+    converter.mkdir(parents=True)
+    (converter / "convert_hf_to_gguf.py").write_text("")
+    assert image_env() == {}  # extracted, but the build has not finished
+    (llamacpp.cache_root() / llamacpp.MANIFEST_NAME).write_text('{"build_seconds": 1}')
+    (llamacpp.cache_root() / llamacpp.STAMP_NAME).write_text("")
+    assert image_env() == {"KUBETUNE_LLAMA_CPP_DIR": str(converter)}
+    assert str(converter) in runtime_paths()  # bound back where a volume would hide it

@@ -48,6 +48,7 @@ from kubetune_dev.podrunner.status import (
 )
 from kubetune_dev.podrunner.volumes import (
     Mount,
+    image_env,
     materialise,
     path_depth,
     plan_mounts,
@@ -389,7 +390,8 @@ class PodRunner:
         """What the image would have provided: PATH (this Python's bin first), locale, the
         API server's address, HOSTNAME; and, standing in for the pod's own network namespace,
         the trainer's metrics address: its pod IP, so that two trainer pods on this machine
-        do not share 0.0.0.0:9400 (one still running while its replacement starts)."""
+        do not share 0.0.0.0:9400 (one still running while its replacement starts); and what
+        the trainer image sets that this machine lacks (`image_env`)."""
         env = {k: os.environ[k] for k in self.config.pass_env if k in os.environ}
         default_path = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
         env["PATH"] = (
@@ -401,6 +403,7 @@ class PodRunner:
             env["KUBERNETES_SERVICE_HOST"] = server.hostname
             env["KUBERNETES_SERVICE_PORT"] = str(server.port or 443)
         env[METRICS_ADDR_ENV] = rec.ip
+        env.update(image_env())
         return env
 
     def _start(self, rec: PodRecord, cp: ContainerProc) -> None:

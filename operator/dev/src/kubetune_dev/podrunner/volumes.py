@@ -10,6 +10,7 @@ namespace. Planning asks the API server only through `Lookup`; `materialise` alo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -295,15 +296,37 @@ def plan_mounts(
     return sorted(mounts, key=lambda m: path_depth(m.target))
 
 
+def llama_cpp_converter() -> str | None:
+    """llama.cpp's GGUF converter, which the trainer image has in /opt/llama.cpp: here the one
+    `python -m kubetune_dev.llamacpp build` cached, if it did (None otherwise)."""
+    from kubetune_dev.llamacpp import cached
+
+    with contextlib.suppress(OSError, ValueError):
+        found = cached()
+        if found is not None and (found.converter_dir / "convert_hf_to_gguf.py").is_file():
+            return str(found.converter_dir)
+    return None
+
+
+def image_env() -> dict[str, str]:
+    """Variables the trainer image sets that a pod run here needs too: where llama.cpp's
+    converter is (`KUBETUNE_LLAMA_CPP_DIR`, for the GGUF export step), when it is cached."""
+    converter = llama_cpp_converter()
+    return {"KUBETUNE_LLAMA_CPP_DIR": converter} if converter else {}
+
+
 def runtime_paths() -> list[str]:
-    """Host folders a pod's command needs from the runner's Python environment."""
+    """Host folders a pod's command needs from the runner's Python environment (and the
+    cached llama.cpp converter)."""
     import kubetune
     import kubetune_dev
     import kubetune_trainer
 
+    converter = llama_cpp_converter()
     paths = {
         sys.prefix,
         sys.base_prefix,
+        *([converter] if converter else []),
         *(
             str(Path(pkg.__file__ or "").resolve().parents[1])
             for pkg in (kubetune, kubetune_dev, kubetune_trainer)
