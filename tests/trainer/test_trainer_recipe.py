@@ -118,6 +118,10 @@ def test_each_method_trains_and_exports(
         w1 = trained.model.layers[0].mlp.up_proj.weight.float()
         assert not torch.allclose(w0, w1)
         assert (out / "model" / "tokenizer.json").is_file()
+        tok_config = json.loads((out / "model" / "tokenizer_config.json").read_text())
+        assert (
+            tok_config.get("chat_template") and not (out / "model" / "chat_template.jinja").exists()
+        )
     else:
         from peft import PeftModel
 

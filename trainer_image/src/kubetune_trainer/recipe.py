@@ -1248,7 +1248,8 @@ class FineTuneRecipe:
         clean.load_state_dict(sd, assign=True, strict=False)
         clean.tie_weights()
         clean.save_pretrained(str(model_dir), safe_serialization=True)
-        self.tokenizer.save_pretrained(str(model_dir))
+        # As for merged/: the chat template in tokenizer_config.json, where TGI reads it.
+        self.tokenizer.save_pretrained(str(model_dir), save_jinja_files=False)
         log.info("model written to %s", model_dir)
 
     # ------------------------------------------------------------------ cleanup
