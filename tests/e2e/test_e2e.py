@@ -831,6 +831,43 @@ def test_the_output_is_uploaded_to_s3_before_the_job_succeeds(
     target.kubectl("delete", "pvc", f"{name}-ckpt", "-n", NAMESPACE, "--wait=false")
 
 
+def test_a_gguf_file_is_exported_after_training_before_the_job_succeeds(target: Target) -> None:
+    """spec.output.gguf: once training finished, a CPU-only export step converts the merged
+    model with llama.cpp's converter; the job succeeds after it, with the file on the volume."""
+    if not target.pulls_images:
+        # Pods run with this machine's Python: the converter the image has in /opt/llama.cpp
+        # comes from the cache the pod runner points KUBETUNE_LLAMA_CPP_DIR at.
+        from kubetune_dev.llamacpp import ensure_llama_cpp
+
+        ensure_llama_cpp(progress=say)
+    name = "to-gguf"
+    gguf = {"quantization": "q8_0", "preTokenizer": "gpt-2"}  # the tiny tokenizer's family
+    started = time.monotonic()
+    target.apply(job_doc(name, steps=10, output={"mergeAdapter": True, "gguf": gguf}))
+    s = wait_phase(target, name, "Succeeded")
+    took = time.monotonic() - started
+    exported = s["export"]
+    assert exported["uri"] == f"pvc://{name}-ckpt/output/gguf/{name}-q8_0.gguf", exported
+    assert exported["quantization"] == "q8_0" and exported["bytes"] > 0, exported
+    conditions = {c["type"]: c for c in s["conditions"]}
+    assert (conditions["Exported"]["status"], conditions["Exported"]["reason"]) == (
+        "True",
+        "Exported",
+    ), conditions["Exported"]
+    assert (
+        conditions["Exported"]["lastTransitionTime"]
+        <= conditions["Succeeded"]["lastTransitionTime"]
+    )
+    assert target.list_volume(f"{name}-ckpt", "output/gguf") == [f"{name}-q8_0.gguf"]
+    assert target.volume_sha256(f"{name}-ckpt", f"output/gguf/{name}-q8_0.gguf")
+    REPORT.append(
+        f"GGUF export: apply → Succeeded {took:.1f}s, q8_0 file {exported['bytes']} bytes "
+        f"written in {exported['seconds']}s by the export step"
+    )
+    delete_job(target, name)
+    target.kubectl("delete", "pvc", f"{name}-ckpt", "-n", NAMESPACE, "--wait=false")
+
+
 def test_bad_s3_inputs_fail_the_job_before_any_trainer_pod(
     target: Target, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
