@@ -315,8 +315,6 @@ def peak_flops(device: torch.device) -> float | None:
 
 def build_model(cfg: TrainerConfig, env: DistEnv) -> BuiltModel:
     """Build the model for this rank, in the order the module docstring gives."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     method = cfg.method
     adapters = method in ("lora", "qlora")
     if adapters and cfg.lora is None:
@@ -337,16 +335,7 @@ def build_model(cfg: TrainerConfig, env: DistEnv) -> BuiltModel:
     wrap = "none"
     if sharded:
         full_sd = _full_state_on_rank0(model, env) if method != "qlora" else None
-        mesh = _mesh(env)
-        mp = MixedPrecisionPolicy(
-            param_dtype=None if cfg.training.precision == "fp32" else torch.bfloat16,
-            reduce_dtype=torch.float32,
-        )
-        reshard = cfg.parallel.sharding == "full"
-        blocks = decoder_blocks(model)
-        for block in blocks:
-            fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        blocks = shard_model(model, cfg, _mesh(env))
         if full_sd is not None:
             _load_from_rank0(model, full_sd, env)
         wrap = "fsdp"
@@ -378,6 +367,24 @@ def build_model(cfg: TrainerConfig, env: DistEnv) -> BuiltModel:
         chunked_loss=chunked,
         offload=OffloadActivations() if cfg.training.activation_offloading else None,
     )
+
+
+def shard_model(model: nn.Module, cfg: TrainerConfig, mesh: Any) -> list[nn.Module]:
+    """FSDP2 over `mesh`: `fully_shard` per decoder block, then the root; parameters gathered
+    in bf16 (fp32 with `precision: fp32`), gradients reduced in fp32, and with `full` sharding
+    each block's gathered parameters freed after its forward. Returns the sharded blocks."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(
+        param_dtype=None if cfg.training.precision == "fp32" else torch.bfloat16,
+        reduce_dtype=torch.float32,
+    )
+    reshard = cfg.parallel.sharding == "full"
+    blocks = decoder_blocks(model)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    return blocks
 
 
 def _mesh(env: DistEnv) -> Any:
