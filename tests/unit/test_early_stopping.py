@@ -15,12 +15,23 @@ from kubetune.api.v1alpha1 import (
     REWARD_ACCURACY_NEEDS_DPO,
     FineTuneJobSpec,
 )
-from kubetune.api.vocabulary import ConditionType, Reason
+from kubetune.api.vocabulary import ConditionType, Reason, StepKind
 from kubetune.control import conditions as c
 from kubetune.control import pods as p
 from kubetune.control.builders import build_trainer_config, checkpoint_size
-from kubetune_trainer.contract import EARLY_STOPPED, EarlyStoppingConfig
-from support.reconcile import SETTINGS, T0, batch_job, make_job, observed, run
+from kubetune.control.reconcile import Observed
+from kubetune.planning.catalog import default_pools
+from kubetune_trainer.contract import EARLY_STOPPED, EarlyStoppingConfig, StageOutResult
+from support.reconcile import (
+    SETTINGS,
+    T0,
+    batch_job,
+    make_job,
+    observed,
+    run,
+    step_job,
+    step_pod,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -215,3 +226,37 @@ def test_a_run_that_trained_to_the_end_is_completed() -> None:
     assert cond is not None and cond.reason == Reason.COMPLETED
     assert [e.reason for e in d.events] == [Reason.COMPLETED]
     assert s.progress is not None and s.progress.percent == 100
+
+
+def test_early_stopping_is_recorded_before_the_upload_and_kept_after_the_pods_are_gone() -> None:
+    """With an s3:// output the job succeeds only after the stage-out step: the trainer's
+    pods tell of the early stop when its Job completes, and status keeps it until the end."""
+    s3 = {
+        "output": {"uri": "s3://results/support-bot/v1"},
+        "s3": {"credentialsSecret": "s3-creds", "region": "eu-west-1"},
+    }
+    job, _ = run(make_job(dataset=DATASET, training={"earlyStopping": {}}, **s3))
+    trained = Observed(
+        pools=default_pools(),
+        batch_job=batch_job("Complete"),
+        pods=[succeeded_pod("demo-a1-0", STOPPED)],
+    )
+    job, _ = run(job, trained, now=T0 + timedelta(minutes=5))
+    s = job.status
+    assert s is not None and s.phase == "Running"  # uploading
+    assert s.early_stopped is not None and s.early_stopped.step == 120
+    uploaded = StageOutResult(destination="s3://results/support-bot/v1", files=1, bytes=1,
+                              uploaded_bytes=1)  # fmt: skip
+    done = Observed(
+        pools=default_pools(),
+        batch_job=batch_job("Complete"),
+        pods=[],  # the trainer's pods are gone by now
+        stage_out_job=step_job(StepKind.STAGE_OUT, "Complete"),
+        stage_out_pods=[step_pod(StepKind.STAGE_OUT, 0, uploaded.model_dump_json())],
+    )
+    job, d = run(job, done, now=T0 + timedelta(minutes=6))
+    s = job.status
+    assert s is not None and s.phase == "Succeeded"
+    cond = c.get_condition(s.conditions, ConditionType.SUCCEEDED)
+    assert cond is not None and cond.reason == Reason.EARLY_STOPPED
+    assert Reason.EARLY_STOPPED in [e.reason for e in d.events]

@@ -944,6 +944,9 @@ class _Reconciler:
         progress.accrue(self.s.cost, self.now, self.training_share())
         job_status = job.get("status") or {}
         if p.job_succeeded(job_status):
+            # Read while the trainer's pods are certain to be there (export and upload
+            # steps may run long).
+            self.s.early_stopped = self.s.early_stopped or p.early_stopped(self.observed.pods)
             if not self.exporting() and not self.staging_out():
                 self.succeed()
             return
