@@ -1,8 +1,10 @@
 """`kubetune estimate --simulate`: the trainer's step on fake tensors (kubetune_trainer.simulate).
 
-The simulation allocates what a real run allocates (same tracker, real CPU tensors), its 1+2
-block extrapolation equals a whole-model simulation, it reports the build's trainable
-parameters, the chunked loss shrinks the logits term, and the CLI prints both breakdowns."""
+The simulation allocates what a real run allocates (same tracker, real CPU tensors), on one
+GPU and as rank 0 of an FSDP2-sharded run, its 1+2 block extrapolation (3+4 sharded) equals a
+whole-model simulation, each rank holds 1/N of the weights and optimizer states, it reports
+the build's trainable parameters, the chunked loss shrinks the logits term, and the CLI prints
+both breakdowns."""
 
 from __future__ import annotations
 
@@ -109,6 +111,79 @@ def test_extrapolation_from_one_and_two_blocks_equals_the_whole_model(chunked: b
         assert fast.total_params == whole.total_params
 
 
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_sharded_fake_step_allocates_what_a_real_cpu_step_does(method: str) -> None:
+    """Rank 0 of 2 under the trainer's FSDP2 wrapping: fake and real CPU tensors (both on
+    the fake process group, whose collectives move no data) allocate the same."""
+    setup = SimulationSetup(method=method, micro_batch=2, seq_len=32, gpus=2)  # type: ignore[arg-type]
+    fake_run = _run_once(setup, TINY_LLAMA, None, fake=True)
+    fake = _totals(fake_run.phases)
+    real = _totals(_run_once(setup, TINY_LLAMA, None, fake=False).phases)
+    assert fake.keys() == real.keys()
+    for name in fake:
+        assert 0 <= fake[name] - real[name] <= _mask_bytes(setup), name
+    # The blocks' gathered parameters are FSDP2's buffers while each block runs.
+    assert fake_run.phases["peak:forward:first"]["fsdp_buffers"] > 0
+    assert fake_run.phases["weights"]["fsdp_buffers"] == 0
+
+
+@pytest.mark.parametrize(
+    ("method", "sharding"), [("full", "full"), ("lora", "full"), ("full", "grad-op")]
+)
+def test_sharded_extrapolation_from_three_and_four_blocks_equals_the_whole_model(
+    method: str, sharding: str
+) -> None:
+    fields = {**TINY_LLAMA, "num_hidden_layers": 7}
+    for micro_batch, seq_len in ((2, 128), (1, 64)):
+        setup = SimulationSetup(
+            method=method,  # type: ignore[arg-type]
+            micro_batch=micro_batch,
+            seq_len=seq_len,
+            gpus=2,
+            sharding=sharding,  # type: ignore[arg-type]
+        )
+        fast = simulate(fields, setup)
+        whole = simulate(fields, setup, layers="all")
+        assert fast.simulated_layers == (3, 4)
+        assert fast.peak_phase == whole.peak_phase
+        for phase in PHASES:
+            assert fast.phases[phase] == pytest.approx(whole.phases[phase], rel=EXTRAPOLATION_RTOL)
+        for key in MEASURED_COMPONENTS:
+            assert fast.breakdown[key] == pytest.approx(whole.breakdown[key], abs=1024), key
+        assert fast.total_params == whole.total_params
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_each_rank_holds_an_nth_of_the_weights_and_optimizer_states(method: str) -> None:
+    fields = {**TINY_LLAMA, "num_hidden_layers": 8}
+    one = simulate(fields, SimulationSetup(method=method, seq_len=64))  # type: ignore[arg-type]
+    for gpus in (2, 8):
+        sharded = simulate(fields, SimulationSetup(method=method, seq_len=64, gpus=gpus))  # type: ignore[arg-type]
+        assert sharded.total_params == one.total_params
+        for phase in ("weights", "optimizer"):
+            for key in ("weights", "lora_adapters", "optimizer_states"):
+                # FSDP2 pads each parameter's first dimension to a multiple of the GPUs.
+                expected = one.phase_breakdowns[phase][key] / gpus
+                assert sharded.phase_breakdowns[phase][key] == pytest.approx(expected, rel=0.01)
+        assert sharded.phase_breakdowns["optimizer"]["fsdp_buffers"] == 0
+
+
+def test_a_process_that_has_a_process_group_simulates_in_a_fresh_one(tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    setup = SimulationSetup(method="lora", seq_len=32, gpus=2)
+    alone = simulate(TINY_LLAMA, setup)
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
+    try:
+        beside = simulate(TINY_LLAMA, setup)
+        assert dist.get_world_size() == 1  # this process's group is left as it was
+    finally:
+        dist.destroy_process_group()
+    assert beside.breakdown == alone.breakdown
+
+
 def test_breakdown_sums_to_the_peak_and_maps_every_measured_term() -> None:
     result = simulate(TINY_LLAMA, SimulationSetup(method="full", seq_len=64))
     assert sum(result.breakdown.values()) == result.peak_bytes
@@ -152,7 +227,7 @@ def test_chunked_loss_lowers_the_logits_term() -> None:
     ("setup", "words"),
     [
         (SimulationSetup(method="qlora"), "qlora is not simulated"),
-        (SimulationSetup(gpus=2), "gpus=2 is not simulated"),
+        (SimulationSetup(gpus=2, sharding="none"), r"sharding none \(DDP\) is not simulated"),
     ],
 )
 def test_refuses_what_it_does_not_simulate(setup: SimulationSetup, words: str) -> None:

@@ -29,6 +29,8 @@ The peak of each window of the step (before, first, middle, last
 block, after; forward and backward; the optimizer step) is extrapolated on its own and the
 overall peak is the largest of them, so a peak that moves from the first block backward runs
 to the last one as the model gets deeper (full fine-tuning) is still found.
+Sharded setups use 3 and 4 blocks instead (FSDP2's first and last blocks differ from the
+rest: nothing to prefetch after the last, no reduce-scatter pending before the first).
 `layers="all"` simulates the whole model instead (what `benchmarks/simulate_accuracy.py`
 compares against; `docs/simulate.md` has the measured error).
 
@@ -40,7 +42,15 @@ reference log-probabilities first (LoRA: the same model with its adapters off, w
 gradients; full: precomputed once per start, so zeros here), then the policy's over the
 pair's two rows, then the sigmoid loss.
 
-Limits: one process (`gpus=1`); QLoRA is not simulated (bitsandbytes quantizes real weights on a
+**Several GPUs** (`gpus > 1`, sharding `full` or `grad-op`): the process is rank 0 of `gpus`
+on PyTorch's fake process group (collectives move nothing, their buffers are allocated), and
+the model is sharded by the trainer's `modeling.shard_model` (FSDP2 `fully_shard` per block,
+then the root, the trainer's mixed-precision policy) after it gets its fake storages; the
+tracker is the same on `FSDPMemTracker`, and FSDP2's gathered parameters, unsharded gradients
+and communication buffers are the estimator's `fsdp_buffers`. A process that already has a
+default process group simulates in a spawned one.
+
+Limits: DDP (`sharding="none"` on several GPUs) is not simulated; QLoRA is not simulated (bitsandbytes quantizes real weights on a
 GPU); the attention kernel is the CPU one of `scaled_dot_product_attention` (saved tensors of
 the same size as the CUDA flash kernel's: output and log-sum-exp).
 """
@@ -50,12 +60,13 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -81,6 +92,7 @@ from kubetune_trainer.modeling import (
     _param_dtype,
     decoder_blocks,
     prepare_for_training,
+    shard_model,
 )
 from kubetune_trainer.recipe import MAX_GRAD_NORM, build_optimizer
 
@@ -258,10 +270,12 @@ def _refuse_unsupported(setup: SimulationSetup) -> None:
             "method qlora is not simulated: bitsandbytes quantizes real weights on a GPU, "
             "fake tensors have none; use the analytical estimate (without --simulate)"
         )
-    if setup.gpus != 1:
+    if not isinstance(setup.gpus, int) or setup.gpus < 1:
+        raise SimulationError(f"gpus must be a positive integer, got {setup.gpus!r}")
+    if setup.gpus > 1 and setup.sharding == "none":
         raise SimulationError(
-            f"gpus={setup.gpus} is not simulated: the simulation runs one process (no FSDP2 or "
-            "DDP); simulate gpus=1 or use the analytical estimate (without --simulate)"
+            f"gpus={setup.gpus} with sharding none (DDP) is not simulated; simulate sharding "
+            "full or grad-op (FSDP2), or use the analytical estimate (without --simulate)"
         )
     if setup.cpu_offload:
         raise SimulationError("cpu_offload is not simulated; use the analytical estimate")
@@ -296,10 +310,12 @@ def _refuse_unsupported(setup: SimulationSetup) -> None:
 
 class _Tracker(MemTracker):  # type: ignore[no-untyped-call]
     """`MemTracker` that also tags logits and autocast weight copies, keeps the tagged bytes
-    at every peak, and hooks only parameters that have gradients (frozen LoRA bases)."""
+    at every peak, and hooks only parameters that have gradients (frozen LoRA bases).
 
-    def __init__(self, vocab_size: int) -> None:
-        super().__init__()
+    `_FSDPTracker` is the same on `FSDPMemTracker` (extra arguments go to its constructor)."""
+
+    def __init__(self, vocab_size: int, *args: Any) -> None:
+        super().__init__(*args)
         self.vocab_size = vocab_size
         self.tagged: dict[str, int] = {"logits": 0, "autocast_weight_copies": 0}
         self._tag_of: dict[int, tuple[str, Any]] = {}  # id(winfo) → (tag, winfo)
@@ -309,6 +325,7 @@ class _Tracker(MemTracker):  # type: ignore[no-untyped-call]
         """`forward`, `backward` or `step` (clipping and the optimizer), set by the driver."""
         self.blocks: list[nn.Module] = []
         self._block_fqns: dict[int, str] = {}
+        self._seen_first: set[str] = set()
         self._seen_last: set[str] = set()
         self.windows: dict[str, tuple[int, dict[Any, int], dict[str, int]]] = {}
         """Window → (peak bytes, MemTracker snapshot at it, tagged bytes at it)."""
@@ -330,7 +347,7 @@ class _Tracker(MemTracker):  # type: ignore[no-untyped-call]
     def _track(self, reftype: Any, t: torch.Tensor) -> None:
         new = [st for st in _storages(t) if st not in self._WINFO]
         super()._track(reftype, t)
-        if not new or reftype == _MemRefType.OPT:
+        if not new or reftype.name not in _TRANSIENT:
             return
         tag = self._tag(t)
         if tag is None:
@@ -351,7 +368,7 @@ class _Tracker(MemTracker):  # type: ignore[no-untyped-call]
         self, t: torch.Tensor, reftype: Any, update_existing: bool = False
     ) -> Any:
         winfos = super()._update_and_maybe_create_winfos(t, reftype, update_existing)
-        if reftype in (_MemRefType.GRAD, _MemRefType.PARAM, _MemRefType.OPT):
+        if reftype.name not in _TRANSIENT:
             for winfo in winfos:  # re-classified: no longer an activation
                 hit = self._tag_of.pop(id(winfo), None)
                 if hit is not None:
@@ -382,7 +399,8 @@ class _Tracker(MemTracker):  # type: ignore[no-untyped-call]
         if idx is None:
             if stage in self._seen_last:
                 return [f"{stage}:after"]
-            return [f"{stage}:before" if not self._block_fqns else f"{stage}:middle"]
+            return [f"{stage}:middle" if stage in self._seen_first else f"{stage}:before"]
+        self._seen_first.add(stage)
         n = len(self.blocks)
         first, last = (0, n - 1) if stage == "forward" else (n - 1, 0)
         names = []
@@ -430,6 +448,15 @@ class _Tracker(MemTracker):  # type: ignore[no-untyped-call]
                     ),
                 )
         return params, buffers
+
+
+class _FSDPTracker(_Tracker, FSDPMemTracker):  # type: ignore[no-untyped-call]
+    """`_Tracker` on `FSDPMemTracker`: sharded and unsharded parameters and gradients, FSDP2's
+    all-gather and reduce-scatter buffers as their own kinds (`_breakdown` maps them)."""
+
+
+_TRANSIENT = frozenset({"ACT", "TEMP", "OTH"})
+"""Tracker kinds of the tensors a step creates and frees (where logits and casts are tagged)."""
 
 
 def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
@@ -505,19 +532,28 @@ def _build(
 def _breakdown(
     snap: Mapping[Any, int], tagged: Mapping[str, int], adapters: int, method: str
 ) -> dict[str, int]:
-    def get(kind: Any) -> int:
-        return int(snap.get(kind, 0))
+    by_name: dict[str, int] = {}
+    for kind, size in snap.items():
+        name = getattr(kind, "name", None)  # "Total" is a plain string
+        if name is not None:
+            by_name[name] = by_name.get(name, 0) + int(size)
 
-    params = get(_MemRefType.PARAM)
+    def get(*names: str) -> int:
+        return sum(by_name.get(name, 0) for name in names)
+
+    # MemTracker's kinds, and FSDPMemTracker's: the rank's shards are the weights, gradients
+    # and optimizer states; what FSDP2 gathers or reduces for a while is `fsdp_buffers`.
+    params = get("PARAM", "SHARDED_PARAM")
     lora = min(adapters, params) if method != "full" else 0
     logits = int(tagged.get("logits", 0))
     casts = int(tagged.get("autocast_weight_copies", 0))
-    transient = get(_MemRefType.ACT) + get(_MemRefType.TEMP) + get(_MemRefType.OTH)
+    transient = get(*_TRANSIENT, "INP")
     out = dict.fromkeys(MEASURED_COMPONENTS, 0)
-    out["weights"] = params - lora + get(_MemRefType.BUFFER)
+    out["weights"] = params - lora + get("BUFFER")
     out["lora_adapters"] = lora
-    out["gradients"] = get(_MemRefType.GRAD)
-    out["optimizer_states"] = get(_MemRefType.OPT)
+    out["gradients"] = get("GRAD", "SHARDED_GRAD")
+    out["optimizer_states"] = get("OPT")
+    out["fsdp_buffers"] = get("UNSHARDED_PARAM", "UNSHARDED_GRAD", "ALL_GATHER", "REDUCE_SCATTER")
     out["logits"] = logits
     out["autocast_weight_copies"] = casts
     out["activations"] = transient - logits - casts
@@ -529,7 +565,8 @@ def _run_once(
 ) -> _Run:
     """One step with `layers` decoder blocks. `fake=False` runs the same step on real CPU
     tensors (zero weights) under the same tracker: what the tests compare the simulation to."""
-    with warnings.catch_warnings():
+    group = _fake_process_group(setup.gpus) if _sharded(setup) else contextlib.nullcontext()
+    with warnings.catch_warnings(), group:
         warnings.simplefilter("ignore", FutureWarning)  # transformers' checkpointing renames
         return _step(setup, fields, layers, fake=fake)
 
@@ -542,9 +579,15 @@ def _step(
     cfg = trainer_config(setup)
     config = hf_config(fields, layers)
     model, chunked, total, trainable = _build(cfg, config, setup.attention)
-    blocks = len(decoder_blocks(model))
+    block_list = decoder_blocks(model)  # before sharding renames their classes
+    blocks = len(block_list)
     vocab = int(getattr(_hf_model(model).config, "vocab_size", 0) or 0)
-    autocast = torch.bfloat16 if cfg.training.precision == "amp-bf16" else None
+    sharded = _sharded(setup)
+    # `modeling.build_model`: FSDP2 casts through its mixed-precision policy, not autocast.
+    autocast = torch.bfloat16 if cfg.training.precision == "amp-bf16" and not sharded else None
+    # Rank 0 of `setup.gpus` on the fake process group `simulate` set up; the mesh is made
+    # outside the fake mode (it holds real rank tensors).
+    mesh = _rank0_mesh(setup.gpus) if sharded else None
 
     fake_mode: contextlib.AbstractContextManager[Any] = (
         FakeTensorMode() if fake else contextlib.nullcontext()
@@ -555,25 +598,24 @@ def _step(
     )
     with fake_mode:
         _fake_storages(model)
+        if mesh is not None:
+            shard_model(model, cfg, mesh)
         optimizer = build_optimizer(cfg, model, torch.device("cuda"))
         # The steady state, not the first step: torch creates optimizer states in the first
         # `step()`, and every later step's forward and backward run with them allocated.
         trained = [p for p in _unique_params(model) if p.requires_grad]
         for p in trained:
             p.grad = torch.zeros_like(p)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        adapters = sum(
-            p.numel() * p.element_size() for p in _unique_params(model) if p.requires_grad
-        )
+        _clip_and_step(model, optimizer)
+        adapters = _local_bytes(p for p in _unique_params(model) if p.requires_grad)
         b, s = setup.micro_batch * (2 if setup.objective == "dpo" else 1), setup.seq_len
         input_ids = torch.zeros((b, s), dtype=torch.long, device=_DEVICE)
         labels = torch.zeros((b, s), dtype=torch.long, device=_DEVICE)
         position_ids = torch.arange(s, device=_DEVICE).unsqueeze(0).expand(b, s).contiguous()
 
-    tracker = _Tracker(vocab)
-    tracker.blocks = decoder_blocks(model)
-    tracker.track_external(model, optimizer)
+    tracker = _FSDPTracker(vocab, model, optimizer) if sharded else _Tracker(vocab)
+    tracker.blocks = block_list
+    tracker.track_external(model, optimizer)  # FSDPMemTracker: its own hooks, on entry
     lora = adapters if setup.method != "full" else 0
     phases: dict[str, dict[str, int]] = {}
 
@@ -581,8 +623,11 @@ def _step(
         snap = tracker.get_tracker_snapshot("current").get(_DEVICE, {})
         phases[name] = _breakdown(snap, tracker.tagged, lora, setup.method)
 
-    take("weights")
+    if not sharded:
+        take("weights")
     with fake_mode, assume, tracker:
+        if sharded:
+            take("weights")
         tracker.stage = "forward"
         if setup.objective == "dpo":
             # MemTracker follows one forward per module and step: forget the reference's
@@ -606,9 +651,7 @@ def _step(
         scaled.backward()
         del loss, scaled
         tracker.stage = "step"
-        nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], MAX_GRAD_NORM)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        _clip_and_step(model, optimizer)
         take("optimizer")
     for name, (_, snap, tagged) in tracker.windows.items():
         phases[f"peak:{name}"] = _breakdown(snap, tagged, lora, setup.method)
@@ -665,6 +708,54 @@ def _dpo_forward(
     return terms.losses.sum()
 
 
+def _clip_and_step(model: nn.Module, optimizer: Any) -> None:
+    """`FineTuneRecipe._optimizer_step`. Run once before tracking as well: DTensor (FSDP2's
+    sharded parameters) works out each op's output layout on fake tensors of the global shape
+    the first time it meets that op, which a tracker under a fake mode cannot tell from the
+    step's own tensors; later calls hit its cache."""
+    norm = nn.utils.clip_grad_norm_(
+        [p for p in model.parameters() if p.requires_grad], MAX_GRAD_NORM
+    )
+    if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
+        norm.full_tensor()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _sharded(setup: SimulationSetup) -> bool:
+    return setup.gpus > 1 and setup.sharding != "none"
+
+
+def _rank0_mesh(world: int) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(_DEVICE.type, (world,))
+
+
+@contextlib.contextmanager
+def _fake_process_group(world: int) -> Iterator[None]:
+    """This process as rank 0 of `world` on PyTorch's fake backend: collectives return at once
+    and move no data, but their tensors are allocated as on a real group."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _local_bytes(params: Iterable[torch.Tensor]) -> int:
+    """Bytes of these (distinct) parameters' storages on this rank: a DTensor's local shard
+    with FSDP2's padding."""
+    total = 0
+    for p in params:
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += local.untyped_storage().nbytes()
+    return total
+
+
 def _unique_params(model: nn.Module) -> Iterator[nn.Parameter]:
     seen: set[int] = set()
     for p in model.parameters():
@@ -676,8 +767,20 @@ def _unique_params(model: nn.Module) -> Iterator[nn.Parameter]:
 # --------------------------------------------------------------------------- public
 
 
-def _affine(one: int, two: int, layers: int) -> int:
-    return one + (layers - 1) * (two - one)
+def _has_process_group() -> bool:
+    import torch.distributed as dist
+
+    return bool(dist.is_available() and dist.is_initialized())
+
+
+def _in_subprocess(
+    fields: Mapping[str, Any], setup: SimulationSetup, layers: Literal["extrapolate", "all"] | int
+) -> SimulationResult:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(simulate, dict(fields), setup, layers=layers).result()
 
 
 def _finish(
@@ -727,17 +830,29 @@ def simulate(
 ) -> SimulationResult:
     """Simulate one training step of the model whose `config.json` fields are `fields`.
 
-    `layers="extrapolate"` simulates 1 and 2 decoder blocks and extrapolates to the model's
-    `num_hidden_layers`; `"all"` (or a number) simulates that many blocks as they are."""
+    `layers="extrapolate"` simulates 1 and 2 decoder blocks (2 and 3 when sharded) and
+    extrapolates to the model's `num_hidden_layers`; `"all"` (or a number) simulates that many
+    blocks as they are."""
     _refuse_unsupported(setup)
+    if _sharded(setup) and _has_process_group():
+        # The fake group must be this process's default group: simulate in a fresh process.
+        return _in_subprocess(fields, setup, layers)
     start = time.monotonic()
     num_layers = int(hf_config(fields).num_hidden_layers)
-    if layers == "extrapolate" and num_layers > 2:
-        one = _run_once(setup, fields, 1)
-        two = _run_once(setup, fields, 2)
+    # Under FSDP2 the first and last blocks differ from the others (no block to prefetch
+    # after the last, no reduce-scatter pending before the first): a sharded model is
+    # simulated with 3 and 4 blocks, so that both runs have a middle block.
+    low = 3 if _sharded(setup) else 1
+    if layers == "extrapolate" and num_layers > low + 1:
+        one = _run_once(setup, fields, low)
+        two = _run_once(setup, fields, low + 1)
+
+        def affine(a: int, b: int) -> int:
+            return a + (num_layers - low) * (b - a)
+
         phases = {
             name: {
-                key: _affine(one.phases[name][key], two.phases[name][key], num_layers)
+                key: affine(one.phases[name][key], two.phases[name][key])
                 for key in MEASURED_COMPONENTS
             }
             for name in one.phases
@@ -745,12 +860,15 @@ def simulate(
         }
         return _finish(
             phases,
-            total=_affine(one.total_params, two.total_params, num_layers),
-            trainable=_affine(one.trainable_params, two.trainable_params, num_layers),
+            total=affine(one.total_params, two.total_params),
+            trainable=affine(one.trainable_params, two.trainable_params),
             layers=num_layers,
-            simulated=(1, 2),
+            simulated=(low, low + 1),
             seconds=time.monotonic() - start,
-            method=f"1 and 2 of {num_layers} decoder blocks simulated, extrapolated linearly",
+            method=(
+                f"{low} and {low + 1} of {num_layers} decoder blocks simulated, "
+                "extrapolated linearly"
+            ),
         )
     count = num_layers if layers in ("all", "extrapolate") else int(layers)
     run = _run_once(setup, fields, count)
