@@ -221,6 +221,9 @@ FIELD_NAMES = sorted(
         "retention",
         "output",
         "mergeAdapter",
+        "gguf",
+        "quantization",
+        "preTokenizer",
         "recovery",
         "maxOOMReplans",
         "maxRestarts",
@@ -469,6 +472,10 @@ optional_sections = _section(
             st.builds(lambda b: f"s3://{b}/out", dns_label),
         ),
         mergeAdapter=st.booleans(),
+        gguf=_section(
+            quantization=st.sampled_from(["q8_0", "f16", "q4_k_m", "q3", "Q8_0"]),
+            preTokenizer=st.sampled_from(["gpt-2", "llama-bpe", "Bad Name", ""]),
+        ),
     ),
     recovery=_section(
         maxOOMReplans=st.integers(0, 20),

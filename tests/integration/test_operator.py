@@ -41,6 +41,8 @@ def phase(cluster: Cluster, name: str, ns: str) -> str | None:
         ({"training": {"globalBatchSize": 10, "microBatchSize": 4}}, "multiple of"),
         ({"method": "dpo"}, 'Unsupported value: "dpo"'),
         ({"resources": {"maxCostUSD": 0}}, "maxCostUSD"),
+        ({"output": {"gguf": {"quantization": "q8_0"}}}, "spec.output.gguf needs a whole model"),
+        ({"method": "full", "output": {"gguf": {"quantization": "q3"}}}, 'Unsupported value: "q3"'),
     ],
 )
 def test_admission_rejects_bad_specs(
