@@ -769,7 +769,12 @@ def test_the_output_is_uploaded_to_s3_before_the_job_succeeds(
     records = (target.read_volume_file(DATA_CLAIM, DATASET_PATH) or "").splitlines()
     target.kubectl("annotate", "namespace", NAMESPACE, "--overwrite",
                    "kubetune.io/allowed-secrets=s3-creds")  # fmt: skip
+    if not target.pulls_images:  # the GGUF export's converter, as in the e2e GGUF scenario
+        from kubetune_dev.llamacpp import ensure_llama_cpp
+
+        ensure_llama_cpp(progress=say)
     name = "to-s3"
+    gguf = {"quantization": "q8_0", "preTokenizer": "gpt-2"}
     model = make_model(tmp_path_factory.mktemp("model") / "tiny-llama", arch="llama")
     with s3_server(tmp_path_factory.mktemp("s3-out"), host=target.host_address) as s3:
         for bucket in ("models", "data", "results"):
@@ -787,7 +792,8 @@ def test_the_output_is_uploaded_to_s3_before_the_job_succeeds(
         started = time.monotonic()
         target.apply(job_doc(name, steps=10, model={"uri": "s3://models/tiny-llama"},
                              dataset={"uri": "s3://data/support/train.jsonl"},
-                             output={"uri": "s3://results/support-bot/v1", "mergeAdapter": True},
+                             output={"uri": "s3://results/support-bot/v1", "mergeAdapter": True,
+                                     "gguf": gguf},
                              s3=store))  # fmt: skip
         s = wait_phase(target, name, "Succeeded")
         took = time.monotonic() - started
@@ -806,6 +812,8 @@ def test_the_output_is_uploaded_to_s3_before_the_job_succeeds(
         files = {f["path"]: f for f in manifest["files"]}
         assert len(files) == uploaded["files"] and uploaded["bytes"] > 0
         assert "adapter/adapter_config.json" in files and "merged/config.json" in files
+        # The export ran before the upload: the GGUF file went to the store with the rest.
+        assert f"gguf/{name}-q8_0.gguf" in files and s["export"]["bytes"] > 0, s["export"]
         download = tmp_path_factory.mktemp("downloaded")
         for path, entry in files.items():
             local = download / path
