@@ -76,6 +76,12 @@ def load_config(cfg: dict[str, Any]) -> Any:
     return TrainerConfig.model_validate(cfg)
 
 
+def checkpoint_names(folder: Path) -> list[str]:
+    """What a checkpoint folder holds, sorted, less the tokenized-data cache (`.data`) that
+    every start of the trainer leaves there (kubetune_trainer.datacache)."""
+    return sorted(p.name for p in folder.iterdir() if p.name != ".data")
+
+
 def read_log(path: Path, event: str | None = None) -> list[dict[str, Any]]:
     lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     return [x for x in lines if event is None or x["event"] == event]

@@ -37,7 +37,7 @@ from kubetune_trainer.checkpoint import (
 from kubetune_trainer.contract import EXIT_CHECKPOINT_FAILED, EXIT_OK, EXIT_PREEMPTED
 from kubetune_trainer.distributed import DistEnv
 from kubetune_trainer.recipe import FineTuneRecipe
-from support.trainer import read_log, step_losses, trainer_config, write_config
+from support.trainer import checkpoint_names, read_log, step_losses, trainer_config, write_config
 
 pytestmark = pytest.mark.trainer
 
@@ -68,7 +68,7 @@ def signal_at_forward(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
 
 
 def names(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.iterdir())
+    return checkpoint_names(folder)
 
 
 def termination(tmp: Path) -> str:

@@ -37,6 +37,7 @@ pytest.importorskip("peft", reason="trainer tests need the trainer extra")
 from kubetune_trainer.__main__ import main  # noqa: E402
 from support.trainer import (  # noqa: E402
     TINY_TIMEOUT_S,
+    checkpoint_names,
     launcher_cmd,
     read_log,
     step_losses,
@@ -201,8 +202,8 @@ def test_launcher_reports_oom_and_config_errors(
     )
     assert proc.returncode == EXIT_OOM, proc.stderr[-3000:]
     assert "peak_gib=" in term.read_text()
-    assert (tmp_path / "oom" / "ckpt").exists() is False or not any(
-        (tmp_path / "oom" / "ckpt").iterdir()
+    assert (tmp_path / "oom" / "ckpt").exists() is False or not checkpoint_names(
+        tmp_path / "oom" / "ckpt"
     )
 
     bad = tmp_path / "bad.jsonl"

@@ -33,7 +33,14 @@ from kubetune_trainer.dpo import dpo_loss
 from kubetune_trainer.errors import DataError
 from kubetune_trainer.recipe import FineTuneRecipe
 from kubetune_trainer.tiny import make_preference_records, make_records, write_jsonl
-from support.trainer import load_config, read_log, step_losses, trainer_config, write_config
+from support.trainer import (
+    checkpoint_names,
+    load_config,
+    read_log,
+    step_losses,
+    trainer_config,
+    write_config,
+)
 
 pytestmark = pytest.mark.trainer
 
@@ -286,7 +293,7 @@ def test_the_kept_reference_is_used_only_by_the_run_it_was_computed_for(tmp_path
     assert read_reference(tmp_path / "none", "f1", sizes) is None
     (tmp_path / "ckpt" / REFERENCE_FILE).write_text('{"fingerprint": "f1", "values": ')
     assert read_reference(tmp_path / "ckpt", "f1", sizes) is None  # torn: computed again
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [REFERENCE_FILE]
+    assert checkpoint_names(tmp_path / "ckpt") == [REFERENCE_FILE]
 
 
 def test_dpo_loss_formula_edge_cases() -> None:
@@ -390,7 +397,7 @@ def test_dpo_resumes_step_exactly_after_sigterm(
     assert run_main(tmp_path / "b", b) == EXIT_PREEMPTED
     monkeypatch.undo()
     kept = ["dpo-reference.json"] if method == "full" else []
-    assert sorted(p.name for p in (tmp_path / "b" / "ckpt").iterdir()) == [*kept, "step-3"]
+    assert checkpoint_names(tmp_path / "b" / "ckpt") == [*kept, "step-3"]
     assert run_main(tmp_path / "b", b) == EXIT_OK
     sources = [x["source"] for x in read_log(tmp_path / "b" / "metrics.jsonl", "dpo_reference")]
     assert sources == (["computed", "read"] if method == "full" else [])

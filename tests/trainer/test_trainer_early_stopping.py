@@ -33,7 +33,7 @@ from kubetune_trainer.contract import (
 from kubetune_trainer.early_stopping import EarlyStopping
 from kubetune_trainer.recipe import FineTuneRecipe
 from kubetune_trainer.tiny import make_preference_records, write_jsonl
-from support.trainer import read_log, step_losses, trainer_config, write_config
+from support.trainer import checkpoint_names, read_log, step_losses, trainer_config, write_config
 
 pytestmark = pytest.mark.trainer
 
@@ -130,7 +130,7 @@ def test_plateau_stops_and_exports_the_best_steps_adapter(
     assert sorted(step_losses(tmp_path / "metrics.jsonl")) == list(range(1, 7))
     ckpt = tmp_path / "ckpt"
     # keep: 1 prunes every older checkpoint but the best one.
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step-2", "step-6"]
+    assert checkpoint_names(ckpt) == ["step-2", "step-6"]
     state = json.loads((ckpt / "step-6" / "trainer_state.json").read_text())
     assert state["early_stopping"]["best_step"] == 2
     assert state["early_stopping"]["evaluations_without_improvement"] == 2
@@ -217,7 +217,7 @@ def test_resume_keeps_the_counters_and_stops_where_an_uninterrupted_run_does(
     assert run_main(tmp_path / "b", b, monkeypatch) == EXIT_PREEMPTED
     monkeypatch.undo()
     ckpt = tmp_path / "b" / "ckpt"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step-2", "step-4"]
+    assert checkpoint_names(ckpt) == ["step-2", "step-4"]
     saved = json.loads((ckpt / "step-4" / "trainer_state.json").read_text())["early_stopping"]
     assert saved["best_step"] == 2 and saved["evaluations_without_improvement"] == 1
 

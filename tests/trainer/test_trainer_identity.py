@@ -31,7 +31,7 @@ from kubetune_trainer.distributed import DistEnv
 from kubetune_trainer.errors import CheckpointFailed
 from kubetune_trainer.identity import identity
 from kubetune_trainer.recipe import warmup_cosine
-from support.trainer import load_config, read_log, trainer_config, write_config
+from support.trainer import checkpoint_names, load_config, read_log, trainer_config, write_config
 
 pytestmark = pytest.mark.trainer
 
@@ -55,11 +55,12 @@ def job(tmp: Path, model: Path, data: Path, vol: Path, uid: str, **over: Any) ->
 
 
 def files(folder: Path) -> dict[str, str]:
-    """Every file under folder: relative path → sha256."""
+    """Every file under folder: relative path → sha256. The tokenized-data cache (`.data`)
+    is left out: it belongs to the volume, not to a job, and is never moved aside."""
     return {
         str(f.relative_to(folder)): hashlib.sha256(f.read_bytes()).hexdigest()
         for f in sorted(folder.rglob("*"))
-        if f.is_file()
+        if f.is_file() and f.relative_to(folder).parts[0] != ".data"
     }
 
 
@@ -193,7 +194,7 @@ def test_another_jobs_checkpoints_are_moved_aside_and_the_new_job_starts_at_step
     assert event["moved_to"] == str(aside) and event["count"] == 3  # step-2, step-4, output
     assert HINT in caplog.text and str(aside) in caplog.text
 
-    assert sorted(p.name for p in vol.iterdir()) == ["foreign", "output", "step-4"]
+    assert checkpoint_names(vol) == ["foreign", "output", "step-4"]
     assert saved_identity(vol / "step-4")["job_uid"] == "uid-b"
     adapter = "output/adapter/adapter_model.safetensors"
     assert files(vol)[adapter] != before[adapter]
@@ -245,7 +246,7 @@ def test_resume_from_uid_adopts_the_named_jobs_checkpoints(
     for e in read_log(log, "step"):
         assert e["learning_rate"] == pytest.approx(1e-3 * factor(e["step"] - 1), rel=1e-9)
     assert not (vol / "foreign").exists()
-    assert sorted(p.name for p in vol.iterdir()) == ["output", "step-6", "step-8"]
+    assert checkpoint_names(vol) == ["output", "step-6", "step-8"]
     for name in ("step-6", "step-8"):
         assert saved_identity(vol / name)["job_uid"] == "uid-b"
         assert saved_identity(vol / name)["fields"]["training.learning_rate"] == 1e-3

@@ -32,6 +32,7 @@ from kubetune_trainer.contract import (
 )
 from kubetune_trainer.recipe import FineTuneRecipe
 from support.trainer import (
+    checkpoint_names,
     load_config,
     read_log,
     step_losses,
@@ -296,7 +297,7 @@ def test_interrupted_and_resumed_run_matches_uninterrupted(
     signal_at_forward(monkeypatch, 2 * 3 + 1)  # 1st micro-batch of step 4; seen before the 2nd
     assert run_main(tmp_path / "b", b, monkeypatch) == EXIT_PREEMPTED
     monkeypatch.undo()
-    ckpts = sorted(p.name for p in (tmp_path / "b" / "ckpt").iterdir())
+    ckpts = checkpoint_names(tmp_path / "b" / "ckpt")
     assert ckpts == ["step-3"]
     preempted = read_log(tmp_path / "b" / "metrics.jsonl", "preempted")
     assert preempted and preempted[0]["signal_to_checkpoint_seconds"] < 30
@@ -362,7 +363,7 @@ def test_keep_last_k_and_incomplete_checkpoints_are_ignored(
     )
     assert run_main(tmp_path, cfg, monkeypatch) == EXIT_OK
     ckpt = tmp_path / "ckpt"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step-4", "step-5", "step-6"]
+    assert checkpoint_names(ckpt) == ["step-4", "step-5", "step-6"]
     # A half-written newer folder, an interrupted temp folder and a damaged newest checkpoint:
     (ckpt / "step-99").mkdir()
     (ckpt / "step-99" / ".metadata").write_bytes(b"partial")
@@ -373,7 +374,7 @@ def test_keep_last_k_and_incomplete_checkpoints_are_ignored(
     assert run_main(tmp_path, cfg, monkeypatch) == EXIT_OK
     start = read_log(tmp_path / "metrics.jsonl", "start")[-1]
     assert start["resumed_from"].endswith("step-5")
-    names = sorted(p.name for p in ckpt.iterdir())
+    names = checkpoint_names(ckpt)
     # Leftovers pruned; the damaged step-6 quarantined (kept for inspection) and rewritten.
     assert [n for n in names if ".corrupt-" not in n] == ["step-6", "step-7", "step-8"], names
     assert len([n for n in names if n.startswith("step-6.corrupt-")]) == 1, names

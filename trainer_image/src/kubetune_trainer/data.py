@@ -22,8 +22,9 @@ import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
+import numpy as np
 import torch
 
 from kubetune_trainer.errors import ConfigError, DataError, TrainerExit
@@ -82,14 +83,58 @@ class Example:
         return sum(1 for x in self.labels if x != IGNORE_INDEX)
 
 
+class Ragged(Sequence["np.ndarray[Any, Any]"]):
+    """Rows of different lengths as one flat array and the offsets where each row starts.
+
+    This is how the tokenized-data cache (`kubetune_trainer.datacache`) keeps rows: a few
+    arrays that every rank memory-maps, so a node holds the dataset once in its page cache
+    instead of once per rank as lists of Python ints. A row is a view into the flat array.
+    """
+
+    def __init__(self, flat: np.ndarray[Any, Any], offsets: np.ndarray[Any, Any]) -> None:
+        self.flat = flat
+        self.offsets = offsets
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[Sequence[int]], dtype: Any = np.int32) -> Ragged:
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum([len(r) for r in rows], out=offsets[1:])
+        parts = [np.asarray(r, dtype=dtype) for r in rows]
+        flat = np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+        return cls(flat, offsets)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @overload
+    def __getitem__(self, i: int) -> np.ndarray[Any, Any]: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[np.ndarray[Any, Any]]: ...
+
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(i)
+        return self.flat[int(self.offsets[i]) : int(self.offsets[i + 1])]
+
+
 @dataclass
 class Rows:
-    """Training rows: packed (fixed length, with position ids) or one example per row."""
+    """Training rows: packed (fixed length, with position ids) or one example per row.
 
-    input_ids: list[list[int]]
-    labels: list[list[int]]
-    lengths: list[int]  # tokens before padding
-    position_ids: list[list[int]] | None = None
+    The fields are lists when `prepare_data` builds them and `Ragged` arrays (lengths an
+    int64 array) when they come from the tokenized-data cache; consumers index rows and
+    never rely on which."""
+
+    input_ids: Sequence[Any]  # list[list[int]] | Ragged
+    labels: Sequence[Any]
+    lengths: Sequence[int] | np.ndarray[Any, Any]  # tokens before padding
+    position_ids: Sequence[Any] | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -433,8 +478,10 @@ def _fit(example: Example, seq_len: int, fmt: str, stats: DataStats) -> list[Exa
 
 def pack(examples: Sequence[Example], seq_len: int, pad_id: int) -> Rows:
     """Greedy first-fit in order: each row is exactly seq_len tokens; examples never split."""
-    rows = Rows(input_ids=[], labels=[], lengths=[], position_ids=[])
-    assert rows.position_ids is not None
+    out_ids: list[list[int]] = []
+    out_labels: list[list[int]] = []
+    out_lengths: list[int] = []
+    out_pos: list[list[int]] = []
     ids: list[int] = []
     labels: list[int] = []
     pos: list[int] = []
@@ -443,12 +490,11 @@ def pack(examples: Sequence[Example], seq_len: int, pad_id: int) -> Rows:
         if not ids:
             return
         pad = seq_len - len(ids)
-        rows.input_ids.append(ids + [pad_id] * pad)
-        rows.labels.append(labels + [IGNORE_INDEX] * pad)
-        rows.lengths.append(len(ids))
+        out_ids.append(ids + [pad_id] * pad)
+        out_labels.append(labels + [IGNORE_INDEX] * pad)
+        out_lengths.append(len(ids))
         # The padding is its own "document" (positions restart), so it attends only to itself.
-        assert rows.position_ids is not None
-        rows.position_ids.append(pos + list(range(pad)))
+        out_pos.append(pos + list(range(pad)))
 
     for ex in examples:
         if len(ids) + len(ex.input_ids) > seq_len:
@@ -460,7 +506,7 @@ def pack(examples: Sequence[Example], seq_len: int, pad_id: int) -> Rows:
         labels.extend([IGNORE_INDEX, *ex.labels[1:]])
         pos.extend(range(len(ex.input_ids)))
     flush()
-    return rows
+    return Rows(input_ids=out_ids, labels=out_labels, lengths=out_lengths, position_ids=out_pos)
 
 
 def _rows(examples: Sequence[Example], packing: bool, seq_len: int, pad_id: int) -> Rows:
@@ -598,14 +644,23 @@ class Batch:
         )
 
 
+def _row(values: Sequence[int] | np.ndarray[Any, Any]) -> torch.Tensor:
+    """One row as int64 (a copy: a memory-mapped cache row is read-only and int32)."""
+    return torch.from_numpy(np.asarray(values, dtype=np.int64))
+
+
+def _stack(rows: Sequence[Any]) -> torch.Tensor:
+    return torch.from_numpy(np.array([np.asarray(r, dtype=np.int64) for r in rows]))
+
+
 def collate(rows: Rows | PairRows, indices: Sequence[int], pad_id: int) -> Batch:
     if isinstance(rows, PairRows):
         return collate_pairs(rows, indices, pad_id)
     if rows.position_ids is not None:
-        ids = torch.tensor([rows.input_ids[i] for i in indices], dtype=torch.long)
-        labels = torch.tensor([rows.labels[i] for i in indices], dtype=torch.long)
-        pos = torch.tensor([rows.position_ids[i] for i in indices], dtype=torch.long)
-        real = sum(rows.lengths[i] for i in indices)
+        ids = _stack([rows.input_ids[i] for i in indices])
+        labels = _stack([rows.labels[i] for i in indices])
+        pos = _stack([rows.position_ids[i] for i in indices])
+        real = int(sum(int(rows.lengths[i]) for i in indices))
         return Batch(ids, labels, None, pos, tokens=real)
     width = max(len(rows.input_ids[i]) for i in indices)
     ids = torch.full((len(indices), width), pad_id, dtype=torch.long)
@@ -613,8 +668,8 @@ def collate(rows: Rows | PairRows, indices: Sequence[int], pad_id: int) -> Batch
     mask = torch.zeros((len(indices), width), dtype=torch.long)
     for b, i in enumerate(indices):
         n = len(rows.input_ids[i])
-        ids[b, :n] = torch.tensor(rows.input_ids[i])
-        labels[b, :n] = torch.tensor(rows.labels[i])
+        ids[b, :n] = _row(rows.input_ids[i])
+        labels[b, :n] = _row(rows.labels[i])
         mask[b, :n] = 1
     return Batch(ids, labels, mask, None, tokens=int(mask.sum()))
 

@@ -52,6 +52,7 @@ from kubetune_trainer.data import (
     prepare_preference_data,
     read_records,
 )
+from kubetune_trainer.datacache import tokenized_data
 from kubetune_trainer.distributed import (
     DistEnv,
     all_reduce_max,
@@ -269,20 +270,20 @@ class FineTuneRecipe:
 
         prefetch_hub_model(cfg, env)
         self.tokenizer = load_tokenizer(cfg)
-        t0 = time.monotonic()
-        records = read_records(cfg.dataset.source, cfg.dataset.kind, cfg.dataset.revision)
         self.dpo = cfg.training.objective == "dpo"
-        if self.dpo:
-            # Pairs are never packed (docs/dpo.md): `packing` is the SFT rows' setting.
-            self.data: PreparedData = prepare_preference_data(
-                records,
-                tokenizer=self.tokenizer,
-                sequence_length=cfg.training.sequence_length,
-                validation_split=cfg.dataset.validation_split,
-                seed=cfg.training.seed,
-            )
-        else:
-            self.data = prepare_data(
+
+        def prepare() -> PreparedData:
+            records = read_records(cfg.dataset.source, cfg.dataset.kind, cfg.dataset.revision)
+            if self.dpo:
+                # Pairs are never packed (docs/dpo.md): `packing` is the SFT rows' setting.
+                return prepare_preference_data(
+                    records,
+                    tokenizer=self.tokenizer,
+                    sequence_length=cfg.training.sequence_length,
+                    validation_split=cfg.dataset.validation_split,
+                    seed=cfg.training.seed,
+                )
+            return prepare_data(
                 records,
                 fmt=cfg.dataset.format,
                 tokenizer=self.tokenizer,
@@ -291,17 +292,23 @@ class FineTuneRecipe:
                 validation_split=cfg.dataset.validation_split,
                 seed=cfg.training.seed,
             )
+
+        # One tokenized copy per node, memory-mapped by every rank (kubetune_trainer.datacache).
+        self.data, self.data_cache = tokenized_data(cfg, env, self.tokenizer, prepare)
+        (tokenized,) = all_reduce_sum([float(self.data_cache.source != "read")], env)
         st = self.data.stats
         log.info(
             "data: %d records → %d examples → %d train rows, %d validation rows "
-            "(%d truncated, %d without response dropped) in %.1fs%s",
+            "(%d truncated, %d without response dropped) in %.1fs (cache: %s%s)%s",
             st.records,
             st.examples,
             st.train_rows,
             st.validation_rows,
             st.truncated,
             st.dropped_no_target,
-            time.monotonic() - t0,
+            self.data_cache.seconds,
+            self.data_cache.source,
+            f" {self.data_cache.folder}" if self.data_cache.folder else "",
             "".join(f"; {n}" for n in st.notes),
         )
         self._check_early_stopping()
@@ -376,6 +383,9 @@ class FineTuneRecipe:
             trainable_params=self.built.n_trainable,
             train_rows=st.train_rows,
             validation_rows=st.validation_rows,
+            data_cache=self.data_cache.source,
+            data_seconds=round(self.data_cache.seconds, 3),
+            data_tokenized_ranks=int(tokenized),
             resumed_from=str(self.resumed_from) if self.resumed_from else None,
             metrics_port=self.metrics.port,
         )
