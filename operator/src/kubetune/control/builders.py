@@ -1230,8 +1230,11 @@ def build_export(job: FineTuneJob, settings: BuildSettings) -> list[dict[str, An
     volumes = [{"name": volume, "persistentVolumeClaim": {"claimName": claim}}]
     mounts = [{"name": volume, "mountPath": mount_path}]
     resources = {"cpu": settings.export_cpu, "memory": settings.export_memory}
+    # The converter reads only local files: no hub, and a cache in the pod's /tmp (the image's
+    # HF_HOME is on the checkpoint claim, which a `pvc://` output's export does not mount).
+    env = [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "HF_HOME", "value": "/tmp/hf"}]
     return _step_job(
-        job, settings, StepKind.EXPORT, config, volumes, mounts, env=[], requests=resources
+        job, settings, StepKind.EXPORT, config, volumes, mounts, env=env, requests=resources
     )
 
 
