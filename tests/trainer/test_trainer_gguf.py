@@ -316,3 +316,52 @@ def test_the_export_step_writes_a_gguf_llama_cpp_loads(
     assert code == EXIT_CONFIG_ERROR, message
     assert message.startswith("config_error ") and "To fix:" in message
     assert not Path(k_quant.out_file).exists()
+
+
+def test_the_export_step_tells_permanent_from_transient_failures(tmp_path: Path) -> None:
+    """Exit 2 (`config_error`, the batch Job fails at once) for what a retry cannot fix; exit
+    1 (`transient`, retried) when the converter itself crashes."""
+    model = tmp_path / "merged"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    crashing = tmp_path / "llama.cpp"
+    (crashing / "conversion").mkdir(parents=True)
+    (crashing / "convert_hf_to_gguf.py").write_text("import sys; sys.exit('disk full')\n")
+
+    def run_step(model_dir: Path) -> tuple[int, str]:
+        cfg = ExportConfig(
+            job=JobRef(name="demo", namespace="ns", uid="u1"),
+            model_dir=str(model_dir),
+            out_file=str(tmp_path / "out" / "demo-q8_0.gguf"),
+        )
+        (tmp_path / "step.json").write_text(cfg.model_dump_json())
+        term = tmp_path / "termination-log"
+        term.write_text("")
+        env = {
+            **os.environ,
+            "KUBETUNE_TERMINATION_LOG": str(term),
+            "KUBETUNE_LLAMA_CPP_DIR": str(crashing),
+        }
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kubetune_trainer.export",
+                "--config",
+                str(tmp_path / "step.json"),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=TINY_TIMEOUT_S,
+            check=False,
+        )
+        return proc.returncode, term.read_text()
+
+    code, message = run_step(model.parent / "adapter-only")
+    assert code == EXIT_CONFIG_ERROR and message.startswith("config_error "), message
+    assert "no config.json" in message and "To fix:" in message
+    code, message = run_step(model)
+    assert code == 1 and message.startswith("transient "), message
+    assert "convert_hf_to_gguf.py failed" in message and "disk full" in message
+    assert not (tmp_path / "out" / "demo-q8_0.gguf").exists()
