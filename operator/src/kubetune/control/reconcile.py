@@ -741,14 +741,15 @@ class _Reconciler:
             return False
         why = "a permanent failure" if end.code == EXIT_CONFIG_ERROR else "failed repeatedly"
         name = (batch.get("metadata") or {}).get("name")
+        detail = end.message[-600:]
         then = (
             "Then"
-            if "To fix" in end.message
+            if "To fix" in detail
             else f"To fix: read its log (`kubectl logs job/{name}`); then"
         )
         self.fail(
             Reason.EXPORT_FAILED,
-            f"the export step {why}: {end.message[-600:]}. {kept}. {then}, to export without "
+            f"the export step {why}: {detail}. {kept}. {then}, to export without "
             "training again, delete this job and create it again under the same name with the "
             "fixed spec.output.gguf and spec.checkpoint.resumeFromUID: "
             f"{self.job.metadata.get('uid')} (it resumes at the last step and exports)",
