@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 import os
 import random
 import re
@@ -979,6 +980,156 @@ def test_a_job_chained_after_another_trains_on_its_merged_model(target: Target) 
         f"pvc://{first}-ckpt/output/merged; a failed upstream → {failed['reason']}"
     )
     for name in (first, second, broken, after):
+        delete_job(target, name)
+        target.kubectl("delete", "pvc", f"{name}-ckpt", "-n", NAMESPACE, "--wait=false",
+                       check=False)  # fmt: skip
+
+
+PAIRS_PATH = "data/pairs-tiny.jsonl"
+DPO_STEPS = 24
+DPO_EVERY = 2
+
+
+def marker_pairs(n: int, seed: int) -> list[dict[str, Any]]:
+    """Preference pairs with a format rule: both answers repeat the prompt's words and end
+    with a marker word; the chosen answer's marker is the one the prompt's verb asks for
+    (`repeat` → `answer`, `list` → `question`), the rejected answer has the other one. Half
+    the pairs want each marker, so a model that merely favours one marker is right half the
+    time: it must learn to read the verb."""
+    from kubetune_trainer.tiny import WORDS
+
+    markers = {"repeat": ("answer", "question"), "list": ("question", "answer")}
+    rng = random.Random(seed)
+    words = [w for w in WORDS if w not in ("answer", "question")]
+    out = []
+    for i in range(n):
+        verb = "repeat" if i % 2 == 0 else "list"
+        chosen, rejected = markers[verb]
+        said = " ".join(rng.choice(words) for _ in range(rng.randint(2, 5)))
+        out.append({"prompt": f"{verb} the words {said}", "chosen": f"{said} {chosen}",
+                    "rejected": f"{said} {rejected}"})  # fmt: skip
+    rng.shuffle(out)
+    return out
+
+
+def response_log_probs(model_dir: Path, pairs: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """(chosen, rejected) log-probability of each pair's responses after its prompt under the
+    model in `model_dir`, read as the trainer reads a standard pair: the prompt with the
+    tokenizer's special tokens, each response's tokens and EOS."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def log_prob(prompt: list[int], response: str) -> float:
+        answer = [*tok(response, add_special_tokens=False).input_ids, tok.eos_token_id]
+        ids = torch.tensor([prompt + answer])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+        picked = torch.log_softmax(logits, -1).gather(1, torch.tensor(answer)[:, None])
+        return float(picked.sum())
+
+    out = []
+    for pair in pairs:
+        prompt = list(tok(pair["prompt"]).input_ids)
+        out.append((log_prob(prompt, pair["chosen"]), log_prob(prompt, pair["rejected"])))
+    return out
+
+
+def test_sft_then_dpo_learns_which_answers_are_preferred(target: Target) -> None:
+    """An SFT job and a DPO job on its merged model, applied together: the DPO job waits for
+    the SFT one, then learns the rule that separates chosen from rejected answers (which
+    marker word ends them, by the prompt's verb: `marker_pairs`). Held-out reward accuracy
+    rises to ≥ 0.8, status.progress shows the rewards, and the DPO job's merged model gives
+    the chosen answers of new pairs the higher log-probability, where the SFT model it
+    started from prefers them about half the time."""
+    if not target.volumes_follow_pods:
+        pytest.skip(
+            f"on {target.name}, volumes are pinned to the node that wrote them: the DPO job "
+            "reads the SFT job's checkpoint volume, and its plan may pick another pool's node; "
+            "the test also loads both models from their volumes on this machine"
+        )
+    from kubetune_trainer.tiny import write_jsonl
+
+    write_jsonl(target.volume_folder(DATA_CLAIM) / PAIRS_PATH, marker_pairs(200, seed=11))
+    sft, dpo = "prefs-sft", "prefs-dpo"
+    started = time.monotonic()
+    target.apply(
+        job_doc(sft, steps=10, output={"mergeAdapter": True}),
+        job_doc(
+            dpo,
+            steps=DPO_STEPS,
+            interval=DPO_EVERY,
+            model={"uri": f"ftj://{sft}"},
+            dataset={"uri": f"pvc://{DATA_CLAIM}/{PAIRS_PATH}", "numExamples": 200,
+                     "validationSplit": 0.2},
+            training={"objective": "dpo", "dpo": {"beta": 0.3}, "learningRate": 5e-3,
+                      "sequenceLength": 64},
+            output={"mergeAdapter": True},
+        ),
+    )  # fmt: skip
+    wait_step(target, sft, 1)
+    s = status(target, dpo)
+    assert s.get("phase") == "Pending", s
+    waiting = next(c for c in s["conditions"] if c["type"] == "UpstreamReady")
+    assert (waiting["status"], waiting["reason"]) == ("False", "WaitingForUpstream"), waiting
+    assert f"FineTuneJob {sft}" in waiting["message"], waiting
+    wait_phase(target, sft, "Succeeded")
+    sft_done = time.monotonic()
+
+    # The rewards reach status.progress while the DPO job trains.
+    def rewards_shown() -> dict[str, Any] | None:
+        progress = status(target, dpo).get("progress") or {}
+        return progress if progress.get("evalDpoRewardAccuracy") is not None else None
+
+    shown = wait_for(f"{dpo} to show its held-out reward accuracy", rewards_shown, 300)
+    s = wait_phase(target, dpo, "Succeeded")
+    took = time.monotonic() - started
+    sft_done_to_dpo_done = time.monotonic() - sft_done
+    progress = s["progress"]
+    for key in ("dpoRewardAccuracy", "dpoRewardMargin", "dpoRewardsChosen",
+                "dpoRewardsRejected", "evalDpoRewardMargin"):  # fmt: skip
+        assert isinstance(progress.get(key), float | int), (key, progress)
+    records = train_log(target, dpo)
+    evals = [r for r in records if r.get("event") == "eval"]
+    (began,) = [r["time"] for r in records if r.get("event") == "start"]
+    (ended,) = [r["time"] for r in records if r.get("event") == "finish"]
+    curve = [(int(e["step"]), round(e["eval_dpo_reward_accuracy"], 3)) for e in evals]
+    assert [step for step, _ in curve] == list(range(DPO_EVERY, DPO_STEPS + 1, DPO_EVERY)), curve
+    first, last = evals[0], evals[-1]
+    # What the status showed is what the trainer measured at one of its evaluations.
+    assert any(
+        round(e["eval_dpo_reward_accuracy"], 4) == shown["evalDpoRewardAccuracy"] for e in evals
+    ), (shown, curve)
+    # Rewards start at 0 (a tie: accuracy 0); a policy that favours one marker gets half
+    # the held-out pairs right; only the rule gets them all.
+    assert first["eval_dpo_reward_accuracy"] < 0.8 <= last["eval_dpo_reward_accuracy"], curve
+    assert last["eval_dpo_reward_margin"] > max(first["eval_dpo_reward_margin"], 0), evals
+    assert last["eval_loss"] < min(first["eval_loss"], math.log(2)), evals
+    assert s["upstream"]["modelUri"] == f"pvc://{sft}-ckpt/output/merged", s["upstream"]
+
+    # New pairs, never trained on: the DPO model prefers their chosen answers.
+    held_out = marker_pairs(48, seed=12345)
+    before = response_log_probs(target.volume_folder(f"{sft}-ckpt") / "output/merged", held_out)
+    after = response_log_probs(target.volume_folder(f"{dpo}-ckpt") / "output/merged", held_out)
+    prefers_before = sum(c > r for c, r in before) / len(held_out)
+    prefers_after = sum(c > r for c, r in after) / len(held_out)
+    margin_before = sum(c - r for c, r in before) / len(held_out)
+    margin_after = sum(c - r for c, r in after) / len(held_out)
+    assert 0.25 <= prefers_before <= 0.75, (prefers_before, before)
+    assert prefers_after >= 0.9, (prefers_before, prefers_after)
+    assert margin_after > margin_before, (margin_before, margin_after)
+    REPORT.append(
+        f"SFT → DPO: held-out reward accuracy {first['eval_dpo_reward_accuracy']:.3f} at step "
+        f"{int(first['step'])} → {last['eval_dpo_reward_accuracy']:.3f} at step "
+        f"{int(last['step'])} (by step {curve}); new pairs whose chosen answer is the likelier: "
+        f"{prefers_before:.2f} (SFT model) → {prefers_after:.2f} (DPO model), mean log-prob "
+        f"margin {margin_before:.2f} → {margin_after:.2f}; both Succeeded in {took:.1f}s, "
+        f"the DPO job {sft_done_to_dpo_done:.1f}s after the SFT one, its trainer "
+        f"{ended - began:.1f}s from start to finish"
+    )
+    for name in (sft, dpo):
         delete_job(target, name)
         target.kubectl("delete", "pvc", f"{name}-ckpt", "-n", NAMESPACE, "--wait=false",
                        check=False)  # fmt: skip

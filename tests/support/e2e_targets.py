@@ -134,6 +134,11 @@ class Target:
         """The sha256 (hex) of a file on a claim in NAMESPACE; None when it does not exist."""
         raise NotImplementedError
 
+    def volume_folder(self, claim: str) -> Path:
+        """The folder on this machine that holds a claim of NAMESPACE, to write inputs to it
+        or load a model from it; only where volumes are local folders."""
+        raise NotImplementedError(f"the volumes of the {self.name} target are not local folders")
+
     def kill_operator(self) -> None:
         """Stop the operator at once (SIGKILL): no cleanup of its own."""
         raise NotImplementedError
@@ -224,6 +229,11 @@ class LocalTarget(Target):
 
         path = claim_path(self.cluster, NAMESPACE, claim)
         return Path(path) if path else None
+
+    def volume_folder(self, claim: str) -> Path:
+        root = self._claim_root(claim)
+        assert root is not None, f"claim {claim} is not bound to a folder"
+        return root
 
     def read_volume_file(self, claim: str, path: str) -> str | None:
         root = self._claim_root(claim)
