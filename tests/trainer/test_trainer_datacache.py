@@ -37,7 +37,10 @@ from kubetune_trainer.datacache import (
     CACHE_FOLDER,
     MANIFEST,
     CacheOutcome,
+    cache_identity,
+    cache_key,
     tokenized_data,
+    write_cache,
 )
 from kubetune_trainer.distributed import DistEnv
 from kubetune_trainer.errors import DataError
@@ -255,6 +258,29 @@ def test_a_damaged_cache_is_rebuilt(
     assert_same_data(preparer(cfg, tokenizer, [])(), got, tokenizer.pad_token_id)
     _, outcome, calls = cached(cfg, tokenizer)
     assert outcome.source == "read" and calls == 0
+
+
+def test_a_cache_another_node_wrote_meanwhile_is_kept(
+    tmp_path: Path, tiny_llama: Path, alpaca_data: Path, tokenizer: Any
+) -> None:
+    """Nodes sharing the volume may build at once: whoever finds a complete folder once it
+    has tokenized keeps it (ranks of the other node may be mapping it)."""
+    cfg = config(tmp_path, tiny_llama, alpaca_data)
+    identity = cache_identity(cfg, tokenizer)
+    root = tmp_path / "ckpt" / CACHE_FOLDER
+    theirs: list[int] = []
+
+    def prepare_while_another_node_writes() -> PreparedData:
+        data = preparer(cfg, tokenizer, [])()
+        folder = write_cache(root, cache_key(identity), identity, data)
+        theirs.append((folder / MANIFEST).stat().st_ino)
+        return data
+
+    data, outcome = tokenized_data(cfg, ONE_RANK, tokenizer, prepare_while_another_node_writes)
+    assert outcome.source == "built" and outcome.folder is not None
+    assert (outcome.folder / MANIFEST).stat().st_ino == theirs[0]
+    assert [p.name for p in root.iterdir()] == [outcome.folder.name], "no temporary left"
+    assert_same_data(preparer(cfg, tokenizer, [])(), data, tokenizer.pad_token_id)
 
 
 def test_a_bad_dataset_fails_as_without_the_cache(

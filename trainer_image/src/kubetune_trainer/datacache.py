@@ -293,7 +293,7 @@ def read_cache(folder: Path, key: str, *, verify: bool) -> PreparedData | None:
             )
         except (OSError, ValueError, KeyError, TypeError) as e:
             problem = f"unreadable ({type(e).__name__}: {e})"
-    log.warning("data cache %s: %s; it is rebuilt", folder, problem)
+    log.warning("data cache %s: %s; not used", folder, problem)
     return None
 
 
@@ -358,20 +358,22 @@ def tokenized_data(
         try:
             if read_cache(folder, key, verify=True) is None:
                 source = "built"
+                shutil.rmtree(folder, ignore_errors=True)  # damaged, or absent
                 try:
                     built = prepare()
                 except (TrainerExit, Exception) as e:
                     raise _PrepareFailed(e) from e
-                shutil.rmtree(folder, ignore_errors=True)
-                root.mkdir(parents=True, exist_ok=True)
-                write_cache(root, key, identity, built)
+                # Another node sharing the volume may have written it meanwhile: keep theirs.
+                if _damage(folder, key, verify=False)[0] is not None:
+                    root.mkdir(parents=True, exist_ok=True)
+                    write_cache(root, key, identity, built)
                 built = None  # every rank maps the written copy, this one too
             removed = remove_others(root, key)
             if removed:
                 log.info("data cache: removed %d folder(s) of other keys", len(removed))
         except _PrepareFailed as e:
             failure = e.error
-        except OSError as e:
+        except (OSError, ValueError) as e:
             log.warning("data cache %s cannot be written (%s); preparing in memory", folder, e)
     # The other ranks wait for the node's copy. A bad dataset fails local rank 0 here; the
     # others find no cache, prepare for themselves and fail with the same error.
