@@ -8,9 +8,10 @@ Two dashboards, both with a templated Prometheus datasource and a `namespace` va
 * "kubetune / Jobs overview": phases, queue, GPUs in use by pool, cost, failures,
   recoveries, estimator error, operator health (reconcile p50/p95/p99, errors).
 * "kubetune / Training run": one job (`finetunejob` variable): loss and eval loss,
-  DPO reward accuracy and margin (train and eval), tokens/s against the plan, MFU, GPU memory estimated against the trainer's peak and the
-  GPU's capacity, GPU utilisation and memory per GPU (DCGM exporter) and pod memory
-  (cAdvisor), progress and ETA, cost against estimate and budget, checkpoints, restarts.
+  DPO reward accuracy and margin (train and eval), tokens/s against the plan, MFU, GPU
+  memory estimated against the trainer's peak and the GPU's capacity, GPU utilisation and
+  memory per GPU (DCGM exporter) and pod memory (cAdvisor), progress and ETA, cost against
+  estimate and budget, checkpoints, restarts.
 
 Both mark recoveries (and the run, checkpoints) with annotations, give every number a unit,
 and link to each other; the overview's tables have one row per job, the job's name linking
