@@ -86,8 +86,11 @@ def test_finetunejob_crd_shape() -> None:
         "Loss",
         "ETA",
         "Cost",
+        "Eval-Reward-Acc",
         "Age",
     ]
+    wide = [c["name"] for c in version["additionalPrinterColumns"] if c.get("priority") == 1]
+    assert wide == ["Eval-Reward-Acc"]  # a DPO number: kubectl get -o wide only
     spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
     assert spec["required"] == ["dataset", "model"]
     assert spec["properties"]["method"]["enum"] == ["auto", "full", "lora", "qlora"]

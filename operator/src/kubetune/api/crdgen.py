@@ -167,6 +167,13 @@ def finetunejob_crd() -> Schema:
             _column("Loss", ".status.progress.loss", "number"),
             _column("ETA", ".status.progress.eta"),
             _column("Cost", ".status.cost.accruedUSD", "number", description="USD accrued"),
+            _column(
+                "Eval-Reward-Acc",
+                ".status.progress.evalDpoRewardAccuracy",
+                "number",
+                priority=1,
+                description="DPO jobs: held-out reward accuracy (kubectl get -o wide)",
+            ),
             _column("Age", ".metadata.creationTimestamp", "date"),
         ],
     )
