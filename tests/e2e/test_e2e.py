@@ -1108,6 +1108,10 @@ def test_sft_then_dpo_learns_which_answers_are_preferred(target: Target) -> None
     assert last["eval_dpo_reward_margin"] > max(first["eval_dpo_reward_margin"], 0), evals
     assert last["eval_loss"] < min(first["eval_loss"], math.log(2)), evals
     assert s["upstream"]["modelUri"] == f"pvc://{sft}-ckpt/output/merged", s["upstream"]
+    wide = target.kubectl("get", "finetunejob", dpo, "-n", NAMESPACE, "-o", "wide").stdout
+    header, row = wide.splitlines()[:2]
+    assert header.split()[-2:] == ["EVAL-REWARD-ACC", "AGE"], wide  # progress has a space
+    assert float(row.split()[-2]) == progress["evalDpoRewardAccuracy"], wide
 
     # New pairs, never trained on: the DPO model prefers their chosen answers.
     held_out = marker_pairs(48, seed=12345)
