@@ -697,119 +697,113 @@ class _Reconciler:
                 )
         return None
 
-    # ------------------------------------------------------------------ export
+    # ------------------------------------------------------------------ after training
 
-    def exporting(self) -> bool:
-        """After training succeeded, write the GGUF file spec.output.gguf asks for with the
-        export step: create it, follow it, fail the job with its reason, or record what it
-        wrote. True while it holds the job (the stage-out and the success wait for it)."""
-        if not needs_export(self.job) or self.s.export is not None:
-            return False
-        batch = self.observed.export_job
+    def after_training(self, step: _AfterTraining) -> bool:
+        """Run one CPU step after training succeeded (the export, the stage-out): create it,
+        follow it, fail the job with its reason, or record what it did. True while it holds
+        the job (the next step and the success wait for it)."""
         self.d.requeue_after = self.settings.poll_seconds
-        if batch is None:
+        condition, running, done, failed = STEP_CONDITIONS[step.kind]
+        if step.batch is None:
             try:
-                self.d.create.extend(build_export(self.job, self.settings.build))
-                where = gguf_uri(self.job)
+                self.d.create.extend(step.build())
+                what = step.doing()
             except SpecError as exc:
                 self.fail(Reason.INVALID_SPEC, str(exc))
                 return True
-            what = f"exporting the trained model to GGUF: {where}"
-            if get_condition(self.s.conditions, ConditionType.EXPORTED) is None:
-                self.d.event(Reason.EXPORTING, what)
-            self.go.condition(ConditionType.EXPORTED, False, Reason.EXPORTING, what)
+            if get_condition(self.s.conditions, condition) is None:
+                self.d.event(running, what)
+            self.go.condition(condition, False, running, what)
             self.s.message = what
             return True
-        end = self.step_ended(StepKind.EXPORT, batch, self.observed.export_pods)
+        end = self.step_ended(step.kind, step.batch, step.pods)
         if end is None:
             return True
-        kept = "The trained output stays on its volume"
         if end.code == 0:
-            exported = parse_export(end.message, gguf_uri(self.job))
-            if exported is None:
-                self.fail(
-                    Reason.EXPORT_FAILED, f"{_no_result(StepKind.EXPORT, batch, end)}. {kept}"
-                )
+            summary = step.record(end.message)
+            if summary is None:
+                self.fail(failed, f"{_no_result(step.kind, step.batch, end)}. {step.kept}")
                 return True
-            self.s.export = exported
-            summary = (
-                f"wrote {exported.uri} ({exported.quantization}, {exported.bytes} bytes) in "
-                f"{exported.seconds}s"
-            )
-            self.go.condition(ConditionType.EXPORTED, True, Reason.EXPORTED, summary)
-            self.d.event(Reason.EXPORTED, summary)
+            self.go.condition(condition, True, done, summary)
+            self.d.event(done, summary)
             return False
         why = "a permanent failure" if end.code == EXIT_CONFIG_ERROR else "failed repeatedly"
-        name = (batch.get("metadata") or {}).get("name")
+        name = (step.batch.get("metadata") or {}).get("name")
         detail = end.message[-600:]
         then = (
             "Then"
             if "To fix" in detail
-            else f"To fix: read its log (`kubectl logs job/{name}`); then"
+            else (f"To fix: read its log (`kubectl logs job/{name}`); then")
         )
         self.fail(
-            Reason.EXPORT_FAILED,
-            f"the export step {why}: {detail}. {kept}. {then}, to export without "
-            "training again, delete this job and create it again under the same name with the "
-            "fixed spec.output.gguf and spec.checkpoint.resumeFromUID: "
-            f"{self.job.metadata.get('uid')} (it resumes at the last step and exports)",
+            failed,
+            f"the {step.kind.value} step {why}: {detail}. {step.kept}. {then}, to "
+            f"{step.again} without training again, delete this job and create it again under "
+            f"the same name with {step.fixed}spec.checkpoint.resumeFromUID: "
+            f"{self.job.metadata.get('uid')} (it resumes at the last step and {step.again}s)",
         )
         return True
 
-    # ------------------------------------------------------------------ stage-out
+    def exporting(self) -> bool:
+        """The GGUF file spec.output.gguf asks for, written by the export step."""
+        if not needs_export(self.job) or self.s.export is not None:
+            return False
+
+        def record(message: str) -> str | None:
+            exported = parse_export(message, gguf_uri(self.job))
+            if exported is None:
+                return None
+            self.s.export = exported
+            return (
+                f"wrote {exported.uri} ({exported.quantization}, {exported.bytes} bytes) in "
+                f"{exported.seconds}s"
+            )
+
+        return self.after_training(
+            _AfterTraining(
+                kind=StepKind.EXPORT,
+                batch=self.observed.export_job,
+                pods=self.observed.export_pods,
+                build=lambda: build_export(self.job, self.settings.build),
+                doing=lambda: f"exporting the trained model to GGUF: {gguf_uri(self.job)}",
+                record=record,
+                kept="The trained output stays on its volume",
+                again="export",
+                fixed="the fixed spec.output.gguf and ",
+            )
+        )
 
     def staging_out(self) -> bool:
-        """After training succeeded, upload an `s3://` output with the stage-out step:
-        create it, follow it, fail the job with its reason, or record what it uploaded.
-        True while it holds the job (the job succeeds only after the upload)."""
+        """An `s3://` output, uploaded by the stage-out step (the job succeeds only after)."""
         if not needs_stage_out(self.job) or self.s.stage_out is not None:
             return False
-        destination = str(self.spec.output.uri)
-        batch = self.observed.stage_out_job
-        self.d.requeue_after = self.settings.poll_seconds
-        if batch is None:
-            try:
-                self.d.create.extend(build_stage_out(self.job, self.settings.build))
-            except SpecError as exc:
-                self.fail(Reason.INVALID_SPEC, str(exc))
-                return True
-            what = f"uploading the output to {destination}"
-            if get_condition(self.s.conditions, ConditionType.UPLOADED) is None:
-                self.d.event(Reason.UPLOADING, what)
-            self.go.condition(ConditionType.UPLOADED, False, Reason.UPLOADING, what)
-            self.s.message = what
-            return True
-        end = self.step_ended(StepKind.STAGE_OUT, batch, self.observed.stage_out_pods)
-        if end is None:
-            return True
-        kept = f"The output stays on the checkpoint volume ({child_names(self.job_name, 1).pvc}, "
-        kept += "output/)"
-        if end.code == 0:
-            uploaded = parse_stage_out(end.message)
+
+        def record(message: str) -> str | None:
+            uploaded = parse_stage_out(message)
             if uploaded is None:
-                self.fail(
-                    Reason.UPLOAD_FAILED,
-                    f"{_no_result(StepKind.STAGE_OUT, batch, end)}. {kept}",
-                )
-                return True
+                return None
             self.s.stage_out = uploaded
-            summary = (
+            return (
                 f"uploaded {uploaded.files} files ({uploaded.bytes} bytes) to "
                 f"{uploaded.destination}: {uploaded.uploaded_bytes} bytes sent, "
                 f"{uploaded.skipped_bytes} already there"
             )
-            self.go.condition(ConditionType.UPLOADED, True, Reason.UPLOADED, summary)
-            self.d.event(Reason.UPLOADED, summary)
-            return False
-        why = "a permanent failure" if end.code == EXIT_CONFIG_ERROR else "failed repeatedly"
-        self.fail(
-            Reason.UPLOAD_FAILED,
-            f"the stage-out step {why}: {end.message[-500:]}. {kept}. To upload without "
-            "training again: fix what the message names, delete this job and create it again "
-            f"under the same name with spec.checkpoint.resumeFromUID: "
-            f"{self.job.metadata.get('uid')} (it resumes at the last step and uploads)",
+
+        pvc = child_names(self.job_name, 1).pvc
+        return self.after_training(
+            _AfterTraining(
+                kind=StepKind.STAGE_OUT,
+                batch=self.observed.stage_out_job,
+                pods=self.observed.stage_out_pods,
+                build=lambda: build_stage_out(self.job, self.settings.build),
+                doing=lambda: f"uploading the output to {self.spec.output.uri}",
+                record=record,
+                kept=f"The output stays on the checkpoint volume ({pvc}, output/)",
+                again="upload",
+                fixed="",
+            )
         )
-        return True
 
     def for_tenant(self, planner: PlannerSettings) -> PlannerSettings:
         """Planner settings that keep the job off pools its namespace may not use."""
@@ -1392,6 +1386,45 @@ def parse_export(message: str, uri: str) -> ExportStatus | None:
         bytes=result.bytes,
         seconds=round(result.seconds, 1),
     )
+
+
+@dataclass(frozen=True)
+class _AfterTraining:
+    """A CPU step that runs after training succeeded, for `_Reconciler.after_training`."""
+
+    kind: StepKind
+    batch: Mapping[str, Any] | None
+    pods: Sequence[Mapping[str, Any]]
+    build: Callable[[], list[dict[str, Any]]]
+    """The step's objects; raises SpecError."""
+    doing: Callable[[], str]
+    """What the step does, for status.message, the condition and the Event."""
+    record: Callable[[str], str | None]
+    """Record the step's result (its termination message) in status and return the summary;
+    None when the message holds no result."""
+    kept: str
+    """What is left where, when the step fails."""
+    again: str
+    """The verb for running the step again without training ("export", "upload")."""
+    fixed: str
+    """What to fix in the spec first, as "the fixed … and " (or nothing)."""
+
+
+STEP_CONDITIONS: dict[StepKind, tuple[ConditionType, Reason, Reason, Reason]] = {
+    StepKind.EXPORT: (
+        ConditionType.EXPORTED,
+        Reason.EXPORTING,
+        Reason.EXPORTED,
+        Reason.EXPORT_FAILED,
+    ),
+    StepKind.STAGE_OUT: (
+        ConditionType.UPLOADED,
+        Reason.UPLOADING,
+        Reason.UPLOADED,
+        Reason.UPLOAD_FAILED,
+    ),
+}
+"""The condition of a step after training and its reasons: running, done, failed."""
 
 
 STEP_VERBS: dict[StepKind, tuple[str, str]] = {
