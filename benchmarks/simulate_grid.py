@@ -5,8 +5,11 @@ length {512, 2048, 8192} × micro-batch {1, 4, 8} × checkpointing on/off, one G
 LoRA rank 16 on all linears. For each cell: the simulated peak (`kubetune_trainer.simulate`,
 1 and 2 blocks extrapolated, the steady-state step) and the part of the analytical estimate an
 allocated-bytes reading measures (`comparable_bytes(estimate, "allocated")`), and their
-relative difference. QLoRA and more than one GPU are not simulated (docs/simulate.md), so the
-grid has none.
+relative difference. QLoRA is not simulated (docs/simulate.md), so the grid has none.
+
+`--gpus 1 2 8` adds cells on several GPUs: rank 0 of N under FSDP2 (`--sharding full`, the
+default, or `grad-op`) over sequence length {512, 2048} × micro-batch {1, 4} × checkpointing
+on/off (a smaller grid: a sharded cell simulates 3 and 4 blocks).
 
 `--objective dpo` runs the trainer's DPO step instead (a micro-batch of preference pairs, two
 rows each; the LoRA reference forward with the adapters off) over sequence length {512, 2048}
@@ -19,6 +22,7 @@ a unit test holds the estimator to, so that a change of the estimator that moves
 (or towards) the simulation shows up in CI until this script is run again.
 
     .venv/bin/python benchmarks/simulate_grid.py [--families llama qwen2 ...] [--objective dpo]
+        [--gpus 1 2 8] [--sharding full|grad-op]
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ METHODS = ("full", "lora")
 SEQ_LENS = (512, 2048, 8192)
 MICRO_BATCHES = (1, 4, 8)
 CHECKPOINTING = (True, False)
+SHARDED_SEQ_LENS = (512, 2048)
+SHARDED_MICRO_BATCHES = (1, 4)
 DPO_SEQ_LENS = (512, 2048)
 DPO_MICRO_BATCHES = (1, 4)  # pairs
 
@@ -119,17 +125,32 @@ def cell(model: str, fields: Any, setup: SimulationSetup) -> dict[str, Any]:
 
 def label(row: dict[str, Any]) -> str:
     pairs = " pairs" if row.get("objective") == "dpo" else ""
+    gpus = row.get("gpus", 1)
+    sharded = f" {gpus} GPUs {row['sharding']}" if gpus > 1 else ""
     return (
         f"{row['method']} b{row['micro_batch']}{pairs}×{row['seq_len']} "
-        f"{'ckpt' if row['grad_ckpt'] else 'no-ckpt'}"
+        f"{'ckpt' if row['grad_ckpt'] else 'no-ckpt'}{sharded}"
     )
+
+
+def summary(rows: list[dict[str, Any]], total: int) -> list[str]:
+    """The summary line of a set of scored cells."""
+    errors = [r["error"] for r in rows]
+    below = [e for e in errors if e < -0.03]
+    return [
+        f"| {total} | {len(rows)} | {statistics.median(errors):+.1%} "
+        f"| {statistics.median(abs(e) for e in errors):.1%} | {min(errors):+.1%} "
+        f"| {max(errors):+.1%} | {len(below)} |",
+    ]
 
 
 def write_doc(
     rows: list[dict[str, Any]], families: dict[str, str], elapsed: float, objective: str
 ) -> None:
     done = [r for r in rows if "error" in r]
-    errors = [r["error"] for r in done]
+    gpu_counts = sorted({int(r.get("gpus", 1)) for r in rows})
+    one_gpu = [r for r in done if r.get("gpus", 1) == 1]
+    errors = [r["error"] for r in one_gpu]
     dpo = objective == "dpo"
     lines = [
         "# The analytical estimator against the simulated " + ("DPO step" if dpo else "step"),
@@ -149,25 +170,51 @@ def write_doc(
         f"Made by `python benchmarks/simulate_grid.py{' --objective dpo' if dpo else ''}` on "
         f"{datetime.date.today()} in "
         f"{elapsed / 60:.0f} minutes (2-core machine); docs/simulate.md says what the simulation "
-        "runs. One GPU, bf16, AdamW, LoRA rank 16 on all linears without dropout (the "
+        "runs. "
+        + (
+            "One GPU"
+            if gpu_counts == [1]
+            else "One GPU, and rank 0 of several GPUs sharded by FSDP2 (the trainer's "
+            "`fully_shard` per block and root on a fake process group)"
+        )
+        + ", bf16, AdamW, LoRA rank 16 on all linears without dropout (the "
         "simulation's CPU dropout keeps a 4-byte noise tensor where CUDA keeps a 1-byte mask), "
         "the smallest model of each "
         "family; estimate = `comparable_bytes(estimate, 'allocated')` (what "
         "`torch.cuda.max_memory_allocated` would read: no CUDA context, NCCL or allocator "
-        "slack); error = estimate / simulated − 1. QLoRA and several GPUs are not simulated.",
+        "slack); error = estimate / simulated − 1. QLoRA is not simulated.",
         "",
     ]
     if errors:
-        below = [r for r in done if r["error"] < -0.03]
         lines += [
             "| cells | simulated | median error | median abs error | smallest | largest | "
             "below the simulation by > 3 % |",
             "| --- | --- | --- | --- | --- | --- | --- |",
-            f"| {len(rows)} | {len(done)} | {statistics.median(errors):+.1%} "
-            f"| {statistics.median(abs(e) for e in errors):.1%} | {min(errors):+.1%} "
-            f"| {max(errors):+.1%} | {len(below)} |",
+            *summary(one_gpu, len([r for r in rows if r.get("gpus", 1) == 1])),
             "",
-            "By family and method (median error, smallest, largest):",
+        ]
+    if gpu_counts != [1]:
+        lines += [
+            "Several GPUs (rank 0's peak; sequence length {512, 2048} × micro-batch {1, 4} × "
+            "checkpointing on/off):",
+            "",
+            "| GPUs | sharding | method | cells | simulated | median error | median abs error "
+            "| smallest | largest | below the simulation by > 3 % |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for gpus in gpu_counts[1:] if gpu_counts[0] == 1 else gpu_counts:
+            for method in METHODS:
+                these = [r for r in rows if r.get("gpus", 1) == gpus and r["method"] == method]
+                scored = [r for r in these if "error" in r]
+                if scored:
+                    sharding = these[0]["sharding"]
+                    lines.append(
+                        f"| {gpus} | {sharding} | {method} " + summary(scored, len(these))[0]
+                    )
+        lines.append("")
+    if errors:
+        lines += [
+            "By family and method, one GPU (median error, smallest, largest):",
             "",
             "| family | model | full | lora |",
             "| --- | --- | --- | --- |",
@@ -175,7 +222,9 @@ def write_doc(
         for family, model in families.items():
             cells = []
             for method in METHODS:
-                errs = [r["error"] for r in done if r["model"] == model and r["method"] == method]
+                errs = [
+                    r["error"] for r in one_gpu if r["model"] == model and r["method"] == method
+                ]
                 cells.append(
                     f"{statistics.median(errs):+.1%} ({min(errs):+.1%} … {max(errs):+.1%})"
                     if errs
@@ -213,6 +262,8 @@ def main() -> int:
         "change), rewrite the doc and the sample",
     )
     parser.add_argument("--objective", choices=("sft", "dpo"), default="sft")
+    parser.add_argument("--gpus", nargs="+", type=int, default=[1], help="GPU counts (default: 1)")
+    parser.add_argument("--sharding", choices=("full", "grad-op"), default="full")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
@@ -233,17 +284,19 @@ def main() -> int:
     results = ROOT / "benchmarks" / "results" / name
     rows: list[dict[str, Any]] = []
     start = time.monotonic()
-    grid = list(
-        itertools.product(
+    grid = [
+        (gpus, *cell)
+        for gpus in args.gpus
+        for cell in itertools.product(
             families.items(),
             METHODS,
-            DPO_SEQ_LENS if dpo else SEQ_LENS,
-            DPO_MICRO_BATCHES if dpo else MICRO_BATCHES,
+            DPO_SEQ_LENS if dpo else SEQ_LENS if gpus == 1 else SHARDED_SEQ_LENS,
+            DPO_MICRO_BATCHES if dpo else MICRO_BATCHES if gpus == 1 else SHARDED_MICRO_BATCHES,
             CHECKPOINTING,
         )
-    )
+    ]
     with results.open("w") as out:
-        for i, ((_family, model), method, seq, micro, ckpt) in enumerate(grid, 1):
+        for i, (gpus, (_family, model), method, seq, micro, ckpt) in enumerate(grid, 1):
             setup = SimulationSetup(
                 method=method,  # type: ignore[arg-type]
                 seq_len=seq,
@@ -251,6 +304,8 @@ def main() -> int:
                 grad_ckpt=ckpt,
                 lora_dropout=LORA_DROPOUT,
                 objective=args.objective,
+                gpus=gpus,
+                sharding=args.sharding,
             )
             row = cell(model, fields[model], setup)
             score(row)
@@ -274,10 +329,15 @@ def write_outputs(
     doc, sample_path = outputs(objective)
     keys = ("model", "method", "seq_len", "micro_batch", "grad_ckpt", "lora_dropout")
     extra = {"objective": objective} if objective == "dpo" else {}
+
+    def sharded(r: dict[str, Any]) -> dict[str, Any]:
+        return {"gpus": r["gpus"], "sharding": r["sharding"]} if r.get("gpus", 1) > 1 else {}
+
     sample = [
         {
             **{k: r[k] for k in keys},
             **extra,
+            **sharded(r),
             "simulated_bytes": r["simulated_bytes"],
             "error": r["error"],
         }

@@ -47,6 +47,9 @@ def _error(cell: dict[str, object]) -> float:
         grad_ckpt=bool(cell["grad_ckpt"]),
         lora_dropout=float(cell["lora_dropout"]),  # type: ignore[arg-type]
         attention=trainer_attention(arch),
+        # Cells on several GPUs: rank 0 of an FSDP2 run (older cells are one GPU).
+        gpus=int(cell.get("gpus", 1)),  # type: ignore[call-overload]
+        sharding=cell.get("sharding", "full"),  # type: ignore[arg-type]
     )
     estimate = comparable_bytes(estimate_vram(arch, setup), "allocated")
     return estimate / int(cell["simulated_bytes"]) - 1  # type: ignore[call-overload]
@@ -58,6 +61,13 @@ def test_the_sample_covers_every_family_and_both_methods() -> None:
     assert {c["method"] for c in cells} == {"full", "lora"}
     assert len({c["model"] for c in cells}) >= 10
     assert {c["grad_ckpt"] for c in cells} == {True, False}
+
+
+def test_the_sample_covers_several_gpus_sharded() -> None:
+    cells = [c for c in _cells() if int(c.get("gpus", 1)) > 1]  # type: ignore[call-overload]
+    assert {c["gpus"] for c in cells} >= {2, 8}
+    assert {c["method"] for c in cells} == {"full", "lora"}
+    assert {c["sharding"] for c in cells} == {"full"}
 
 
 def test_the_dpo_sample_covers_both_methods_and_the_pairs() -> None:
@@ -73,6 +83,7 @@ def test_the_dpo_sample_covers_both_methods_and_the_pairs() -> None:
     _cells() + _cells(DPO_SAMPLE),
     ids=lambda c: (
         f"{c.get('objective', 'sft')}-{c['model']}-{c['method']}-b{c['micro_batch']}x{c['seq_len']}"
+        f"-{c.get('gpus', 1)}gpu"
     ),
 )
 def test_the_estimate_is_where_the_grid_recorded_it(cell: dict[str, object]) -> None:
