@@ -50,9 +50,10 @@ tracker is the same on `FSDPMemTracker`, and FSDP2's gathered parameters, unshar
 and communication buffers are the estimator's `fsdp_buffers`. A process that already has a
 default process group simulates in a spawned one.
 
-Limits: DDP (`sharding="none"` on several GPUs) is not simulated; QLoRA is not simulated (bitsandbytes quantizes real weights on a
-GPU); the attention kernel is the CPU one of `scaled_dot_product_attention` (saved tensors of
-the same size as the CUDA flash kernel's: output and log-sum-exp).
+Limits: DDP (`sharding="none"` on several GPUs) is not simulated; QLoRA is not simulated
+(bitsandbytes quantizes real weights on a GPU); the attention kernel is the CPU one of
+`scaled_dot_product_attention` (saved tensors of the same size as the CUDA flash kernel's:
+output and log-sum-exp).
 """
 
 from __future__ import annotations
