@@ -17,25 +17,12 @@ them.
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
-import os
 import sys
 from pathlib import Path
 
-from kubetune_trainer.contract import (
-    EXIT_OK,
-    ExportConfig,
-    ExportResult,
-    parse_export_config,
-)
-from kubetune_trainer.stagein.__main__ import (
-    config_failure,
-    setup_logging,
-    step_failure,
-    write_termination_message,
-)
+from kubetune_trainer.contract import ExportConfig, ExportResult, parse_export_config
+from kubetune_trainer.stagein.__main__ import run_step
 
 CONFIG_ENV = "KUBETUNE_EXPORT_CONFIG"
 log = logging.getLogger("kubetune_trainer.export")
@@ -60,34 +47,23 @@ def export(cfg: ExportConfig) -> ExportResult:
     )
 
 
-def compact(result: ExportResult) -> str:
-    return json.dumps(result.model_dump(mode="json"), separators=(",", ":"), sort_keys=True)
+def _summary(result: ExportResult) -> str:
+    return (
+        f"wrote {result.file} ({result.quantization}, {result.bytes / 1e6:.1f} MB) in "
+        f"{result.seconds:.1f}s"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kubetune_trainer.export")
-    parser.add_argument("--config", default=os.environ.get(CONFIG_ENV))
-    args = parser.parse_args(argv)
-    setup_logging("export")
-    if not args.config:
-        return config_failure(f"no config: pass --config FILE or set {CONFIG_ENV}", log)
-    try:
-        cfg = parse_export_config(Path(args.config).read_text(), args.config)
-    except (OSError, ValueError) as e:  # pydantic's ValidationError is a ValueError
-        return config_failure(f"config {args.config}: {e}", log)
-    try:
-        result = export(cfg)
-    except Exception as e:
-        return step_failure(e, log)
-    write_termination_message(compact(result))
-    log.info(
-        "wrote %s (%s, %.1f MB) in %.1fs",
-        result.file,
-        result.quantization,
-        result.bytes / 1e6,
-        result.seconds,
+    return run_step(
+        argv,
+        step="export",
+        config_env=CONFIG_ENV,
+        parse=parse_export_config,
+        run=export,
+        summary=_summary,
+        logger=log,
     )
-    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ On success the termination message is the `StageInResult` as compact JSON (witho
 The file is the trainer's (`$KUBETUNE_TERMINATION_LOG`, else /dev/termination-log).
 Progress goes to stdout, one JSON line per file fetched; the log to stderr.
 
-The stage-out step's entry point uses the same termination message, log and failure
-mapping (`write_termination_message`, `setup_logging`, `config_failure`, `step_failure`).
+The stage-out and export steps' entry points run the same way (`run_step`): the same
+termination message, log and failure mapping.
 """
 
 from __future__ import annotations
@@ -20,7 +20,11 @@ import logging
 import os
 import sys
 import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
+
+from pydantic import BaseModel
 
 from kubetune_trainer.__main__ import crash_message, termination_log
 from kubetune_trainer.contract import (
@@ -49,11 +53,10 @@ def write_termination_message(text: str) -> None:
 
 def compact(result: StageInResult) -> str:
     """The result as one line of JSON under TERMINATION_BYTES: model_config_json goes first."""
-    text = json.dumps(result.model_dump(mode="json"), separators=(",", ":"), sort_keys=True)
+    text = compact_json(result)
     if len(text.encode()) <= TERMINATION_BYTES:
         return text
-    smaller = result.model_copy(update={"model_config_json": {}})
-    return json.dumps(smaller.model_dump(mode="json"), separators=(",", ":"), sort_keys=True)
+    return compact_json(result.model_copy(update={"model_config_json": {}}))
 
 
 def config_failure(message: str, logger: logging.Logger = log) -> int:
@@ -82,10 +85,6 @@ def step_failure(e: Exception, logger: logging.Logger = log) -> int:
     return 1
 
 
-def load_config(path: str) -> StageInConfig:
-    return parse_stage_in_config(Path(path).read_text(), path)
-
-
 def setup_logging(step: str) -> None:
     """The log of a CPU-only step (`stagein`, `stageout`) to stderr, the clients' chatter
     quieted."""
@@ -100,39 +99,77 @@ def setup_logging(step: str) -> None:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kubetune_trainer.stagein")
-    parser.add_argument("--config", default=os.environ.get(CONFIG_ENV))
-    args = parser.parse_args(argv)
-    setup_logging("stagein")
-    if not args.config:
-        return config_failure(f"no config: pass --config FILE or set {CONFIG_ENV}")
-    try:
-        cfg = load_config(args.config)
-    except (OSError, ValueError) as e:  # pydantic's ValidationError is a ValueError
-        return config_failure(f"config {args.config}: {e}")
+Config = TypeVar("Config")
+Result = TypeVar("Result", bound=BaseModel)
 
+
+def compact_json(result: BaseModel) -> str:
+    """A step's result as one line of JSON, for its termination message."""
+    return json.dumps(result.model_dump(mode="json"), separators=(",", ":"), sort_keys=True)
+
+
+def run_step(
+    argv: Sequence[str] | None,
+    *,
+    step: str,
+    config_env: str,
+    parse: Callable[[str, str], Config],
+    run: Callable[[Config], Result],
+    message: Callable[[Result], str] = compact_json,
+    summary: Callable[[Result], str],
+    logger: logging.Logger,
+) -> int:
+    """A CPU-only step's entry point (`python -m kubetune_trainer.<step> --config FILE`, or
+    `$<config_env>`): parse its config, run it, leave its result (`message`) or its failure in
+    the termination message, log `summary`, return the exit code."""
+    parser = argparse.ArgumentParser(prog=f"python -m kubetune_trainer.{step}")
+    parser.add_argument("--config", default=os.environ.get(config_env))
+    args = parser.parse_args(argv)
+    setup_logging(step)
+    if not args.config:
+        return config_failure(f"no config: pass --config FILE or set {config_env}", logger)
+    try:
+        cfg = parse(Path(args.config).read_text(), args.config)
+    except (OSError, ValueError) as e:  # pydantic's ValidationError is a ValueError
+        return config_failure(f"config {args.config}: {e}", logger)
+    try:
+        result = run(cfg)
+    except Exception as e:
+        return step_failure(e, logger)
+    write_termination_message(message(result))
+    logger.info("%s", summary(result))
+    return EXIT_OK
+
+
+def _stage_in(cfg: StageInConfig) -> StageInResult:
     from kubetune_trainer.stagein.stage import stage_in
 
-    try:
-        result = stage_in(cfg)
-        path = Path(cfg.result_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(result.model_dump_json(indent=2) + "\n")
-    except Exception as e:
-        return step_failure(e)
-    write_termination_message(compact(result))
-    log.info(
-        "staged: %d examples, %d tokens, %d sequences; %.1f MB downloaded, %.1f MB reused, "
-        "in %.1fs",
-        result.examples,
-        result.tokens,
-        result.packed_sequences,
-        result.downloaded_bytes / 1e6,
-        result.reused_bytes / 1e6,
-        result.seconds,
+    result = stage_in(cfg)
+    path = Path(cfg.result_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(result.model_dump_json(indent=2) + "\n")
+    return result
+
+
+def _summary(result: StageInResult) -> str:
+    return (
+        f"staged: {result.examples} examples, {result.tokens} tokens, "
+        f"{result.packed_sequences} sequences; {result.downloaded_bytes / 1e6:.1f} MB "
+        f"downloaded, {result.reused_bytes / 1e6:.1f} MB reused, in {result.seconds:.1f}s"
     )
-    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_step(
+        argv,
+        step="stagein",
+        config_env=CONFIG_ENV,
+        parse=parse_stage_in_config,
+        run=_stage_in,
+        message=compact,
+        summary=_summary,
+        logger=log,
+    )
 
 
 if __name__ == "__main__":
