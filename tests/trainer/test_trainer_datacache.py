@@ -22,6 +22,7 @@ import torch
 
 from kubetune_trainer.contract import EXIT_OK
 from kubetune_trainer.data import (
+    DEFAULT_CHAT_TEMPLATE,
     PairRows,
     PreparedData,
     Ragged,
@@ -44,7 +45,7 @@ from kubetune_trainer.datacache import (
 )
 from kubetune_trainer.distributed import DistEnv
 from kubetune_trainer.errors import DataError
-from kubetune_trainer.tiny import make_preference_records, write_jsonl
+from kubetune_trainer.tiny import make_preference_records, make_records, write_jsonl
 from support.trainer import load_config, read_log, trainer_config, write_config
 
 pytestmark = pytest.mark.trainer
@@ -58,6 +59,18 @@ def tokenizer(tiny_llama: Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(tiny_llama))
+
+
+@pytest.fixture
+def tiny_tokenizer_without_template(tiny_llama: Path) -> Callable[[], Any]:
+    from transformers import AutoTokenizer
+
+    def load() -> Any:
+        tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+        tok.chat_template = None
+        return tok
+
+    return load
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +211,23 @@ def test_dpo_pairs_from_the_cache_equal_the_uncached_pairs(
     assert batch.ref_logps.tolist() == [0.5, 0.5, -0.5, -0.5]
     _, outcome, calls = cached(cfg, tokenizer)
     assert outcome.source == "read" and calls == 0
+
+
+def test_a_rank_that_reads_the_cache_gets_the_tokenizer_preparing_would_leave(
+    tmp_path: Path, tiny_llama: Path, tiny_tokenizer_without_template: Callable[[], Any]
+) -> None:
+    """Preparing chat data gives a template-less tokenizer ChatML (saved with the output);
+    a rank that only read the cache must end with the same tokenizer."""
+    data = write_jsonl(tmp_path / "chat.jsonl", make_records("chat", 40))
+    cfg = trainer_config(tmp_path, tiny_llama, data, "lora")
+    cfg["dataset"]["format"] = "chat"
+    cfg = load_config(cfg)
+    writer, reader = tiny_tokenizer_without_template(), tiny_tokenizer_without_template()
+    built, first, _ = cached(cfg, writer)
+    got, outcome, calls = cached(cfg, reader)
+    assert (first.source, outcome.source, calls) == ("built", "read", 0)
+    assert reader.chat_template == writer.chat_template == DEFAULT_CHAT_TEMPLATE
+    assert got.stats.notes == built.stats.notes != []
 
 
 def test_a_changed_key_builds_a_new_cache_and_drops_the_old(

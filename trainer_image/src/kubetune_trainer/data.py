@@ -449,6 +449,11 @@ def _chat_example(tokenizer: Any, messages: list[dict[str, str]], where: str) ->
     return Example(input_ids=ids, labels=labels)
 
 
+def renders_chat(fmt: str) -> bool:
+    """Whether records of `fmt` go through the tokenizer's chat template."""
+    return fmt in ("sharegpt", "chat", "instruction-response")
+
+
 def ensure_chat_template(tokenizer: Any) -> bool:
     """Give template-less tokenizers ChatML; returns True when it did."""
     if getattr(tokenizer, "chat_template", None):
@@ -581,7 +586,7 @@ def prepare_data(
     if sequence_length < 2:
         raise ConfigError(f"training.sequence_length {sequence_length} must be at least 2")
     stats = DataStats(records=len(records))
-    if fmt in ("sharegpt", "chat", "instruction-response") and ensure_chat_template(tokenizer):
+    if renders_chat(fmt) and ensure_chat_template(tokenizer):
         stats.notes.append("tokenizer has no chat template; using ChatML")
     examples: list[Example] = []
     bad = _BadRecords()

@@ -55,6 +55,7 @@ from kubetune_trainer.data import (
     Rows,
     _files,
     ensure_chat_template,
+    renders_chat,
 )
 from kubetune_trainer.distributed import DistEnv, barrier
 from kubetune_trainer.errors import TrainerExit
@@ -73,7 +74,6 @@ TMP_PREFIX = ".tmp-"
 STALE_TMP_SECONDS = 3600.0
 """A temporary folder this old belongs to a writer that died; younger ones may belong to
 another node writing the same key right now."""
-CHAT_FORMATS = ("sharegpt", "chat", "instruction-response")
 
 
 @dataclass(frozen=True)
@@ -327,7 +327,7 @@ def enabled() -> bool:
 def _tokenizer_as_prepared(cfg: TrainerConfig, tokenizer: Any) -> None:
     """A rank that read the cache must leave the tokenizer as preparing would have: a
     template-less tokenizer gets ChatML for chat data (and is saved with the output so)."""
-    if cfg.training.objective == "dpo" or cfg.dataset.format in CHAT_FORMATS:
+    if cfg.training.objective == "dpo" or renders_chat(cfg.dataset.format):
         ensure_chat_template(tokenizer)
 
 
