@@ -489,8 +489,8 @@ class GGUFSettings(_Model):
     quantization: GGUFType = Field(
         default="q8_0",
         description="The GGUF type, as llama.cpp names it: f32, f16, bf16 and q8_0 are written "
-        "by llama.cpp's converter; the k-quants and q4_0..q5_1 need llama-quantize in the "
-        "trainer image (the default image has none: docs/serving.md).",
+        "by llama.cpp's converter; the k-quants and q4_0..q5_1 by its quantizer (the default "
+        "trainer image has it; docs/serving.md).",
     )
     pre_tokenizer: str | None = Field(
         default=None,
