@@ -108,3 +108,16 @@ def test_a_forbidden_import_breaks_its_contract(
 def test_operator_folder_is_not_a_package() -> None:
     """A package named `operator` would shadow the standard library's."""
     assert not (ROOT / "operator/__init__.py").exists()
+
+
+def test_the_cpu_steps_after_training_do_not_load_torch() -> None:
+    """The stage-out and export pods start their step without torch (about a second and a
+    half of imports, and its memory, for nothing): only the stage-in measures data with it."""
+    code = (
+        "import sys, kubetune_trainer.stageout.__main__, kubetune_trainer.export; "
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

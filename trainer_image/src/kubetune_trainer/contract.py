@@ -43,6 +43,9 @@ EarlyStoppingMetric = Literal["eval_loss", "eval_reward_accuracy"]
 DatasetFormat = Literal["alpaca", "sharegpt", "chat", "instruction-response", "text"]
 SourceKind = Literal["path", "hub", "s3", "https"]
 
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".txt")
+"""The data files the trainer reads in a dataset folder (and the stage-in fetches)."""
+
 METHODS: tuple[Method, ...] = get_args(Method)
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 OPTIMIZERS: tuple[Optimizer, ...] = get_args(Optimizer)

@@ -27,6 +27,7 @@ from typing import Any, TypeVar, overload
 import numpy as np
 import torch
 
+from kubetune_trainer.contract import DATA_SUFFIXES
 from kubetune_trainer.errors import ConfigError, DataError, TrainerExit
 from kubetune_trainer.hub import hub_call
 
@@ -35,7 +36,7 @@ HUB_TOKEN_ENV = "HF_TOKEN"
 
 IGNORE_INDEX = -100
 MAX_ERRORS_SHOWN = 5
-SUFFIXES = (".jsonl", ".json", ".parquet", ".txt")
+SUFFIXES = DATA_SUFFIXES
 
 ALPACA_PROMPT = (
     "Below is an instruction that describes a task. "

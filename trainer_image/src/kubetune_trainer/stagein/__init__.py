@@ -20,7 +20,18 @@ batch Job runs the pod again, which resumes the fetch) or a crash.
 
 from __future__ import annotations
 
+from typing import Any
+
 from kubetune_trainer.stagein.cache import CacheEntry, cache_entries, cache_key
-from kubetune_trainer.stagein.stage import stage_in
 
 __all__ = ["CacheEntry", "cache_entries", "cache_key", "stage_in"]
+
+
+def __getattr__(name: str) -> Any:
+    # `stage_in` on first use: it imports the trainer's data code and torch, which the
+    # stage-out and export steps (they use `fetch` and `__main__` of this package) do not need.
+    if name == "stage_in":
+        from kubetune_trainer.stagein.stage import stage_in
+
+        return stage_in
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

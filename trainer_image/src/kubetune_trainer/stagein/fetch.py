@@ -42,7 +42,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
 
 from kubetune_trainer import hub
-from kubetune_trainer.data import SUFFIXES
+from kubetune_trainer.contract import DATA_SUFFIXES as SUFFIXES
 from kubetune_trainer.errors import ConfigError, TrainerExit
 from kubetune_trainer.hub import hub_call
 
@@ -265,8 +265,9 @@ def select_weights(files: dict[str, int], dest: Path, what: str, uri: str) -> li
 
 
 def select_dataset_files(files: dict[str, int], what: str, uri: str) -> list[str]:
-    """The data files the trainer reads (`data.SUFFIXES`): of the train split only when file
-    or folder names say which split a file is (as `load_dataset(split="train")` reads)."""
+    """The data files the trainer reads (`contract.DATA_SUFFIXES`): of the train split only
+    when file or folder names say which split a file is (as `load_dataset(split="train")`
+    reads)."""
     data = [
         p
         for p in files
