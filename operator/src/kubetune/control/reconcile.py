@@ -704,7 +704,8 @@ class _Reconciler:
         follow it, fail the job with its reason, or record what it did. True while it holds
         the job (the next step and the success wait for it)."""
         self.d.requeue_after = self.settings.poll_seconds
-        condition, running, done, failed = STEP_CONDITIONS[step.kind]
+        condition, running, done = STEP_CONDITIONS[step.kind]
+        failed = STEP_FAILURES[step.kind]
         if step.batch is None:
             try:
                 self.d.create.extend(step.build())
@@ -1042,17 +1043,17 @@ class _Reconciler:
         return False
 
     def succeed(self) -> None:
-        stopped = self.s.early_stopped or p.early_stopped(self.observed.pods)
+        """Succeeded: Completed, or EarlyStopped when the trainer said so (`follow` read its
+        termination message into status.earlyStopped before the steps after training)."""
+        stopped = self.s.early_stopped
         if stopped is None:
             self.go.succeed()
-            progress.complete(self.s, self.now)
             self.d.event(Reason.COMPLETED, "Training finished")
         else:
-            self.s.early_stopped = stopped
             said = early_stop_message(stopped, self.s.progress)
             self.go.succeed(Reason.EARLY_STOPPED, said)
-            progress.complete(self.s, self.now)
             self.d.event(Reason.EARLY_STOPPED, said)
+        progress.complete(self.s, self.now)
         self.finished()
 
     # ------------------------------------------------------------------ recovery
@@ -1410,21 +1411,12 @@ class _AfterTraining:
     """What to fix in the spec first, as "the fixed … and " (or nothing)."""
 
 
-STEP_CONDITIONS: dict[StepKind, tuple[ConditionType, Reason, Reason, Reason]] = {
-    StepKind.EXPORT: (
-        ConditionType.EXPORTED,
-        Reason.EXPORTING,
-        Reason.EXPORTED,
-        Reason.EXPORT_FAILED,
-    ),
-    StepKind.STAGE_OUT: (
-        ConditionType.UPLOADED,
-        Reason.UPLOADING,
-        Reason.UPLOADED,
-        Reason.UPLOAD_FAILED,
-    ),
+STEP_CONDITIONS: dict[StepKind, tuple[ConditionType, Reason, Reason]] = {
+    StepKind.EXPORT: (ConditionType.EXPORTED, Reason.EXPORTING, Reason.EXPORTED),
+    StepKind.STAGE_OUT: (ConditionType.UPLOADED, Reason.UPLOADING, Reason.UPLOADED),
 }
-"""The condition of a step after training and its reasons: running, done, failed."""
+"""The condition of a step after training and its reasons while it runs and once done (its
+failure's is STEP_FAILURES')."""
 
 
 STEP_VERBS: dict[StepKind, tuple[str, str]] = {
