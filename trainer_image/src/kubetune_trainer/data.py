@@ -36,7 +36,6 @@ HUB_TOKEN_ENV = "HF_TOKEN"
 
 IGNORE_INDEX = -100
 MAX_ERRORS_SHOWN = 5
-SUFFIXES = DATA_SUFFIXES
 
 ALPACA_PROMPT = (
     "Below is an instruction that describes a task. "
@@ -168,18 +167,18 @@ def _files(source: Path) -> list[Path]:
         files = sorted(
             p
             for p in source.rglob("*")
-            if p.is_file() and p.suffix in SUFFIXES and not _hidden(p, source)
+            if p.is_file() and p.suffix in DATA_SUFFIXES and not _hidden(p, source)
         )
         if not files:
             raise DataError(
-                f"{source}: no data files (looked for {', '.join(SUFFIXES)}); to fix: point "
+                f"{source}: no data files (looked for {', '.join(DATA_SUFFIXES)}); to fix: point "
                 "dataset.source at a file or a folder holding them"
             )
         return files
     if not source.exists():
         raise DataError(f"{source}: no such file or directory")
-    if source.suffix not in SUFFIXES:
-        raise DataError(f"{source}: unknown file type {source.suffix!r}; expected {SUFFIXES}")
+    if source.suffix not in DATA_SUFFIXES:
+        raise DataError(f"{source}: unknown file type {source.suffix!r}; expected {DATA_SUFFIXES}")
     return [source]
 
 

@@ -354,9 +354,11 @@ def tokenized_data(
     source = "read"
     failure: BaseException | None = None
     built: PreparedData | None = None  # kept only while it is not on the volume
+    cached: PreparedData | None = None  # what local rank 0 found and verified
     if env.local_rank == 0:
         try:
-            if read_cache(folder, key, verify=True) is None:
+            cached = read_cache(folder, key, verify=True)
+            if cached is None:
                 source = "built"
                 shutil.rmtree(folder, ignore_errors=True)  # damaged, or absent
                 try:
@@ -380,7 +382,8 @@ def tokenized_data(
     barrier()
     if failure is not None:
         raise failure
-    cached = read_cache(folder, key, verify=False)
+    if cached is None:
+        cached = read_cache(folder, key, verify=False)
     if cached is None:
         data = built if built is not None else prepare()
         return data, CacheOutcome("off", None, time.monotonic() - t0)

@@ -235,6 +235,8 @@ class FineTuneRecipe:
         """The last evaluation's metrics by early stopping's names (`eval_loss`, ...)."""
         es = cfg.training.early_stopping
         self.early_stopping = EarlyStopping.from_config(es) if es is not None else None
+        self.stopped_early = False
+        """Patience ran out before the last step (set when training ends)."""
         self.last_checkpoint_step = -1
         self.resumed_from: Path | None = None
         self._grad_norm = math.nan
@@ -653,9 +655,9 @@ class FineTuneRecipe:
             self._checkpoint_and_evaluate()
         if self.last_eval_loss is None:
             self.evaluate()
-        stopped_early = self.step < self.total_steps and self._patience_ran_out()
+        self.stopped_early = self.step < self.total_steps and self._patience_ran_out()
         if self.early_stopping is not None:
-            self._end_early_stopping(stopped_early)
+            self._end_early_stopping(self.stopped_early)
         self.metrics.event("finish")
         return TrainResult(
             step=self.step,
@@ -665,7 +667,7 @@ class FineTuneRecipe:
             tokens_seen=self.tokens_seen,
             seconds=time.monotonic() - t_start,
             early_stopping=self.early_stopping,
-            stopped_early=stopped_early,
+            stopped_early=self.stopped_early,
         )
 
     def _checkpoint_and_evaluate(self) -> None:
@@ -1218,7 +1220,7 @@ class FineTuneRecipe:
                     **es.state(),
                     "patience": es.patience,
                     "min_delta": es.min_delta,
-                    "stopped_early": self.step < self.total_steps and es.exhausted,
+                    "stopped_early": self.stopped_early,
                     "stopped_at_step": self.step,
                     "output_step": es.best_step,
                 }

@@ -624,6 +624,8 @@ def _step(
         snap = tracker.get_tracker_snapshot("current").get(_DEVICE, {})
         phases[name] = _breakdown(snap, tracker.tagged, lora, setup.method)
 
+    # FSDPMemTracker sorts the sharded and unsharded parameters only once it is entered;
+    # MemTracker already knows them from track_external.
     if not sharded:
         take("weights")
     with fake_mode, assume, tracker:
