@@ -211,6 +211,54 @@ def test_oom_replan_avoids_the_failed_layout() -> None:
     assert second_share < first_share
 
 
+ONE_NODE = "the checkpoint volume is ReadWriteOnce"
+
+
+def test_single_node_reason_keeps_layouts_on_one_node_and_says_why() -> None:
+    """Full fine-tuning of an 8B model fits only two 8-GPU nodes of h100 at this batch:
+    with layouts held to one node, the pool is rejected with the reason, and the error's
+    advice is the fix the caller gave."""
+    s = spec(method="full", lora=None, resources={"gpus": 16, "pools": ["h100"]})
+    arch = load_arch(s.model.uri)
+    assert plan_job(s, POOLS, arch, NO_LIVE).chosen.nodes == 2
+    one_node = replace(
+        NO_LIVE, single_node_reason=ONE_NODE, single_node_fix="set accessMode ReadWriteMany"
+    )
+    with pytest.raises(InfeasibleError) as err:
+        plan_job(s, POOLS, arch, one_node)
+    text = str(err.value)
+    assert "h100: spans 2 nodes, but the checkpoint volume is ReadWriteOnce" in text
+    assert "To fix: set accessMode ReadWriteMany" in text
+    with pytest.raises(InfeasibleError) as slow:
+        brute_force_plan(s, POOLS, arch, one_node, exhaustive=False)
+    assert str(slow.value) == text
+
+
+def test_single_node_reason_names_itself_beside_a_memory_miss() -> None:
+    """A job that needs more memory than one node has: the memory rejection says layouts
+    over several nodes were not tried, and why."""
+    s = spec(model={"uri": "meta-llama/Llama-3.1-70B"}, method="full", lora=None)
+    s = s.model_copy(update={"resources": s.resources.model_copy(update={"pools": ["h100"]})})
+    arch = load_arch(s.model.uri)
+    assert plan_job(s, POOLS, arch, NO_LIVE).chosen.nodes > 1
+    one_node = replace(NO_LIVE, single_node_reason=ONE_NODE)
+    with pytest.raises(InfeasibleError) as err:
+        plan_job(s, POOLS, arch, one_node)
+    text = str(err.value)
+    assert "GiB per GPU" in text
+    assert f"(on one node; it may not span nodes: {ONE_NODE})" in text
+    assert "To fix: let the job span nodes" in text
+
+
+def test_single_node_reason_leaves_one_node_plans_alone() -> None:
+    s = spec()
+    arch = load_arch(s.model.uri)
+    plain = plan_job(s, POOLS, arch, NO_LIVE)
+    held = plan_job(s, POOLS, arch, replace(NO_LIVE, single_node_reason=ONE_NODE))
+    assert plain.chosen.nodes == 1
+    assert held.chosen.layout == plain.chosen.layout
+
+
 # ---------------------------------------------------------------------- optimality
 
 
@@ -372,8 +420,12 @@ def test_planner_equals_the_unoptimised_walk(data: st.DataObject) -> None:
         replan,
         replace(replan, forbid=forbid),
         replace(live, min_total_gpus=max(2, first.chosen.total_gpus * 2)),
+        replace(replan, single_node_reason=ONE_NODE, single_node_fix="share the volume"),
     ):
         assert_same_as_reference(s, pool_list, settings_)
+    # Single-node settings from the start change nothing either.
+    one_node = replace(live, single_node_reason=ONE_NODE)
+    assert_same_as_reference(s, pool_list, one_node)
 
 
 @pytest.mark.parametrize(
@@ -406,10 +458,17 @@ def test_whole_catalog_equals_the_unoptimised_walk(over: dict[str, Any]) -> None
     any pool: everything that fits is queued)."""
     pool_list = CANDIDATE_POOLS
     busy = [with_free_gpus(p, [0] * p.spec.max_nodes) for p in pool_list]
-    for pools_, settings_ in ((pool_list, NO_LIVE), (busy, PlannerSettings())):
+    one_node = replace(NO_LIVE, single_node_reason=ONE_NODE)
+    for pools_, settings_ in (
+        (pool_list, NO_LIVE),
+        (busy, PlannerSettings()),
+        (pool_list, one_node),
+    ):
         result = assert_same_as_reference(spec(**over), pools_, settings_)
         if pools_ is busy and isinstance(result, Plan):
             assert result.queued
+        if settings_ is one_node and isinstance(result, Plan):
+            assert result.chosen.nodes == 1
 
 
 def test_a_job_fits_a_24_gib_gpu_only_with_chunked_cross_entropy() -> None:

@@ -130,6 +130,8 @@ class Rejection:
     pool: str
     limit: Limit
     message: str
+    spans_nodes: bool = False
+    """Layouts over several nodes were not tried (`PlannerSettings.single_node_reason`)."""
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,11 @@ class PlannerSettings:
     (None: not known, e.g. offline `kubetune plan`; every pool is)."""
     forbid: frozenset[Layout] = frozenset()
     """Layouts known to run out of memory."""
+    single_node_reason: str | None = None
+    """Why no layout may span nodes (the job's checkpoint volume cannot follow it there),
+    e.g. "the checkpoint volume is ReadWriteOnce"; None: layouts may span nodes."""
+    single_node_fix: str = ""
+    """The "To fix:" advice for a job that one node cannot hold, when that reason is set."""
 
 
 @dataclass(frozen=True)
@@ -265,6 +272,8 @@ class _PoolReport:
     capacity: str | None = None
     batch: str | None = None
     forbidden: int = 0
+    single_node: int = 0
+    """Layouts not tried because they span nodes (`single_node_reason`)."""
     reasons: list[str] = field(default_factory=list)
 
 
@@ -670,6 +679,12 @@ def _groups(
             if isinstance(capacity, str):
                 report.capacity = capacity
                 continue
+            single_node = ctx.settings.single_node_reason
+            if nodes > 1 and single_node:
+                report.single_node += 1
+                if report.single_node == 1:  # the fewest nodes say it
+                    report.capacity = f"spans {nodes} nodes, but {single_node}"
+                continue
             micros = _micro_batches(
                 spec.training.global_batch_size, total, spec.training.micro_batch_size
             )
@@ -713,6 +728,19 @@ def _consider(ctx: _Context, c: Candidate, report: _PoolReport) -> bool:
 
 
 def _explain(pool: str, report: _PoolReport, ctx: _Context) -> Rejection:
+    """The closest miss on `pool`, and whether layouts over several nodes, which might
+    have been acceptable, were left out (they are then named, with the reason)."""
+    why = _closest_miss(pool, report, ctx)
+    if not report.single_node:
+        return why
+    if why.limit is Limit.NODES:
+        return replace(why, spans_nodes=True)
+    reason = ctx.settings.single_node_reason
+    message = f"{why.message} (on one node; it may not span nodes: {reason})"
+    return replace(why, message=message, spans_nodes=True)
+
+
+def _closest_miss(pool: str, report: _PoolReport, ctx: _Context) -> Rejection:
     """The closest miss on `pool`, most actionable limit first."""
     if report.fastest_s is not None:
         return Rejection(
@@ -903,6 +931,8 @@ def _infeasible(ctx: _Context, rejected: list[Rejection]) -> InfeasibleError:
     lines = "; ".join(f"{r.pool}: {r.message}" for r in rejected)
     limits = {r.limit for r in rejected}
     hints: list[str] = []
+    if any(r.spans_nodes for r in rejected):
+        hints.append(ctx.settings.single_node_fix or "let the job span nodes")
     if Limit.MEMORY in limits:
         if ctx.spec.method in ("full", "lora"):
             hints.append("use method qlora or auto")
