@@ -16,6 +16,7 @@ import json
 import os
 import re
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from kubetune.api.v1alpha1 import (
 from kubetune.api.vocabulary import PlanReason
 from kubetune.control.builders import (
     BuildSettings,
+    access_mode,
     build_checkpoint_pvc,
     build_children,
     build_config_map,
@@ -45,6 +47,7 @@ from kubetune.control.builders import (
     child_names,
     labels,
     owner_reference,
+    single_node,
 )
 from kubetune_trainer.contract import (
     EXIT_CHECKPOINT_FAILED,
@@ -390,6 +393,43 @@ def test_explicit_access_mode_wins() -> None:
     job.spec.checkpoint.storage.access_mode = "ReadWriteOnce"
     pvc = build_checkpoint_pvc(job, full_8b_plan(), SETTINGS)
     assert pvc["spec"]["accessModes"] == ["ReadWriteOnce"]
+
+
+def test_auto_access_mode_follows_the_read_write_many_setting() -> None:
+    """With the class known to offer ReadWriteMany, a one-node plan's volume is ReadWriteMany
+    too (a later re-plan may span nodes); without, ReadWriteOnce. An explicit mode wins."""
+    rwx = replace(SETTINGS, checkpoint_read_write_many=True)
+    one_node = build_checkpoint_pvc(tiny_lora_job(), tiny_lora_plan(), rwx)
+    assert one_node["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert access_mode(tiny_lora_job(), tiny_lora_plan(), SETTINGS) == "ReadWriteOnce"
+    job = tiny_lora_job()
+    job.spec.checkpoint.storage.access_mode = "ReadWriteOnce"
+    assert access_mode(job, tiny_lora_plan(), rwx) == "ReadWriteOnce"
+
+
+def test_single_node_until_the_volume_can_follow() -> None:
+    """Before the claim exists: the job's mode, or with `auto` the operator's setting; once it
+    exists, its access modes. Each reason names what to change."""
+    rwx = replace(SETTINGS, checkpoint_read_write_many=True)
+    job = tiny_lora_job()
+    held = single_node(job, SETTINGS, None)
+    assert held is not None
+    assert "ReadWriteOnce" in held.reason
+    assert "operator.checkpointReadWriteMany" in held.fix
+    assert "spec.checkpoint.storage.accessMode" in held.fix
+    assert single_node(job, rwx, None) is None
+    assert single_node(job, SETTINGS, ["ReadWriteMany"]) is None
+    existing = single_node(job, rwx, ["ReadWriteOnce"])
+    assert existing is not None
+    assert "tiny-lora-ckpt is ReadWriteOnce" in existing.reason
+    assert "new name" in existing.fix
+    job.spec.checkpoint.storage.access_mode = "ReadWriteOnce"
+    explicit = single_node(job, rwx, None)
+    assert explicit is not None
+    assert explicit.reason == "spec.checkpoint.storage.accessMode is ReadWriteOnce"
+    assert "ReadWriteMany" in explicit.fix
+    job.spec.checkpoint.storage.access_mode = "ReadWriteMany"
+    assert single_node(job, SETTINGS, None) is None
 
 
 def test_pvc_owner_reference_only_with_retention_delete() -> None:

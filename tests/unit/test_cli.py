@@ -335,3 +335,45 @@ def test_estimate_expresses_the_memory_savers() -> None:
         breakdown("--linear-experts", *mixtral, model="mistralai/Mixtral-8x7B-v0.1")["weights"]
         < breakdown(*mixtral, model="mistralai/Mixtral-8x7B-v0.1")["weights"] / 2
     )
+
+
+def test_plan_keeps_a_job_on_one_node_unless_told_the_class_is_read_write_many(
+    tmp_path: Path,
+) -> None:
+    """As the operator by default: `auto` means a ReadWriteOnce checkpoint volume, so the
+    8B full fine-tune (set ReadWriteMany in the example) stays on one node once its access
+    mode is `auto`; `--read-write-many` lets it span nodes again."""
+    doc = yaml.safe_load((ROOT / "examples/llama-8b-full.yaml").read_text())
+    assert doc["spec"]["checkpoint"]["storage"]["accessMode"] == "ReadWriteMany"
+    code, out = invoke("plan", str(ROOT / "examples/llama-8b-full.yaml"), "-o", "json")
+    assert code == 0, out
+    assert json.loads(out)["nodes"] == 2
+    doc["spec"]["checkpoint"]["storage"]["accessMode"] = "auto"
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(doc))
+    code, out = invoke("plan", str(job), "-o", "json")
+    assert code == 0, out
+    assert json.loads(out)["nodes"] == 1
+    code, out = invoke("plan", str(job), "-o", "json", "--read-write-many")
+    assert code == 0, out
+    assert json.loads(out)["nodes"] == 2
+    # Two GPUs on a pool of one-GPU nodes: only a layout over two nodes is left.
+    pools = tmp_path / "pools.yaml"
+    pools.write_text(
+        """
+apiVersion: kubetune.io/v1alpha1
+kind: GPUPool
+metadata: {name: singles}
+spec:
+  gpu: {product: H100, memoryGiB: 80, bf16TFLOPS: 989}
+  gpusPerNode: 1
+  maxNodes: 4
+  pricePerGPUHour: 2.5
+"""
+    )
+    doc["spec"]["resources"]["gpus"] = 2
+    job.write_text(yaml.safe_dump(doc))
+    code, out = invoke("plan", str(job), "--pools", str(pools))
+    assert code != 0
+    assert "singles: spans 2 nodes, but its checkpoint volume would be ReadWriteOnce" in out
+    assert "To fix: if the checkpoint StorageClass offers ReadWriteMany" in out

@@ -111,3 +111,13 @@ def test_bad_trainer_pod_request_names_the_variable_and_the_fix(name: str, value
         settings_from_env({name: value})
     assert str(err.value).startswith(f"{name}={value!r} is not a positive Kubernetes quantity")
     assert "to fix" in str(err.value)
+
+
+def test_checkpoint_read_write_many_setting() -> None:
+    assert settings_from_env({}).build.checkpoint_read_write_many is False
+    on = settings_from_env({"KUBETUNE_CHECKPOINT_READ_WRITE_MANY": "true"})
+    assert on.build.checkpoint_read_write_many is True
+    off = settings_from_env({"KUBETUNE_CHECKPOINT_READ_WRITE_MANY": "false"})
+    assert off.build.checkpoint_read_write_many is False
+    with pytest.raises(ValueError, match=r"KUBETUNE_CHECKPOINT_READ_WRITE_MANY.*to fix"):
+        settings_from_env({"KUBETUNE_CHECKPOINT_READ_WRITE_MANY": "rwx"})

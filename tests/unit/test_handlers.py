@@ -553,6 +553,34 @@ def test_a_finished_pod_leaves_the_gpu_index() -> None:
     assert handlers.ftj_batch_jobs(body=kopf.Body(pod("unlabelled"))) == {}
 
 
+def test_observe_reads_the_checkpoint_claim_from_its_index() -> None:
+    """The claim index (kopf's, fed by `handlers.ftj_claims`) gives the reconcile the job's
+    checkpoint volume: its access modes bound every later plan."""
+    job = FineTuneJob.model_validate(tiny_job())
+    name = child_names(job.metadata["name"], 1).pvc
+    claim = {
+        "metadata": {"name": name, "namespace": NAMESPACE, "labels": labels(job)},
+        "spec": {
+            "accessModes": ["ReadWriteOnce"],
+            "resources": {"requests": {"storage": "1Gi"}},
+            "volumeMode": "Filesystem",
+        },
+        "status": {"phase": "Bound", "capacity": {"storage": "1Gi"}},
+    }
+    indexed = handlers.ftj_claims(body=kopf.Body(claim))
+    assert list(indexed) == [(NAMESPACE, name)]
+    caches = Caches({}, {}, {}, {}, {}, claims={k: [v] for k, v in indexed.items()})
+
+    seen = caches.observe(job, []).checkpoint_claim
+
+    assert seen is not None
+    assert seen["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert seen["spec"]["resources"] == {"requests": {"storage": "1Gi"}}
+    assert "volumeMode" not in seen["spec"]
+    assert Caches({}, {}, {}, {}, {}).observe(job, []).checkpoint_claim is None
+    assert Caches({}, {}, {}, {}, {}, claims={}).observe(job, []).checkpoint_claim is None
+
+
 def test_an_unreadable_pool_is_left_out_of_planning(apiserver: ApiServerEmulator) -> None:
     broken = pool("h100")
     broken["metadata"]["name"] = "broken"

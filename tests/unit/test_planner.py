@@ -246,7 +246,7 @@ def test_single_node_reason_names_itself_beside_a_memory_miss() -> None:
         plan_job(s, POOLS, arch, one_node)
     text = str(err.value)
     assert "GiB per GPU" in text
-    assert f"(on one node; it may not span nodes: {ONE_NODE})" in text
+    assert f"; it may not span nodes, as {ONE_NODE}" in text
     assert "To fix: let the job span nodes" in text
 
 

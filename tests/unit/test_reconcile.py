@@ -720,3 +720,61 @@ def test_recoveries_keep_the_current_attempt_and_the_latest_of_earlier_ones() ->
     kept = trim_recoveries(old + current[:5], attempt=31)
     assert len(kept) == KEEP_RECOVERIES and kept[-5:] == current[:5]
     assert [r.attempt for r in kept[:15]] == list(range(16, 31))  # the latest earlier ones
+
+
+# ---------------------------------------------------------------------- checkpoint volume
+
+RWX_CLASS = replace(SETTINGS, build=BuildSettings(checkpoint_read_write_many=True))
+
+
+def two_node_job() -> Any:
+    """Full fine-tuning of an 8B model on 16 GPUs: two 8-GPU nodes of h100."""
+    return make_job(
+        model={"uri": "pvc://models/llama", "architecture": "meta-llama/Llama-3.1-8B"},
+        method="full",
+        lora=None,
+        resources={"gpus": 16, "pools": ["h100"]},
+    )
+
+
+def with_claim(*modes: str) -> Observed:
+    claim = {"metadata": {"name": "demo-ckpt"}, "spec": {"accessModes": list(modes)}}
+    return Observed(pools=default_pools(), checkpoint_claim=claim)
+
+
+def test_a_job_stays_on_one_node_unless_its_checkpoint_volume_can_follow() -> None:
+    """Without the setting, `auto` means a ReadWriteOnce volume: a plan over two nodes is
+    refused, and the message names the setting; with it the volume is ReadWriteMany."""
+    job, d = run(two_node_job())
+    s = job.status
+    assert s is not None and s.phase == "Failed"
+    assert c.get_condition(s.conditions, ConditionType.FAILED).reason == Reason.INFEASIBLE  # type: ignore[union-attr]
+    assert "spans 2 nodes, but its checkpoint volume would be ReadWriteOnce" in (s.message or "")
+    assert "operator.checkpointReadWriteMany" in (s.message or "")
+    assert d.create == []
+
+    job, d = run(two_node_job(), settings=RWX_CLASS)
+    assert job.status is not None and job.status.plan is not None
+    assert job.status.plan.nodes == 2
+    assert d.create[0]["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+def test_an_existing_checkpoint_volume_decides_whether_a_plan_may_span_nodes() -> None:
+    """The volume of the first attempt stays: a ReadWriteOnce one holds every later plan to
+    one node whatever the setting says; a ReadWriteMany one lets it span nodes."""
+    job, _ = run(two_node_job(), with_claim("ReadWriteOnce"), settings=RWX_CLASS)
+    s = job.status
+    assert s is not None and s.phase == "Failed"
+    assert "its checkpoint volume demo-ckpt is ReadWriteOnce" in (s.message or "")
+    assert "spec.checkpoint.storage.accessMode ReadWriteMany" in (s.message or "")
+
+    job, _ = run(two_node_job(), with_claim("ReadWriteMany"))
+    assert job.status is not None and job.status.plan is not None
+    assert job.status.plan.nodes == 2
+
+
+def test_a_one_node_job_is_planned_as_before_with_a_read_write_once_volume() -> None:
+    plain, _ = run(make_job())
+    held, _ = run(make_job(), with_claim("ReadWriteOnce"))
+    assert plain.status is not None and held.status is not None
+    assert held.status.plan == plain.status.plan

@@ -18,6 +18,7 @@ from kubetune.api.errors import KubetuneError
 from kubetune.api.hints import did_you_mean
 from kubetune.api.tenancy import Tenant
 from kubetune.api.v1alpha1 import CHAIN_SCHEME, FineTuneJob, GPUPool, Objective
+from kubetune.control.builders import BuildSettings, single_node
 from kubetune.planning.arch import ArchitectureError, ModelArch, known_models
 from kubetune.planning.catalog import default_pools
 from kubetune.planning.estimator import (
@@ -592,6 +593,13 @@ def format_plan(plan: Plan, objective_defaulted: bool = False) -> str:
     help="Objective of a job without spec.resources.objective (the operator's "
     "KUBETUNE_DEFAULT_OBJECTIVE).",
 )
+@click.option(
+    "--read-write-many",
+    is_flag=True,
+    help="The checkpoint StorageClass offers ReadWriteMany (the operator's "
+    "KUBETUNE_CHECKPOINT_READ_WRITE_MANY): a job with spec.checkpoint.storage.accessMode auto "
+    "may span nodes. Without it, as the operator by default, such a job stays on one node.",
+)
 @click.option("--allow-network", is_flag=True, help="Fetch config.json of unknown hub models.")
 @click.option(
     "--output",
@@ -613,6 +621,7 @@ def plan(
     context: str | None,
     safety_factor: float,
     default_objective: Objective,
+    read_write_many: bool,
     allow_network: bool,
     output: str,
     as_json: bool,
@@ -653,6 +662,8 @@ def plan(
     else:
         pools = load_pools(pools_file)
     model = job.spec.model.architecture or job.spec.model.uri
+    # As the operator decides before the job's checkpoint volume exists.
+    held = single_node(job, BuildSettings(checkpoint_read_write_many=read_write_many), None)
     try:
         arch = load_arch(model, allow_network=allow_network)
         result = plan_job(
@@ -665,6 +676,8 @@ def plan(
                 # From the cluster, the pools' status says what is free now.
                 use_live_capacity=from_cluster,
                 tenant=tenant,
+                single_node_reason=None if held is None else held.reason,
+                single_node_fix="" if held is None else held.fix,
             ),
             # Every pool's best, not only the three runners-up the operator records.
             alternatives=len(pools),

@@ -114,6 +114,10 @@ class BuildSettings:
     image_pull_policy: str = "IfNotPresent"
     checkpoint_storage_class: str | None = None
     """StorageClass for checkpoint volumes when the job names none (cluster default if unset)."""
+    checkpoint_read_write_many: bool = False
+    """The checkpoint StorageClass offers ReadWriteMany: jobs with access mode `auto` get a
+    ReadWriteMany volume from the start and may span nodes; off, theirs is ReadWriteOnce and
+    their plans stay on one node."""
     termination_grace_seconds: int = 120
     """Time the trainer gets after SIGTERM to finish its emergency checkpoint."""
     metrics_port: int = 9400
@@ -434,11 +438,68 @@ def checkpoint_size(job: FineTuneJob, plan: PlanStatus) -> str:
     return f"{max(1, math.ceil(total / GIB))}Gi"
 
 
-def access_mode(job: FineTuneJob, plan: PlanStatus) -> str:
+READ_WRITE_MANY = "ReadWriteMany"
+
+
+def access_mode(job: FineTuneJob, plan: PlanStatus, settings: BuildSettings) -> str:
+    """The checkpoint volume's access mode: the job's, or with `auto` ReadWriteMany where the
+    operator's class offers it (so that a later re-plan may span nodes), else ReadWriteOnce.
+    A plan over several nodes gets ReadWriteMany whatever the setting (a plan made before
+    plans were held to one node)."""
     mode = job.spec.checkpoint.storage.access_mode
     if mode != "auto":
         return mode
-    return "ReadWriteMany" if plan.nodes > 1 else "ReadWriteOnce"
+    if settings.checkpoint_read_write_many or plan.nodes > 1:
+        return READ_WRITE_MANY
+    return "ReadWriteOnce"
+
+
+@dataclass(frozen=True)
+class SingleNode:
+    """Why a job's layouts may not span nodes, and what to change (`PlannerSettings`)."""
+
+    reason: str
+    fix: str
+
+
+def single_node(
+    job: FineTuneJob, settings: BuildSettings, claim_modes: Sequence[str] | None
+) -> SingleNode | None:
+    """Whether the job's checkpoint volume can follow a layout over several nodes.
+
+    Every pod of an attempt mounts the one checkpoint volume, created with the first
+    attempt and never changed: once it exists its access modes (`claim_modes`) decide;
+    before, the mode it will be created with (`access_mode` with a one-node plan). None:
+    layouts may span nodes.
+    """
+    if claim_modes is not None:
+        if READ_WRITE_MANY in claim_modes:
+            return None
+        pvc = child_names(_metadata(job)[0], 1).pvc
+        return SingleNode(
+            f"its checkpoint volume {pvc} is {', '.join(claim_modes) or 'of no access mode'} "
+            "(made with the first attempt; the mode of a claim cannot change)",
+            "fit the job on one node (method qlora, a shorter training.sequenceLength), or run "
+            "it again under a new name with spec.checkpoint.storage.accessMode ReadWriteMany "
+            "on a StorageClass that offers it",
+        )
+    mode = job.spec.checkpoint.storage.access_mode
+    if mode == READ_WRITE_MANY or (mode == "auto" and settings.checkpoint_read_write_many):
+        return None
+    if mode != "auto":
+        return SingleNode(
+            f"spec.checkpoint.storage.accessMode is {mode}",
+            "set spec.checkpoint.storage.accessMode to ReadWriteMany (its StorageClass must "
+            "offer it) so that the job may span nodes",
+        )
+    return SingleNode(
+        "its checkpoint volume would be ReadWriteOnce (the operator is not told that the "
+        "checkpoint StorageClass offers ReadWriteMany)",
+        "if the checkpoint StorageClass offers ReadWriteMany, set the Helm value "
+        "operator.checkpointReadWriteMany=true (KUBETUNE_CHECKPOINT_READ_WRITE_MANY; "
+        "`kubetune plan --read-write-many`), or set spec.checkpoint.storage.accessMode "
+        "ReadWriteMany on a class that offers it",
+    )
 
 
 def build_checkpoint_pvc(
@@ -459,7 +520,7 @@ def build_checkpoint_pvc(
         annotations={ANNOTATION_RETENTION: storage.retention, ANNOTATION_JOB_UID: uid},
     )
     spec: dict[str, Any] = {
-        "accessModes": [access_mode(job, plan)],
+        "accessModes": [access_mode(job, plan, settings)],
         "resources": {"requests": {"storage": checkpoint_size(job, plan)}},
         "volumeMode": "Filesystem",
     }

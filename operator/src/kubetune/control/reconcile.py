@@ -79,6 +79,7 @@ from kubetune.control.builders import (
     needs_export,
     needs_stage_in,
     needs_stage_out,
+    single_node,
 )
 from kubetune.control.conditions import get_condition, is_true, now_rfc3339
 from kubetune.control.lifecycle import Transitions, is_finished
@@ -207,6 +208,8 @@ class Observed:
     missing_inputs: Sequence[MissingInput] = ()
     """What the launch preflight found missing of `builders.input_refs(job)` (read only
     before a launch; empty when all exist or they could not be read)."""
+    checkpoint_claim: Mapping[str, Any] | None = None
+    """The job's checkpoint PersistentVolumeClaim (`spec` and `status`), if it exists."""
 
 
 @dataclass(frozen=True)
@@ -236,6 +239,11 @@ class NewPlan:
 
     status: PlanStatus
     queued: bool
+
+
+def claim_access_modes(claim: Mapping[str, Any]) -> list[str]:
+    """The access modes a PersistentVolumeClaim asked for."""
+    return [str(mode) for mode in (claim.get("spec") or {}).get("accessModes") or []]
 
 
 def needs_preflight(job: FineTuneJob) -> bool:
@@ -635,9 +643,7 @@ class _Reconciler:
             return False
         try:
             arch = self.model_arch()
-            self.plan_job(
-                self.spec, self.observed.pools, arch, self.for_tenant(self.settings.planner)
-            )
+            self.plan_job(self.spec, self.observed.pools, arch, self.for_job(self.settings.planner))
         except ArchitectureError as exc:
             if self.spec.model.architecture is None:
                 return False
@@ -806,9 +812,19 @@ class _Reconciler:
             )
         )
 
-    def for_tenant(self, planner: PlannerSettings) -> PlannerSettings:
-        """Planner settings that keep the job off pools its namespace may not use."""
-        return replace(planner, tenant=self.observed.tenant)
+    def for_job(self, planner: PlannerSettings) -> PlannerSettings:
+        """Planner settings that keep the job off pools its namespace may not use, and on
+        one node where its checkpoint volume cannot follow it to several."""
+        claim = self.observed.checkpoint_claim
+        held = single_node(
+            self.job, self.settings.build, None if claim is None else claim_access_modes(claim)
+        )
+        return replace(
+            planner,
+            tenant=self.observed.tenant,
+            single_node_reason=None if held is None else held.reason,
+            single_node_fix="" if held is None else held.fix,
+        )
 
     # ------------------------------------------------------------------ planning
 
@@ -843,7 +859,7 @@ class _Reconciler:
             return None
         try:
             arch = self.model_arch()
-            plan = self.plan_job(self.spec, self.observed.pools, arch, self.for_tenant(planner))
+            plan = self.plan_job(self.spec, self.observed.pools, arch, self.for_job(planner))
         except ArchitectureError as exc:
             self._unplannable(Reason.UNKNOWN_ARCHITECTURE, str(exc))
             return None
@@ -1137,7 +1153,7 @@ class _Reconciler:
             arch = self.model_arch()
             # What earlier out-of-memory re-plans learned still holds on the new pool.
             moved = self.plan_job(
-                self.spec, elsewhere, arch, self.for_tenant(self.learned_planner(plan))
+                self.spec, elsewhere, arch, self.for_job(self.learned_planner(plan))
             )
         except (ArchitectureError, InfeasibleError):
             return False

@@ -1,6 +1,6 @@
 """The operator's view of the cluster: watch-fed indexes instead of LIST calls.
 
-kopf watches FineTuneJobs' children (batch Jobs and pods labelled `kubetune.io/job`), all
+kopf watches FineTuneJobs' children (batch Jobs, pods and claims labelled `kubetune.io/job`), all
 pods that hold GPUs, Nodes, GPUPools and Namespaces (what each allows its jobs), and keeps
 one in-memory index per kind (`@kopf.index` in controller/handlers.py, fed by the functions
 below). kopf fills every index from its initial LIST before any other handler runs, then
@@ -25,7 +25,13 @@ from pydantic import ValidationError
 from kubetune.api.tenancy import Tenant
 from kubetune.api.v1alpha1 import FineTuneJob, GPUPool, GPUPoolStatus
 from kubetune.api.vocabulary import StepKind
-from kubetune.control.builders import LABEL_ATTEMPT, LABEL_JOB, LABEL_STEP, label_value
+from kubetune.control.builders import (
+    LABEL_ATTEMPT,
+    LABEL_JOB,
+    LABEL_STEP,
+    child_names,
+    label_value,
+)
 from kubetune.control.capacity import NodeInfo, gpus_held, pool_capacity
 from kubetune.control.conditions import now_rfc3339
 from kubetune.control.reconcile import Observed
@@ -98,6 +104,18 @@ def trimmed_batch_job(body: Mapping[str, Any]) -> dict[str, Any]:
     return {"metadata": _meta(body), "status": dict(body.get("status") or {})}
 
 
+def trimmed_claim(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A job's PersistentVolumeClaim as the reconcile reads it: access modes, request,
+    class and what was bound."""
+    spec = body.get("spec") or {}
+    keep = ("accessModes", "resources", "storageClassName", "volumeName")
+    return {
+        "metadata": _meta(body),
+        "spec": {k: spec[k] for k in keep if k in spec},
+        "status": dict(body.get("status") or {}),
+    }
+
+
 def gpu_usage(body: Mapping[str, Any]) -> dict[str, int] | None:
     """{node: GPUs} for a pod that holds GPUs; None (not indexed) otherwise."""
     held = gpus_held(body)
@@ -144,6 +162,7 @@ class Caches:
         gpu_pods: Index,
         pools: Index,
         namespaces: Index | None = None,
+        claims: Index | None = None,
     ) -> None:
         self.pods = pods
         self.batch_jobs = batch_jobs
@@ -151,6 +170,8 @@ class Caches:
         self.gpu_pods = gpu_pods
         self.pools = pools
         self.namespaces = namespaces
+        self.claims = claims
+        """PersistentVolumeClaims labelled with a job, by (namespace, name)."""
 
     def tenant(self, namespace: str) -> Tenant | None:
         """What `namespace` allows its jobs; a namespace missing from the index allows no
@@ -211,6 +232,7 @@ class Caches:
         )
         tenant = self.tenant(key[0])
         steps = self._steps(key, uid)
+        steps["checkpoint_claim"] = self.checkpoint_claim(job)
         if not attempt:
             return Observed(pools=pools, other_attempts=others, tenant=tenant, **steps)
         pods = [
@@ -228,6 +250,16 @@ class Caches:
             tenant=tenant,
             **steps,
         )
+
+    def checkpoint_claim(self, job: FineTuneJob) -> dict[str, Any] | None:
+        """The job's checkpoint volume claim, if the cache holds it. Any claim of that name
+        counts, owned or not: one kept by `retention: retain` from an earlier job of the
+        same name is the one the pods would mount."""
+        if self.claims is None:
+            return None
+        name = child_names(str(job.metadata.get("name") or ""), 1).pvc
+        claim: dict[str, Any] | None = first(self.claims.get((job_key(job)[0], name)))
+        return claim
 
     def _steps(self, key: JobKey, uid: Any) -> dict[str, Any]:
         """The job's CPU steps' Jobs (owned by this object) and pods, as Observed fields."""

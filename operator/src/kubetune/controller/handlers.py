@@ -3,7 +3,8 @@
 Run with `kopf run -m kubetune.controller.handlers --all-namespaces` (or `kubetune operator`).
 
 What is registered here:
-- indexes (watch-fed caches, controller/cache.py) of FineTuneJobs' batch Jobs and pods,
+- indexes (watch-fed caches, controller/cache.py) of FineTuneJobs' batch Jobs, pods and
+  PersistentVolumeClaims (the checkpoint volume's access modes bound a re-plan),
   of pods holding GPUs, of Nodes and of GPUPools; kopf fills them before any loop starts;
 - event handlers that wake the loop a change concerns: a child's change wakes its job, a
   change of a job's spec wakes the job, a change of capacity wakes queued jobs and pools;
@@ -38,6 +39,7 @@ from kubetune.controller.cache import (
     parse_pool,
     tenant_of,
     trimmed_batch_job,
+    trimmed_claim,
     trimmed_pod,
 )
 from kubetune.controller.kube import Kube
@@ -53,6 +55,7 @@ PODS = ("", "v1", "pods")
 BATCH_JOBS = ("batch", "v1", "jobs")
 NODES = ("", "v1", "nodes")
 NAMESPACES = ("", "v1", "namespaces")
+CLAIMS = ("", "v1", "persistentvolumeclaims")
 CHILD = {LABEL_JOB: kopf.PRESENT}
 
 
@@ -81,6 +84,7 @@ def _caches(kwargs: Mapping[str, Any]) -> Caches:
         gpu_pods=kwargs["gpu_pods"],
         pools=kwargs["pools"],
         namespaces=kwargs["namespaces"],
+        claims=kwargs["ftj_claims"],
     )
 
 
@@ -164,6 +168,13 @@ def ftj_batch_jobs(body: kopf.Body, **_: Any) -> dict[Any, Any]:
 def ftj_pods(body: kopf.Body, **_: Any) -> dict[Any, Any]:
     key = child_key(body)
     return {} if key is None else {key: trimmed_pod(body)}
+
+
+@kopf.index(*CLAIMS, labels=CHILD)
+def ftj_claims(body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    meta = body.get("metadata") or {}
+    key = (str(meta.get("namespace") or "default"), str(meta.get("name") or ""))
+    return {key: trimmed_claim(body)}
 
 
 @kopf.index(*PODS)

@@ -3,6 +3,8 @@
 KUBETUNE_TRAINER_IMAGE              trainer image for jobs without an override
 KUBETUNE_IMAGE_PULL_POLICY          pull policy of trainer pods (IfNotPresent)
 KUBETUNE_CHECKPOINT_STORAGE_CLASS   StorageClass of checkpoint volumes (cluster default)
+KUBETUNE_CHECKPOINT_READ_WRITE_MANY that class offers ReadWriteMany: accessMode auto volumes are
+                                    ReadWriteMany and plans may span nodes (false)
 KUBETUNE_SAFETY_FACTOR              estimate × this must fit in GPU memory (1.10)
 KUBETUNE_DEFAULT_OBJECTIVE          objective of jobs without spec.resources.objective (cost)
 KUBETUNE_TERMINATION_GRACE_SECONDS  time the trainer gets to checkpoint on stop (120)
@@ -235,6 +237,9 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> ControllerSetting
         trainer_image=env.get("KUBETUNE_TRAINER_IMAGE") or BuildSettings.trainer_image,
         image_pull_policy=env.get("KUBETUNE_IMAGE_PULL_POLICY") or BuildSettings.image_pull_policy,
         checkpoint_storage_class=env.get("KUBETUNE_CHECKPOINT_STORAGE_CLASS") or None,
+        checkpoint_read_write_many=_bool(
+            env, "KUBETUNE_CHECKPOINT_READ_WRITE_MANY", BuildSettings.checkpoint_read_write_many
+        ),
         termination_grace_seconds=int(
             _float(
                 env, "KUBETUNE_TERMINATION_GRACE_SECONDS", BuildSettings.termination_grace_seconds

@@ -736,7 +736,7 @@ def _explain(pool: str, report: _PoolReport, ctx: _Context) -> Rejection:
     if why.limit is Limit.NODES:
         return replace(why, spans_nodes=True)
     reason = ctx.settings.single_node_reason
-    message = f"{why.message} (on one node; it may not span nodes: {reason})"
+    message = f"{why.message}; it may not span nodes, as {reason}"
     return replace(why, message=message, spans_nodes=True)
 
 
