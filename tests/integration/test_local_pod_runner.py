@@ -619,6 +619,153 @@ def test_torchrun_standalone_runs_in_a_trainer_like_pod(
     assert "rank 0 sum 3 host ft-a1-0" in out and "rank 1 sum 3 host ft-a1-0" in out
 
 
+RENDEZVOUS_PORT = 29411
+"""Not torchrun's default: pods share this machine's network, and a TCP store on 29400 of
+another suite's job would answer."""
+
+
+def test_two_nodes_rendezvous_through_the_headless_service(
+    local_cluster: LocalCluster,
+    cluster: Cluster,
+    runner: Runner,
+    namespace: str,
+    tmp_path: Path,
+) -> None:
+    """An Indexed Job of two pods on two nodes (two runners, distinct pod IPs): pod 1 finds
+    `mn-0.mn` (the headless Service's name for pod 0, on the other runner) and the two
+    torchrun agents rendezvous (c10d) and all-reduce over gloo, as trainer pods of a
+    multi-node plan do."""
+    pytest.importorskip("torch")
+    other = start_runner(
+        local_cluster, tmp_path, f"podrunner-b-{uuid.uuid4().hex[:6]}", "--pod-ip-base=127.0.104."
+    )
+    try:
+        wait_node_ready(cluster, other)
+        nodes = [runner.node, other.node]
+        selector = {"matchLabels": {"job-name": "mn"}}
+        apply(
+            cluster,
+            namespace,
+            {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": {"name": "script"},
+                "data": {"allreduce.py": TORCH_SCRIPT},
+            },
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": {"name": "mn"},
+                "spec": {
+                    "clusterIP": "None",
+                    "selector": {"job-name": "mn"},
+                    "publishNotReadyAddresses": True,
+                    "ports": [{"name": "rendezvous", "port": RENDEZVOUS_PORT}],
+                },
+            },
+            {
+                "apiVersion": "batch/v1",
+                "kind": "Job",
+                "metadata": {"name": "mn"},
+                "spec": {
+                    "completionMode": "Indexed",
+                    "completions": 2,
+                    "parallelism": 2,
+                    "backoffLimit": 0,
+                    "template": {
+                        "spec": {
+                            "subdomain": "mn",
+                            "restartPolicy": "Never",
+                            "tolerations": placement(runner.node)["tolerations"],
+                            "affinity": {
+                                "nodeAffinity": {
+                                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                                        "nodeSelectorTerms": [
+                                            {
+                                                "matchExpressions": [
+                                                    {
+                                                        "key": "kubernetes.io/hostname",
+                                                        "operator": "In",
+                                                        "values": nodes,
+                                                    }
+                                                ]
+                                            }
+                                        ]
+                                    }
+                                },
+                                "podAntiAffinity": {
+                                    "requiredDuringSchedulingIgnoredDuringExecution": [
+                                        {
+                                            "labelSelector": selector,
+                                            "topologyKey": "kubernetes.io/hostname",
+                                        }
+                                    ]
+                                },
+                            },
+                            "containers": [
+                                {
+                                    "name": "trainer",
+                                    "image": "kubetune/trainer:test",
+                                    "command": ["torchrun"],
+                                    "args": [
+                                        "--nnodes=2",
+                                        "--nproc-per-node=1",
+                                        "--rdzv-backend=c10d",
+                                        f"--rdzv-endpoint=mn-0.mn:{RENDEZVOUS_PORT}",
+                                        f"--rdzv-id={uuid.uuid4().hex[:8]}",
+                                        "--rdzv-conf=join_timeout=60",
+                                        "--max-restarts=0",
+                                        "/etc/kubetune/allreduce.py",
+                                    ],
+                                    "env": [
+                                        {"name": "HOME", "value": "/tmp"},
+                                        {"name": "OMP_NUM_THREADS", "value": "1"},
+                                    ],
+                                    "volumeMounts": [
+                                        {"name": "config", "mountPath": "/etc/kubetune"},
+                                        {"name": "tmp", "mountPath": "/tmp"},
+                                    ],
+                                }
+                            ],
+                            "volumes": [
+                                {"name": "config", "configMap": {"name": "script"}},
+                                {"name": "tmp", "emptyDir": {}},
+                            ],
+                        }
+                    },
+                },
+            },
+        )
+
+        def finished() -> dict[str, Any] | None:
+            assert other.proc.poll() is None, other.log.read_text()[-3000:]
+            job = cluster.get("job", "mn", namespace) or {}
+            conds = (job.get("status") or {}).get("conditions") or []
+            done = [c["type"] for c in conds if c["status"] == "True"]
+            return job if {"Complete", "Failed"} & set(done) else None
+
+        job = wait_for("job mn finished", finished, timeout=2 * TIMEOUT)
+        pods = {
+            p["spec"]["hostname"]: p
+            for p in cluster.list("pods", namespace, selector="job-name=mn")
+        }
+        logs = {
+            host: (runner if p["spec"]["nodeName"] == runner.node else other).pod_log(
+                namespace, p["metadata"]["name"], "trainer"
+            )
+            for host, p in pods.items()
+        }
+        assert job["status"].get("succeeded") == 2, (job["status"], logs)
+        assert {p["spec"]["nodeName"] for p in pods.values()} == set(nodes)
+        ips = {p["status"]["podIP"] for p in pods.values()}
+        assert len(ips) == 2, ips
+        text = "".join(logs.values())
+        assert "sum 3 host mn-0" in text and "sum 3 host mn-1" in text, logs
+    finally:
+        code = stop_runner(local_cluster, other)
+    assert code == 0, other.log.read_text()[-3000:]
+
+
 def test_runner_shutdown_kills_its_processes(
     local_cluster: LocalCluster, cluster: Cluster, namespace: str, tmp_path: Path
 ) -> None:

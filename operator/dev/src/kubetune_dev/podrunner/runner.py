@@ -157,6 +157,7 @@ class PodRunner:
         self.node_since = rfc3339()
         self.next_heartbeat = 0.0
         self.listed_ips: set[str] = set()
+        self.peers: dict[tuple[str, str], dict[str, str]] = {}
         self.stale_resources: list[str] = []
 
     # ------------------------------------------------------------------ node
@@ -269,6 +270,7 @@ class PodRunner:
             except ApiError as exc:
                 meta = pod["metadata"]
                 log.warning("pod %s/%s: %s", meta.get("namespace"), meta.get("name"), exc)
+        self._refresh_peers()
         self._refresh_hosts()
         self._cleanup_mount_points()
 
@@ -703,11 +705,64 @@ class PodRunner:
             log.info("pod %s/%s vanished: killed its processes", rec.namespace, rec.name)
         shutil.rmtree(rec.dir / "volumes", ignore_errors=True)
 
+    def _refresh_peers(self) -> None:
+        """Hostname → IP of the pods behind each headless Service that this runner's pods
+        name as their subdomain, as cluster DNS would answer `<hostname>.<service>`: pods the
+        Service selects, with that hostname and subdomain, not finished, with an IP. Pods
+        that other nodes (other runners) run resolve too, so the pods of one Indexed Job on
+        two nodes find each other (a rendezvous endpoint `<job>-0.<service>`). Read from the
+        pods themselves, not the endpoint controllers: those refuse loopback pod IPs. A
+        failed read keeps the last answer."""
+        wanted = {
+            (rec.namespace, str(subdomain))
+            for rec in self.records.values()
+            if rec.stage != "done" and (subdomain := (rec.pod.get("spec") or {}).get("subdomain"))
+        }
+        peers: dict[tuple[str, str], dict[str, str]] = {}
+        for namespace, service in sorted(wanted):
+            try:
+                peers[(namespace, service)] = self._service_hosts(namespace, service)
+            except ApiError as exc:
+                log.debug("peers behind %s/%s: %s", namespace, service, exc)
+                peers[(namespace, service)] = self.peers.get((namespace, service), {})
+        self.peers = peers
+
+    def _service_hosts(self, namespace: str, service: str) -> dict[str, str]:
+        try:
+            svc = self.api.call("GET", ns_path(namespace, "services", service))
+        except ApiError as exc:
+            if exc.code == 404:
+                return {}
+            raise
+        spec = svc.get("spec") or {}
+        selector = spec.get("selector") or {}
+        if spec.get("clusterIP") != "None" or not selector:
+            return {}
+        out = self.api.call(
+            "GET",
+            ns_path(namespace, "pods"),
+            params={"labelSelector": ",".join(f"{k}={v}" for k, v in sorted(selector.items()))},
+        )
+        found: dict[str, str] = {}
+        for pod in out.get("items") or []:
+            pod_spec = pod.get("spec") or {}
+            status = pod.get("status") or {}
+            if (
+                pod_spec.get("hostname")
+                and pod_spec.get("subdomain") == service
+                and status.get("podIP")
+                and status.get("phase") not in TERMINAL_PHASES
+            ):
+                found[str(pod_spec["hostname"])] = str(status["podIP"])
+        return found
+
     def _siblings(self, rec: PodRecord) -> dict[str, str]:
         subdomain = (rec.pod.get("spec") or {}).get("subdomain")
         if not subdomain:
             return {}
-        out: dict[str, str] = {}
+        # Other nodes' pods from the Service's endpoints; this runner's own pods are known
+        # first-hand (and before the endpoint controller has seen their IPs).
+        out: dict[str, str] = dict(self.peers.get((rec.namespace, str(subdomain)), {}))
         for other in self.records.values():
             spec = other.pod.get("spec") or {}
             if other.namespace == rec.namespace and spec.get("subdomain") == subdomain:
