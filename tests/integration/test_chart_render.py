@@ -464,6 +464,9 @@ def test_rbac_rules_are_the_documented_set(helm: Helm) -> None:
             for r in ("persistentvolumeclaims", "configmaps", "services")
             for v in ("get", "create")
         ),
+        # The claims labelled with a job: the checkpoint volume's access modes.
+        ("", "persistentvolumeclaims", "list"),
+        ("", "persistentvolumeclaims", "watch"),
         ("", "events", "create"),
         ("", "secrets", "get"),  # the launch preflight (rbac.secretPreflight)
         ("networking.k8s.io", "networkpolicies", "get"),

@@ -282,6 +282,7 @@ def test_service_account_can_do_what_the_operator_needs_and_no_more(
         ("create", "jobs.batch", "-n", "default"),
         ("list", "pods", "-A"),
         ("list", "nodes"),
+        ("watch", "persistentvolumeclaims", "-A"),
         ("create", "events", "-n", "default"),
         # The launch preflight reads a (consented) token Secret by name (rbac.secretPreflight).
         ("get", "secrets", "-n", "default"),

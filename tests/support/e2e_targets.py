@@ -84,6 +84,10 @@ OPERATOR_SETTINGS = {
     "KUBETUNE_ALLOW_TEST_FAULTS": "true",
     # Every node here is a tainted GPU pool node: stage-in pods have nowhere else to go.
     "KUBETUNE_STAGE_IN_TOLERATIONS": json.dumps(POOL["spec"]["tolerations"]),
+    # The local cluster's provisioner serves ReadWriteMany hostPath volumes: checkpoint
+    # volumes follow a job to several nodes (kind's local-path class cannot; it keeps the
+    # chart's default, off).
+    "KUBETUNE_CHECKPOINT_READ_WRITE_MANY": "true",
 }
 
 

@@ -129,6 +129,8 @@ def run_demo(root: Path, keep: bool, say: Say, timeout: float = 900.0) -> int:
                 "KUBETUNE_POLL_SECONDS": "2",
                 "KUBETUNE_QUEUE_RETRY_SECONDS": "3",
                 "KUBETUNE_PROGRESS_WRITE_SECONDS": "2",
+                # The local provisioner serves ReadWriteMany volumes (docs/local-cluster.md).
+                "KUBETUNE_CHECKPOINT_READ_WRITE_MANY": "true",
             }
         )
         cluster.apply([_example_job()])
