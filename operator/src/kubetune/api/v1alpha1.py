@@ -443,7 +443,11 @@ class CheckpointStorage(_Model):
     )
     access_mode: AccessMode = Field(
         default="auto",
-        description="`auto` picks ReadWriteMany when the plan spans several nodes.",
+        description=(
+            "`auto`: ReadWriteMany where the operator is told its checkpoint StorageClass "
+            "offers it (operator.checkpointReadWriteMany), else ReadWriteOnce. A job whose "
+            "volume is ReadWriteOnce is planned on one node only."
+        ),
     )
     retention: RetentionPolicy = Field(
         default="retain",
