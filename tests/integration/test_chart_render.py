@@ -467,6 +467,9 @@ def test_rbac_rules_are_the_documented_set(helm: Helm) -> None:
         # The claims labelled with a job: the checkpoint volume's access modes.
         ("", "persistentvolumeclaims", "list"),
         ("", "persistentvolumeclaims", "watch"),
+        ("", "persistentvolumeclaims", "patch"),  # expanding a checkpoint volume
+        ("storage.k8s.io", "storageclasses", "list"),
+        ("storage.k8s.io", "storageclasses", "watch"),
         ("", "events", "create"),
         ("", "secrets", "get"),  # the launch preflight (rbac.secretPreflight)
         ("networking.k8s.io", "networkpolicies", "get"),

@@ -68,3 +68,71 @@ def test_a_job_spans_nodes_only_where_its_checkpoint_volume_can_follow(
     assert "spans 2 nodes, but its checkpoint volume would be ReadWriteOnce" in message
     assert "operator.checkpointReadWriteMany" in message
     assert cluster.get("pvc", "auto-ckpt", namespace) is None
+
+
+def events_of(cluster: Cluster, namespace: str, name: str) -> str:
+    return cluster.kubectl(
+        "get", "events", "-n", namespace, "--field-selector", f"involvedObject.name={name}"
+    ).stdout
+
+
+def test_a_checkpoint_volume_too_small_for_the_plan_grows_where_its_class_allows(
+    cluster: Cluster, namespace: str, operator: Path, tmp_path: Path
+) -> None:
+    """Claims of 1Gi kept from earlier jobs of the same names; the plan needs more (the hub
+    model's cache lives on the volume). On a class that allows expansion the operator raises
+    the claim's request; on one that does not (the local provisioner's) it warns."""
+    storage_class = f"expandable-{namespace}"
+    volume = f"grow-{namespace}"
+    try:
+        out = cluster.apply(
+            {
+                "apiVersion": "storage.k8s.io/v1",
+                "kind": "StorageClass",
+                "metadata": {"name": storage_class},
+                "provisioner": "kubernetes.io/no-provisioner",
+                "allowVolumeExpansion": True,
+            },
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolume",
+                "metadata": {"name": volume},
+                "spec": {
+                    "capacity": {"storage": "1Gi"},
+                    "accessModes": ["ReadWriteOnce"],
+                    "storageClassName": storage_class,
+                    "hostPath": {"path": str(tmp_path / "grow")},
+                    "claimRef": {"namespace": namespace, "name": "grow-ckpt"},
+                },
+            },
+        )
+        assert out.returncode == 0, out.stderr
+        grow = claim("grow-ckpt", "grow", "ReadWriteOnce")
+        grow["spec"]["storageClassName"] = storage_class
+        small = claim("small-ckpt", "small", "ReadWriteOnce")
+        out = cluster.apply(grow, small, namespace=namespace)
+        assert out.returncode == 0, out.stderr
+
+        def pvc(name: str) -> dict[str, Any]:
+            return cluster.get("pvc", name, namespace) or {"spec": {}, "status": {}}
+
+        for name in ("grow-ckpt", "small-ckpt"):
+            wait_for(f"{name} bound", lambda n=name: pvc(n)["status"].get("phase") == "Bound", 30)
+        out = cluster.apply(job_doc("grow"), job_doc("small"), namespace=namespace)
+        assert out.returncode == 0, out.stderr
+
+        def request(name: str) -> str:
+            return str(pvc(name)["spec"]["resources"]["requests"]["storage"])
+
+        def volume_event(job: str) -> str:
+            text = events_of(cluster, namespace, job)
+            return text if "CheckpointVolume" in text else ""
+
+        wait_for("grow-ckpt's request raised", lambda: request("grow-ckpt") != "1Gi", 60)
+        assert "CheckpointVolumeExpanded" in wait_for("the event", lambda: volume_event("grow"))
+        warned = wait_for("the warning about small-ckpt", lambda: volume_event("small"))
+        assert "CheckpointVolumeMayBeTooSmall" in warned
+        assert request("small-ckpt") == "1Gi"
+    finally:
+        cluster.kubectl("delete", "pv", volume, "--wait=false", check=False)
+        cluster.kubectl("delete", "storageclass", storage_class, check=False)

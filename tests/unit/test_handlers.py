@@ -571,14 +571,30 @@ def test_observe_reads_the_checkpoint_claim_from_its_index() -> None:
     assert list(indexed) == [(NAMESPACE, name)]
     caches = Caches({}, {}, {}, {}, {}, claims={k: [v] for k, v in indexed.items()})
 
-    seen = caches.observe(job, []).checkpoint_claim
+    observed = caches.observe(job, [])
+    seen, seen_class = observed.checkpoint_claim, observed.checkpoint_class_expands
 
     assert seen is not None
     assert seen["spec"]["accessModes"] == ["ReadWriteOnce"]
     assert seen["spec"]["resources"] == {"requests": {"storage": "1Gi"}}
     assert "volumeMode" not in seen["spec"]
+    assert seen_class is None  # StorageClasses not indexed: not known
     assert Caches({}, {}, {}, {}, {}).observe(job, []).checkpoint_claim is None
     assert Caches({}, {}, {}, {}, {}, claims={}).observe(job, []).checkpoint_claim is None
+    # Whether the claim's StorageClass allows expansion, from the StorageClass index.
+    claim["spec"]["storageClassName"] = "fast"
+    claims = {k: [v] for k, v in handlers.ftj_claims(body=kopf.Body(claim)).items()}
+    for allow, expected in ((True, True), (False, False), (None, False)):
+        storage_class = {"metadata": {"name": "fast"}, "provisioner": "example.com/csi"}
+        if allow is not None:
+            storage_class["allowVolumeExpansion"] = allow
+        classes = {
+            k: [v] for k, v in handlers.storage_classes(body=kopf.Body(storage_class)).items()
+        }
+        caches = Caches({}, {}, {}, {}, {}, claims=claims, storage_classes=classes)
+        assert caches.observe(job, []).checkpoint_class_expands is expected
+    caches = Caches({}, {}, {}, {}, {}, claims=claims, storage_classes={})
+    assert caches.observe(job, []).checkpoint_class_expands is None
 
 
 def test_an_unreadable_pool_is_left_out_of_planning(apiserver: ApiServerEmulator) -> None:

@@ -18,7 +18,7 @@ from kubetune.api.tenancy import Tenant
 from kubetune.api.v1alpha1 import FineTuneJobStatus, LabelSelector, Recovery
 from kubetune.api.vocabulary import ConditionType, PlanReason, Reason, RecoveryReason
 from kubetune.control import conditions as c
-from kubetune.control.builders import BuildSettings
+from kubetune.control.builders import BuildSettings, checkpoint_size, quantity_value
 from kubetune.control.reconcile import (
     KEEP_RECOVERIES,
     Decision,
@@ -778,3 +778,44 @@ def test_a_one_node_job_is_planned_as_before_with_a_read_write_once_volume() -> 
     held, _ = run(make_job(), with_claim("ReadWriteOnce"))
     assert plain.status is not None and held.status is not None
     assert held.status.plan == plain.status.plan
+
+
+def claim_of(size: str, expands: bool | None) -> Observed:
+    claim = {
+        "metadata": {"name": "demo-ckpt"},
+        "spec": {
+            "accessModes": ["ReadWriteOnce"],
+            "resources": {"requests": {"storage": size}},
+            "storageClassName": "fast",
+        },
+    }
+    return Observed(pools=default_pools(), checkpoint_claim=claim, checkpoint_class_expands=expands)
+
+
+def test_a_launch_that_needs_a_larger_checkpoint_volume_expands_it_where_the_class_allows() -> None:
+    job, d = run(make_job(), claim_of("1Gi", True))
+    assert job.status is not None and job.status.plan is not None
+    want = checkpoint_size(job, job.status.plan)
+    assert quantity_value(want) > quantity_value("1Gi")
+    assert d.resize_claims == [("demo-ckpt", want)]
+    grown = [e for e in d.events if e.reason == Reason.CHECKPOINT_VOLUME_EXPANDED]
+    assert len(grown) == 1 and grown[0].type == "Normal"
+    assert f"demo-ckpt asks for 1Gi: its request was raised to {want}" in grown[0].message
+
+
+@pytest.mark.parametrize("expands", [False, None])
+def test_a_checkpoint_volume_that_cannot_grow_is_warned_about(expands: bool | None) -> None:
+    job, d = run(make_job(), claim_of("1Gi", expands))
+    assert d.resize_claims == []
+    small = [e for e in d.events if e.reason == Reason.CHECKPOINT_VOLUME_SMALL]
+    assert len(small) == 1 and small[0].type == "Warning"
+    assert "StorageClass fast does not allow volume expansion" in small[0].message
+    assert "To fix:" in small[0].message
+    # The launch goes ahead: the volume may well be large enough in practice.
+    assert job.status is not None and job.status.phase == "Running"
+
+
+def test_a_checkpoint_volume_large_enough_is_left_alone() -> None:
+    _, d = run(make_job(), claim_of("1Ti", True))
+    assert d.resize_claims == []
+    assert {e.reason for e in d.events} == {Reason.PLAN_READY, Reason.LAUNCHED}

@@ -127,6 +127,12 @@ class Reason(StrEnum):
     TRAINER_FAILED = "TrainerFailed"
     OUT_OF_MEMORY = "OutOfMemory"
     RESCHEDULED = "Rescheduled"
+    CHECKPOINT_VOLUME_EXPANDED = "CheckpointVolumeExpanded"
+    """A re-plan needs a larger checkpoint volume than the claim asks for, and its
+    StorageClass allows expansion: the claim's request was raised."""
+    CHECKPOINT_VOLUME_SMALL = "CheckpointVolumeMayBeTooSmall"
+    """A re-plan needs a larger checkpoint volume than the claim asks for, and its
+    StorageClass does not allow expansion (or is not known)."""
     # the end
     COMPLETED = "Completed"
     EARLY_STOPPED = "EarlyStopped"

@@ -66,12 +66,14 @@ from kubetune.control import progress
 from kubetune.control.builders import (
     ANNOTATION_TEST_FAULTS,
     CACHE_CLAIM,
+    QUANTITY,
     BuildSettings,
     InputRef,
     build_children,
     build_export,
     build_stage_in,
     build_stage_out,
+    checkpoint_size,
     child_names,
     fetched_sources,
     gguf_uri,
@@ -79,6 +81,7 @@ from kubetune.control.builders import (
     needs_export,
     needs_stage_in,
     needs_stage_out,
+    quantity_value,
     single_node,
 )
 from kubetune.control.conditions import get_condition, is_true, now_rfc3339
@@ -210,6 +213,8 @@ class Observed:
     before a launch; empty when all exist or they could not be read)."""
     checkpoint_claim: Mapping[str, Any] | None = None
     """The job's checkpoint PersistentVolumeClaim (`spec` and `status`), if it exists."""
+    checkpoint_class_expands: bool | None = None
+    """Whether that claim's StorageClass allows volume expansion (None: not known)."""
 
 
 @dataclass(frozen=True)
@@ -225,6 +230,8 @@ class Decision:
     create: list[Manifest] = field(default_factory=list)
     delete_jobs: list[str] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
+    resize_claims: list[tuple[str, str]] = field(default_factory=list)
+    """(claim, new storage request): claims to expand."""
     delete_self: bool = False
     requeue_after: float | None = None
 
@@ -929,6 +936,7 @@ class _Reconciler:
             self.fail(Reason.INVALID_SPEC, str(exc))
             return
         self.d.create.extend(children)
+        self.fit_checkpoint_volume(plan)
         self.go.launch(attempt)
         progress.start_attempt(self.s, plan, self.now)
         self.d.event(Reason.LAUNCHED, f"Attempt {attempt} on pool {plan.pool}")
@@ -942,6 +950,38 @@ class _Reconciler:
                 warning=True,
             )
         self.d.requeue_after = self.settings.poll_seconds
+
+    def fit_checkpoint_volume(self, plan: PlanStatus) -> None:
+        """A plan that needs a larger checkpoint volume than the claim made with an earlier
+        attempt asks for (a re-plan to full fine-tuning, more copies): raise the claim's
+        request where its StorageClass allows expansion, else warn that it may run out."""
+        claim = self.observed.checkpoint_claim
+        if claim is None:
+            return
+        requests = ((claim.get("spec") or {}).get("resources") or {}).get("requests") or {}
+        have = str(requests.get("storage") or "")
+        want = checkpoint_size(self.job, plan)
+        if not QUANTITY.match(have) or quantity_value(want) <= quantity_value(have):
+            return
+        name = str((claim.get("metadata") or {}).get("name"))
+        storage_class = (claim.get("spec") or {}).get("storageClassName") or "(none)"
+        needs = f"plan r{plan.revision} needs about {want} of checkpoints; {name} asks for {have}"
+        if self.observed.checkpoint_class_expands:
+            self.d.resize_claims.append((name, want))
+            self.d.event(
+                Reason.CHECKPOINT_VOLUME_EXPANDED,
+                f"{needs}: its request was raised to {want} (StorageClass {storage_class} "
+                "allows volume expansion)",
+            )
+            return
+        self.d.event(
+            Reason.CHECKPOINT_VOLUME_SMALL,
+            f"{needs}, and its StorageClass {storage_class} does not allow volume expansion: "
+            "the trainer may run out of room when it saves. To fix: expand the claim by hand "
+            "if the storage allows it, lower spec.checkpoint.keep, or run the job again with "
+            "a larger spec.checkpoint.storage.size",
+            warning=True,
+        )
 
     # ------------------------------------------------------------------ follow
 

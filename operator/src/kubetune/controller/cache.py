@@ -1,7 +1,8 @@
 """The operator's view of the cluster: watch-fed indexes instead of LIST calls.
 
 kopf watches FineTuneJobs' children (batch Jobs, pods and claims labelled `kubetune.io/job`), all
-pods that hold GPUs, Nodes, GPUPools and Namespaces (what each allows its jobs), and keeps
+pods that hold GPUs, Nodes, GPUPools, Namespaces (what each allows its jobs) and
+StorageClasses (which allow volume expansion), and keeps
 one in-memory index per kind (`@kopf.index` in controller/handlers.py, fed by the functions
 below). kopf fills every index from its initial LIST before any other handler runs, then
 keeps it current from the watch, so a reconcile reads only memory: it makes no API call to
@@ -163,6 +164,7 @@ class Caches:
         pools: Index,
         namespaces: Index | None = None,
         claims: Index | None = None,
+        storage_classes: Index | None = None,
     ) -> None:
         self.pods = pods
         self.batch_jobs = batch_jobs
@@ -172,6 +174,8 @@ class Caches:
         self.namespaces = namespaces
         self.claims = claims
         """PersistentVolumeClaims labelled with a job, by (namespace, name)."""
+        self.storage_classes = storage_classes
+        """Whether each StorageClass allows volume expansion, by name."""
 
     def tenant(self, namespace: str) -> Tenant | None:
         """What `namespace` allows its jobs; a namespace missing from the index allows no
@@ -232,7 +236,8 @@ class Caches:
         )
         tenant = self.tenant(key[0])
         steps = self._steps(key, uid)
-        steps["checkpoint_claim"] = self.checkpoint_claim(job)
+        claim = steps["checkpoint_claim"] = self.checkpoint_claim(job)
+        steps["checkpoint_class_expands"] = self.class_expands(claim)
         if not attempt:
             return Observed(pools=pools, other_attempts=others, tenant=tenant, **steps)
         pods = [
@@ -260,6 +265,14 @@ class Caches:
         name = child_names(str(job.metadata.get("name") or ""), 1).pvc
         claim: dict[str, Any] | None = first(self.claims.get((job_key(job)[0], name)))
         return claim
+
+    def class_expands(self, claim: Mapping[str, Any] | None) -> bool | None:
+        """Whether the claim's StorageClass allows volume expansion; None: not known."""
+        if claim is None or self.storage_classes is None:
+            return None
+        name = (claim.get("spec") or {}).get("storageClassName")
+        expands: bool | None = first(self.storage_classes.get(name)) if name else None
+        return expands
 
     def _steps(self, key: JobKey, uid: Any) -> dict[str, Any]:
         """The job's CPU steps' Jobs (owned by this object) and pods, as Observed fields."""

@@ -4,7 +4,8 @@ Run with `kopf run -m kubetune.controller.handlers --all-namespaces` (or `kubetu
 
 What is registered here:
 - indexes (watch-fed caches, controller/cache.py) of FineTuneJobs' batch Jobs, pods and
-  PersistentVolumeClaims (the checkpoint volume's access modes bound a re-plan),
+  PersistentVolumeClaims (the checkpoint volume's access modes bound a re-plan, its size
+  may grow with one), and of StorageClasses (which allow volume expansion),
   of pods holding GPUs, of Nodes and of GPUPools; kopf fills them before any loop starts;
 - event handlers that wake the loop a change concerns: a child's change wakes its job, a
   change of a job's spec wakes the job, a change of capacity wakes queued jobs and pools;
@@ -56,6 +57,7 @@ BATCH_JOBS = ("batch", "v1", "jobs")
 NODES = ("", "v1", "nodes")
 NAMESPACES = ("", "v1", "namespaces")
 CLAIMS = ("", "v1", "persistentvolumeclaims")
+STORAGE_CLASSES = ("storage.k8s.io", "v1", "storageclasses")
 CHILD = {LABEL_JOB: kopf.PRESENT}
 
 
@@ -85,6 +87,7 @@ def _caches(kwargs: Mapping[str, Any]) -> Caches:
         pools=kwargs["pools"],
         namespaces=kwargs["namespaces"],
         claims=kwargs["ftj_claims"],
+        storage_classes=kwargs["storage_classes"],
     )
 
 
@@ -175,6 +178,11 @@ def ftj_claims(body: kopf.Body, **_: Any) -> dict[Any, Any]:
     meta = body.get("metadata") or {}
     key = (str(meta.get("namespace") or "default"), str(meta.get("name") or ""))
     return {key: trimmed_claim(body)}
+
+
+@kopf.index(*STORAGE_CLASSES)
+def storage_classes(body: kopf.Body, **_: Any) -> dict[str, bool]:
+    return {str(body.metadata.name): body.get("allowVolumeExpansion") is True}
 
 
 @kopf.index(*PODS)

@@ -297,6 +297,20 @@ class Kube:
             raise
         return True
 
+    async def resize_claim(self, namespace: str, name: str, storage: str) -> None:
+        """Raise a PersistentVolumeClaim's storage request (its StorageClass allows it)."""
+        patch = {"spec": {"resources": {"requests": {"storage": storage}}}}
+        await self._retrying(
+            f"resize of PersistentVolumeClaim {namespace}/{name}",
+            lambda: self.client.patch(
+                PersistentVolumeClaim,
+                name,
+                patch,
+                namespace=namespace,
+                patch_type=PatchType.MERGE,
+            ),
+        )
+
     async def delete_batch_job(self, namespace: str, name: str) -> None:
         """Delete a batch Job and (in the background) its pods, which get SIGTERM first."""
         try:

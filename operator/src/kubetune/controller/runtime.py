@@ -695,6 +695,18 @@ class Runtime:
             )
         for batch_job in d.delete_jobs:
             await self.kube.delete_batch_job(namespace, batch_job)
+        for claim, storage in d.resize_claims:
+            try:
+                await self.kube.resize_claim(namespace, claim, storage)
+            except ApiError as exc:  # e.g. a class that shrugged off expansion after all
+                d.events = [e for e in d.events if e.reason != Reason.CHECKPOINT_VOLUME_EXPANDED]
+                self.post_event(
+                    body,
+                    EventType.WARNING,
+                    Reason.CHECKPOINT_VOLUME_SMALL,
+                    f"{claim} could not be expanded to {storage}: {exc.status.message}; the "
+                    "trainer may run out of room when it saves",
+                )
         for event in d.events:
             self.post_event(body, event.type, event.reason, event.message)
         if d.delete_self:
