@@ -23,6 +23,7 @@ from kubetune.control.reconcile import (
     KEEP_RECOVERIES,
     Decision,
     Observed,
+    preemptions_without_progress,
     reconcile,
     trim_recoveries,
 )
@@ -704,6 +705,29 @@ def test_preemptions_without_progress_are_bounded() -> None:
     )
     assert d.delete_jobs == ["demo-a1"]
     assert s.recovery_counts == {"Preemption": 5}
+
+
+def test_a_preempted_two_node_attempt_counts_once_against_the_limit() -> None:
+    """Both pods of a two-node attempt exit with the preemption code when one is preempted
+    (every rank checkpoints): one preemption. Their replacements preempted again at the
+    same checkpoint: the second."""
+
+    def preempted(pod: str, step: int = 8, attempt: int = 1) -> Recovery:
+        return Recovery(
+            reason=RecoveryReason.PREEMPTION, time="t", attempt=attempt, step=step, pod=pod
+        )
+
+    first = [preempted("demo-a1-1-x7k2p"), preempted("demo-a1-0-q9zt4")]
+    assert preemptions_without_progress(first) == 1
+    again = [*first, preempted("demo-a1-0-b2c3d"), preempted("demo-a1-1-k4l5m")]
+    assert preemptions_without_progress(again) == 2
+    # One pod at a time (one node): each is a preemption of its own, as before.
+    single = [preempted("demo-a1-0-aaaaa"), preempted("demo-a1-0-bbbbb")]
+    assert preemptions_without_progress(single) == 2
+    # Progress in between, or another attempt: never merged.
+    assert preemptions_without_progress([preempted("demo-a1-0-x", 4), *first]) == 1
+    moved = [preempted("demo-a1-0-x"), preempted("demo-a2-1-y", attempt=2)]
+    assert preemptions_without_progress(moved) == 2
 
 
 def test_recoveries_keep_the_current_attempt_and_the_latest_of_earlier_ones() -> None:

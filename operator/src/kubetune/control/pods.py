@@ -9,6 +9,7 @@ Everything here reads plain dicts in the Kubernetes wire format and returns name
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -65,6 +66,16 @@ def parse_time(text: str | None) -> datetime | None:
 
 def pod_name(pod: Mapping[str, Any]) -> str:
     return str((pod.get("metadata") or {}).get("name", ""))
+
+
+_INDEXED_POD_NAME = re.compile(r"-(\d+)-[a-z0-9]+$")
+
+
+def completion_index_of(name: str) -> str | None:
+    """The completion index in the generated name of an Indexed Job's pod
+    (`<job>-<index>-<suffix>`); None for another name."""
+    match = _INDEXED_POD_NAME.search(name)
+    return match.group(1) if match else None
 
 
 def pod_phase(pod: Mapping[str, Any]) -> str | None:

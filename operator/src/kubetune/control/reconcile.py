@@ -1585,14 +1585,25 @@ def trim_recoveries(recoveries: list[Recovery], attempt: int) -> list[Recovery]:
 
 def preemptions_without_progress(recoveries: Sequence[Recovery]) -> int:
     """Preemptions at the end of `recoveries` with no newer checkpoint between them: a run
-    preempted before it could save again."""
-    run, step = 0, None
+    preempted before it could save again.
+
+    One preemption of a multi-node attempt ends every node's pod (all ranks checkpoint and
+    exit with the preemption code), one recovery each: consecutive entries of the same
+    attempt and step from pods of different completion indexes are one preemption; the same
+    index again is the next one (its replacement pod was preempted too)."""
+    run, step, attempt, indexes = 0, None, None, set[str]()
     for rec in reversed(recoveries):
         if rec.reason != RecoveryReason.PREEMPTION:
             break
         if step is not None and (rec.step or 0) < step:
             break  # progress was made between this preemption and the next
-        step = rec.step or 0
+        index = p.completion_index_of(rec.pod or "")
+        same = run and rec.attempt == attempt and (rec.step or 0) == step
+        if same and index is not None and index not in indexes:
+            indexes.add(index)
+            continue  # another node's pod of the same preemption
+        step, attempt = rec.step or 0, rec.attempt
+        indexes = {index} if index is not None else set()
         run += 1
     return run
 
