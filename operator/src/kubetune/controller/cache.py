@@ -260,9 +260,9 @@ class Caches:
         """The job's checkpoint volume claim, if the cache holds it. Any claim of that name
         counts, owned or not: one kept by `retention: retain` from an earlier job of the
         same name is the one the pods would mount."""
-        if self.claims is None:
+        if self.claims is None or not job.metadata.get("name"):
             return None
-        name = child_names(str(job.metadata.get("name") or ""), 1).pvc
+        name = child_names(str(job.metadata["name"]), 1).pvc
         claim: dict[str, Any] | None = first(self.claims.get((job_key(job)[0], name)))
         return claim
 
