@@ -174,6 +174,9 @@ class ModelArch:
     """Width of the always-active shared expert (Qwen2-MoE); 0 when absent."""
     num_dense_layers: int = 0
     """For MoE models: decoder layers that use a dense MLP instead of experts."""
+    python_tanh_gelu: bool = False
+    """The MLP activation is transformers' Python tanh-GELU formula (``hidden_act: gelu_new``,
+    Phi's default), whose autograd keeps more tensors than a fused GELU kernel."""
 
     def __post_init__(self) -> None:
         positive = {
@@ -634,7 +637,7 @@ def arch_from_hf_config(
     max_pos = r.opt_int("max_position_embeddings", "n_positions", default=0)
 
     attention_bias = attention_out_bias = mlp_bias = norm_bias = False
-    qk_norm = lm_head_bias = False
+    qk_norm = lm_head_bias = python_tanh_gelu = False
     norms_per_layer = 2
     if model_type == "falcon":
         if r.opt_bool("new_decoder_architecture", default=False):
@@ -651,6 +654,7 @@ def arch_from_hf_config(
         norms_per_layer = 1  # parallel attention/MLP block with one input LayerNorm
         qk_norm = r.opt_bool("qk_layernorm", default=False)
         intermediate = r.req_int("intermediate_size", "n_inner")
+        python_tanh_gelu = text.get("hidden_act", "gelu_new") == "gelu_new"
     else:
         intermediate = r.req_int("intermediate_size")
         if model_type in ("qwen2", "qwen2_moe"):
@@ -702,6 +706,7 @@ def arch_from_hf_config(
             lm_head_bias=lm_head_bias,
             shared_expert_intermediate_size=shared_width,
             num_dense_layers=num_dense,
+            python_tanh_gelu=python_tanh_gelu,
         )
     except ArchitectureError as exc:
         raise ArchitectureError(f"config.json at {where}: {exc}") from None

@@ -20,6 +20,12 @@ were checked against published measurements (``kubetune/planning/data/measuremen
 * **runtime overheads**: FSDP all-gather buffers, QLoRA dequantization buffers, CUDA context,
   NCCL buffers and caching-allocator slack.
 
+Static state (gradients included: with gradient accumulation they coexist with everything) is
+there for the whole step; the transient terms (activations, logits, FSDP buffers) are taken at
+the moment of the step where their sum is largest (the loss, the root's all-gather, a block's
+backward, the end of backward: :func:`_transient_moments`), and the allocator slack keeps what
+the caching allocator holds from the other moments.
+
 Activations and logits belong to the micro-batch each GPU processes and are *never* divided
 by the number of GPUs.
 """
@@ -133,12 +139,35 @@ GATED_MLP_ELEMS_PER_INTERMEDIATE = 4
 # Plain MLP: fc1 output, activation output and the tanh-GELU temporaries: 3 I.
 PLAIN_MLP_ELEMS_PER_INTERMEDIATE = 3
 _PLAIN_MLP_MODEL_TYPES = frozenset({"phi", "falcon"})
+# Phi's ``gelu_new`` (`ModelArch.python_tanh_gelu`) is transformers' Python tanh formula,
+# ``0.5 * x * (1 + tanh(c * (x + 0.044715 * x**3)))``, whose autograd keeps five I-sized
+# tensors: the fc1 output (for the power), the tanh output, ``0.5 * x``, ``1 + tanh`` (the
+# final product keeps both factors) and the product itself (fc2's input).
+PYTHON_TANH_GELU_ELEMS_PER_INTERMEDIATE = 5
 # MoE: the dispatched copy of a token (h) per active expert, router logits and softmax in
 # fp32 (2 + 2 bf16-element equivalents per expert).
 MOE_DISPATCH_ELEMS_PER_HIDDEN = 1
+# The routing-weight multiply keeps each active expert's output (h) for the gradient of the
+# routing weight (transformers' experts scale each expert's output before summing them).
+MOE_WEIGHTED_OUTPUT_ELEMS_PER_HIDDEN = 1
+# Per-head Q/K norms (Qwen3, Gemma 3) keep the fp32 upcast of Q and K (2 bf16-element
+# equivalents each); their output is the tensor RoPE keeps in place of the projection's.
+QK_NORM_ELEMS = 2
 MOE_ROUTER_ELEMS_PER_EXPERT = 4
 # Eager attention keeps the fp32 softmax output (2) and its bf16 copy (1) per score.
 EAGER_SCORE_ELEMS = 3
+# Attention-logit soft-capping (Gemma 2: ``tanh(scores / cap) * cap``) keeps the tanh output
+# as well, one more element per score.
+SOFTCAP_SCORE_ELEMS = 1
+_SOFTCAP_MODEL_TYPES = frozenset({"gemma2"})
+# Packed rows (the trainer's default) restart their position ids, so transformers builds an
+# explicit (micro-batch, 1, seq, seq) boolean causal mask (1 byte per entry, once), and each
+# attention call converts it to an additive mask in the compute dtype, which the attention
+# keeps for backward: one element per (row, query, key) and layer, in every layer without
+# checkpointing, in the recomputed one with it.  The eager layers of Gemma 2 keep theirs
+# under checkpointing as well (measured with the simulation, docs/simulate.md).
+MASK_BYTES_PER_ENTRY = 1
+LAYER_MASK_ELEMS_PER_ENTRY = 1
 # Gradient buffers alive while one layer runs backward: gradients w.r.t. the layer output
 # and input (2 h) and the MLP intermediates (2 I).
 BACKWARD_HIDDEN_ELEMS = 2
@@ -146,10 +175,16 @@ BACKWARD_INTERMEDIATE_ELEMS = 2
 # Outside the blocks: the final norm (3 h) and the embedding output (1 h).
 NON_LAYER_ELEMS_PER_HIDDEN = NORM_ELEMS_PER_HIDDEN + 1
 
-# Logits per (token, vocab) entry at the start of backward with an unchunked loss: bf16
-# logits (2), their fp32 upcast (4), the fp32 log-softmax kept by cross_entropy (4) and the
-# fp32 gradient w.r.t. the logits (4).
-LOGITS_BYTES_FULL = 14
+# Logits per (token, vocab) entry at the start of backward with an unchunked loss: the fp32
+# log-softmax kept by cross_entropy (4), the gradient of the loss w.r.t. it (4) and
+# log-softmax's backward output, the gradient w.r.t. the fp32 logits (4).  The bf16 logits and
+# their fp32 upcast are freed when the loss returns (the trainer keeps no reference to the
+# model's output); during forward they peak at 2 + 4 + 4 = 10 bytes, below this.
+LOGITS_BYTES_FULL = 12
+# Final-logit soft-capping (Gemma 2: ``tanh(logits / cap) * cap``) keeps the tanh output in
+# the compute dtype for backward: one more compute-dtype element per entry (per chunk's entry
+# with the chunked loss, which applies the cap chunk by chunk).
+_LOGIT_SOFTCAP_MODEL_TYPES = frozenset({"gemma2"})
 # Chunked cross-entropy (kubetune_trainer.loss, LitGPT, torchtune) keeps 4 bytes per entry
 # for backward (the fp32 log-softmax of each chunk, or the compute-dtype logits plus a
 # same-sized gradient); one chunk's bf16 logits and their fp32 copy (6 bytes per entry) are
@@ -159,6 +194,15 @@ LOGITS_BYTES_CHUNK_WORKING = BF16_BYTES + FP32_BYTES
 
 # FSDP keeps the current unit and the prefetched next one unsharded.
 FSDP_GATHERED_UNITS = 2
+# The trainer's FSDP2 policy reduces gradients in fp32 (`MixedPrecisionPolicy(reduce_dtype=
+# torch.float32)`): a block's gradients are copied to fp32 for the reduce-scatter.
+FSDP_REDUCE_BYTES = FP32_BYTES
+# FSDP2 all-gathers into a flat buffer and copies out into the unsharded parameters: both
+# exist for a moment.
+FSDP_ROOT_GATHER_COPIES = 2
+# Tied embeddings, full fine-tuning, end of backward: the output projection's gradient, the
+# embedding's, and their sum (autograd adds them before accumulating).
+EMBEDDING_GRAD_TABLES_TIED = 3
 
 # Fixed overheads.  The CUDA context (driver state, kernel images, cuBLAS/cuDNN handles) is
 # 0.3-1 GiB depending on the GPU, the driver and CUDA lazy module loading.
@@ -469,12 +513,14 @@ def offloaded_bytes(arch: ModelArch, setup: TrainingSetup) -> int:
         return 0
     tokens = setup.micro_batch * setup.seq_len
     e = _compute_bytes(setup)
+    layer_mask = LAYER_MASK_ELEMS_PER_ENTRY * setup.micro_batch * setup.seq_len**2 * e
     if setup.grad_ckpt:
         per_layer = tokens * arch.hidden_size * e
+        per_layer += layer_mask if setup.attention == "eager" else 0
     else:
         saved, _backward = _layer_bytes_per_token(arch, setup)
         lora, _head = _lora_bytes_per_token(arch, setup, _targets(arch, setup))
-        per_layer = round(tokens * (saved + lora))
+        per_layer = round(tokens * (saved + lora)) + layer_mask
     return (arch.num_layers - 1) * per_layer
 
 
@@ -542,13 +588,21 @@ def _layer_bytes_per_token(arch: ModelArch, setup: TrainingSetup) -> tuple[float
         norm_elems += NORM_WEIGHT_INPUT_ELEMS_PER_HIDDEN
     norms = norm_elems * h * max(arch.norms_per_layer, 1)
     attn = ATTN_Q_SIZED_TENSORS * q + ATTN_KV_TENSORS * q + FUSED_QKV_MARGIN * (q + kv)
+    if arch.qk_norm:
+        attn += QK_NORM_ELEMS * (q + kv)
     plain = arch.model_type in _PLAIN_MLP_MODEL_TYPES
     per_width = PLAIN_MLP_ELEMS_PER_INTERMEDIATE if plain else GATED_MLP_ELEMS_PER_INTERMEDIATE
+    if arch.python_tanh_gelu:
+        per_width = PYTHON_TANH_GELU_ELEMS_PER_INTERMEDIATE
     dense_mlp = per_width * arch.intermediate_size
     if arch.moe_layers:
         k = arch.experts_per_token
         moe_mlp = (
-            k * (per_width * arch.expert_intermediate_size + MOE_DISPATCH_ELEMS_PER_HIDDEN * h)
+            k
+            * (
+                per_width * arch.expert_intermediate_size
+                + (MOE_DISPATCH_ELEMS_PER_HIDDEN + MOE_WEIGHTED_OUTPUT_ELEMS_PER_HIDDEN) * h
+            )
             + per_width * arch.shared_expert_intermediate_size
             + MOE_ROUTER_ELEMS_PER_EXPERT * arch.num_experts
         )
@@ -577,6 +631,11 @@ def _lora_bytes_per_token(
         return 0.0, 0.0
     adapter = _trainable_bytes(setup)
     compute = _compute_bytes(setup)
+    if setup.gpus > 1 and setup.sharding in ("full", "grad-op"):
+        # FSDP2 gathers every parameter, the fp32 adapters included, in the compute dtype
+        # (the trainer's `MixedPrecisionPolicy(param_dtype=bfloat16)`): the adapters compute
+        # in it and PEFT makes no fp32 copy of their input.
+        adapter = compute
     dropout = setup.lora_dropout > 0.0
     needs_copy = dropout or adapter != compute
     copy_bytes = compute if setup.precision == "amp-bf16" else adapter
@@ -587,6 +646,10 @@ def _lora_bytes_per_token(
         per_token = layer.in_features * per_in + setup.lora_rank * adapter
         if layer.name == "lm_head":
             head += per_token
+        elif layer.per_expert and setup.fused_experts:
+            # PEFT adapts a stacked expert parameter by merging its update into the weight
+            # (`_stacked_expert_delta_bytes`): no per-token adapter path, nothing per token.
+            continue
         elif layer.per_expert:
             block += per_token * layer.count * arch.experts_per_token / arch.num_experts
         else:
@@ -606,12 +669,124 @@ def _stacked_expert_delta_bytes(
     return weights / arch.moe_layers * _compute_bytes(setup)
 
 
+def _expert_padding_params(arch: ModelArch, setup: TrainingSetup) -> float:
+    """Parameters FSDP2's padding adds to one GPU's shard of the stacked experts: each
+    stacked tensor's first dimension (the expert count E) padded to ceil(E / N) * N."""
+    if not setup.fused_experts or arch.num_experts <= 1:
+        return 0.0
+    n = setup.gpus
+    stacked = sum(
+        layer.in_features * layer.out_features * layer.count
+        for layer in arch.linear_layers()
+        if layer.per_expert
+    )
+    padded = -(-arch.num_experts // n) * n
+    return stacked * (padded - arch.num_experts) / arch.num_experts / n
+
+
+def _stacked_expert_delta_grad_bytes(
+    arch: ModelArch, setup: TrainingSetup, targets: list[LinearLayer]
+) -> float:
+    """Bytes of the gradient of one merged stacked-expert update (0 without them): backward
+    of ``W + scale * B @ A`` makes a gradient the size of the stacked weight, one stacked
+    parameter (the fused gate/up projection, or the down projection) at a time."""
+    if not setup.fused_experts or not arch.moe_layers:
+        return 0.0
+    gate_up = down = 0
+    for layer in targets:
+        if layer.per_expert:
+            size = layer.in_features * layer.out_features * layer.count
+            if layer.in_features == arch.hidden_size:
+                gate_up += size
+            else:
+                down += size
+    return max(gate_up, down) / arch.moe_layers * _compute_bytes(setup)
+
+
 def _state_bytes_per_param(setup: TrainingSetup) -> float:
     if setup.optimizer == "adamw":
         return 2.0 * _trainable_bytes(setup)  # exp_avg and exp_avg_sq in the parameter dtype
     if setup.optimizer == "paged-adamw-32bit":
         return 2.0 * FP32_BYTES  # bitsandbytes' 32-bit states are fp32 whatever the params
     return ADAM8BIT_BYTES_PER_PARAM
+
+
+def _transient_moments(
+    arch: ModelArch,
+    setup: TrainingSetup,
+    p: _Params,
+    saved: float,
+    working: float,
+    logits: float,
+    unit: float,
+    root: float,
+    logits_grad: float,
+) -> dict[str, tuple[float, float, float]]:
+    """(activations, logits, FSDP buffers) at each moment of the step that can hold the peak,
+    on top of the static state and the gradients (docs/estimator.md, "Peak timing").
+
+    ``saved`` is what forward leaves for backward and ``working`` what one layer's backward
+    adds (its recomputation under checkpointing, its gradient buffers); ``logits`` is the
+    loss's largest footprint and ``logits_grad`` the gradient of the logits the output
+    projection's backward receives; ``unit`` / ``root`` are the bytes of one gathered decoder
+    block / of the gathered root (embeddings, final norm, untied ``lm_head``).
+    """
+    e = _compute_bytes(setup)
+    n = setup.gpus
+    activations = saved + working
+    full_shard = n > 1 and setup.sharding == "full"
+    sharded = n > 1 and setup.sharding in ("full", "grad-op")
+    full = setup.method == "full"
+    table = float(arch.embedding_params * e)
+    # Full fine-tuning trains the embedding table.  Tied to the output projection, the
+    # projection's gradient waits in autograd's input buffer for the embedding's, from the
+    # start of backward to its end (one table), and the end adds the embedding's gradient and
+    # the sum of the two (three tables).  Untied, the output projection's gradient is a
+    # gradient like any other, except under FSDP, where the root's gradients stay unsharded
+    # until its reduce-scatter after the last block; the embedding's gradient (one table) is
+    # made at the end.
+    pending = 0.0
+    end = 0.0
+    if full:
+        if arch.tie_embeddings:
+            pending, end = table, EMBEDDING_GRAD_TABLES_TIED * table
+        else:
+            pending = float(arch.lm_head_params * e) if sharded else 0.0
+            end = pending + table
+    if setup.cpu_offload:
+        # Parameters on the CPU: the gathered units, their gradients and the root are on the
+        # GPU for the whole step, counted at every moment.
+        buffers = FSDP_GATHERED_UNITS * unit + root
+        if full:
+            buffers += p.per_block * _trainable_bytes(setup)
+        return {"loss": (activations + pending, logits, buffers), "end": (end, 0.0, buffers)}
+    if not full_shard:
+        # One GPU, DDP, or SHARD_GRAD_OP (whose gathered parameters are in `weights`).
+        return {
+            "loss": (saved, logits, 0.0),
+            "block backward": (activations + pending, 0.0, 0.0),
+            "end": (end, 0.0, 0.0),
+        }
+    # FULL_SHARD (FSDP2, `reshard_after_forward=True` for the blocks and the root, as
+    # `modeling.shard_model` sets): each block's parameters are gathered for its forward and
+    # again for its backward, with the next block prefetched; the root is gathered for the
+    # forward, freed after it, and gathered again when the output projection's backward
+    # starts, until the end of backward.  While gathered, the root costs its whole unsharded
+    # size next to this GPU's shard.  During backward a block's gradients exist in the compute
+    # dtype (autograd's) and in fp32 (the reduce-scatter input: `reduce_dtype=float32`).
+    blocks = FSDP_GATHERED_UNITS * unit
+    block_grads = float(p.per_block * (e + FSDP_REDUCE_BYTES)) if full else 0.0
+    return {
+        # the loss: every saved activation and the logits; nothing gathered
+        "loss": (saved, logits, 0.0),
+        # the root's all-gather for backward, when the gradient of the logits reaches the
+        # output projection: its output buffer and the unsharded parameters it fills
+        "root all-gather": (saved, logits_grad, FSDP_ROOT_GATHER_COPIES * root),
+        # a block's backward: the gathered root, two gathered blocks and one's gradients
+        "block backward": (activations + pending, 0.0, root + blocks + block_grads),
+        # the end of backward: the embedding's gradients, the root and two blocks gathered
+        "end": (end, 0.0, root + blocks),
+    }
 
 
 # --------------------------------------------------------------------------- the estimate
@@ -659,6 +834,10 @@ def estimate_vram(arch: ModelArch, setup: TrainingSetup) -> VramEstimate:
             # (it multiplies the incoming gradient): every layer, or one recomputed layer.
             layers = p.block_linear_weights if not setup.grad_ckpt else p.per_block_linear_weights
             autocast_copies = float((layers + arch.lm_head_params) * BF16_BYTES)
+    # FSDP2 shards each parameter along its first dimension, padded to a multiple of the GPU
+    # count: stacked experts (first dimension = the expert count) are padded to
+    # ceil(E / N) experts per GPU.  Negligible for every other parameter.
+    padding = _expert_padding_params(arch, setup) if (full_shard or grad_op) else 0.0
     if offload:
         weights = 0.0
     elif full_shard:
@@ -667,12 +846,17 @@ def estimate_vram(arch: ModelArch, setup: TrainingSetup) -> VramEstimate:
         weights = stored / n + unsharded  # SHARD_GRAD_OP keeps gathered params until backward
     else:
         weights = stored
+    if not offload:
+        weights += padding * (a if setup.method == "full" else e)
 
     # ---- trainable state
     adapters = 0.0 if (setup.method == "full" or offload) else trainable * a / shard
     gradients = 0.0 if offload else trainable * a / shard
     ddp_buckets = float(trainable * a) if (distributed and setup.sharding == "none") else 0.0
     optimizer_states = 0.0 if offload else trainable * _state_bytes_per_param(setup) / shard
+    if setup.method == "full" and not offload:
+        gradients += padding * a
+        optimizer_states += padding * _state_bytes_per_param(setup)
 
     # ---- activations (per GPU: never divided by the GPU count)
     tokens = setup.micro_batch * setup.seq_len
@@ -680,50 +864,74 @@ def estimate_vram(arch: ModelArch, setup: TrainingSetup) -> VramEstimate:
     lora_layer, lora_head = _lora_bytes_per_token(arch, setup, targets)
     non_layer = NON_LAYER_ELEMS_PER_HIDDEN * arch.hidden_size * e + lora_head
     scores = 0.0
+    entries = setup.micro_batch * setup.seq_len**2  # (row, query, key) of the causal mask
+    layer_mask = float(LAYER_MASK_ELEMS_PER_ENTRY * entries * e)
+    mask = float(MASK_BYTES_PER_ENTRY * entries)
     if setup.attention == "eager":
-        scores = float(
-            EAGER_SCORE_ELEMS * e * setup.micro_batch * arch.num_heads * setup.seq_len**2
+        per_score = EAGER_SCORE_ELEMS + (
+            SOFTCAP_SCORE_ELEMS if arch.model_type in _SOFTCAP_MODEL_TYPES else 0
         )
+        scores = float(per_score * e * setup.micro_batch * arch.num_heads * setup.seq_len**2)
     # With activation offloading the tensors saved for backward wait in host memory: the GPU
     # holds the layer whose backward runs (its input, or all it saved), not all of them.
     kept_layers = 1 if setup.activation_offload else arch.num_layers
     # PEFT adapts stacked experts by adding the merged low-rank update to the whole stacked
     # weight in each forward: an expert-sized tensor per MoE layer, kept for backward.
     delta = _stacked_expert_delta_bytes(arch, setup, targets)
+    delta_grad = _stacked_expert_delta_grad_bytes(arch, setup, targets)
+    # `saved`: what forward leaves for backward; `working`: what exists only while a layer's
+    # backward runs (its recomputation under checkpointing, and its gradient buffers).
     if setup.grad_ckpt:
         layer_inputs = kept_layers * tokens * arch.hidden_size * e
-        one_layer = tokens * (per_layer + lora_layer + backward) + scores + delta
-        activations = layer_inputs + one_layer + tokens * non_layer
+        eager = setup.attention == "eager"
+        saved = layer_inputs + tokens * non_layer + mask
+        saved += kept_layers * layer_mask if eager else 0.0
+        working = tokens * (per_layer + lora_layer + backward) + scores + delta + delta_grad
+        working += 0.0 if eager else layer_mask
     else:
         moe_kept = min(kept_layers, arch.moe_layers)
-        every_layer = kept_layers * (tokens * (per_layer + lora_layer) + scores)
-        activations = every_layer + moe_kept * delta + tokens * (backward + non_layer)
+        every_layer = kept_layers * (tokens * (per_layer + lora_layer) + scores + layer_mask)
+        saved = every_layer + moe_kept * delta + tokens * non_layer + mask
+        working = tokens * backward + delta_grad
 
     # ---- logits for the loss
+    softcap_logits = arch.model_type in _LOGIT_SOFTCAP_MODEL_TYPES
     if setup.chunked_ce:
         chunk = min(tokens, setup.loss_chunk_tokens or loss_chunk_tokens(arch.vocab_size))
         kept = tokens * LOGITS_BYTES_CHUNKED * (e // BF16_BYTES)
-        logits = float((kept + chunk * LOGITS_BYTES_CHUNK_WORKING) * arch.vocab_size)
+        working_entry = LOGITS_BYTES_CHUNK_WORKING + (e if softcap_logits else 0)
+        logits = float((kept + chunk * working_entry) * arch.vocab_size)
     else:
-        logits = float(tokens * arch.vocab_size * LOGITS_BYTES_FULL)
+        per_entry = LOGITS_BYTES_FULL + (e if softcap_logits else 0)
+        logits = float(tokens * arch.vocab_size * per_entry)
+    # The fp32 gradient of the logits the output projection's backward receives.
+    logits_grad = min(logits, float(tokens * arch.vocab_size * FP32_BYTES))
 
-    # ---- FSDP all-gather buffers (FULL_SHARD, or any layout whose params live on the CPU)
-    fsdp_buffers = 0.0
-    if full_shard or offload:
-        fsdp_buffers = FSDP_GATHERED_UNITS * unit
-        if setup.method == "full":
-            fsdp_buffers += p.per_block * a  # unsharded gradients before reduce-scatter
-        # The root unit (embeddings, lm_head, final norm) stays gathered for the whole step;
-        # its own shard is already in `weights` unless the parameters are offloaded.
-        fsdp_buffers += root * (1.0 if offload else 1.0 - 1.0 / n)
+    # ---- the moment of the peak: static state and gradients are there throughout (with
+    # gradient accumulation the gradients of earlier micro-batches coexist with everything);
+    # the rest is the largest of the moments of the step (docs/estimator.md, "Peak timing").
+    moments = _transient_moments(arch, setup, p, saved, working, logits, unit, root, logits_grad)
+    activations, logits, fsdp_buffers = max(moments.values(), key=sum)
+    # Each transient term's largest value over the moments: the caching allocator keeps what
+    # one moment frees (the logits at the start of backward, the gathered root) as cached
+    # segments, which later, differently sized requests reuse only in part.
+    # (The root's all-gather is a moment of its own: its buffer is freed before anything else
+    # is allocated.)
+    cacheable = [moment for name, moment in moments.items() if name != "root all-gather"]
+    peak = activations + logits + fsdp_buffers
+    largest = max(peak, sum(max(moment[i] for moment in cacheable) for i in range(3)))
+    cached = largest - peak
+    if not setup.chunked_ce:
+        # The compute-dtype logits freed when the loss returns leave a segment half the size
+        # of the fp32 gradients backward then allocates: it stays cached beside them.
+        cached += tokens * arch.vocab_size * e
 
     # ---- QLoRA dequantization buffers
     dequant = float(DEQUANT_COPIES * p.largest_quantized * e) if setup.method == "qlora" else 0.0
 
     # ---- runtime overheads
-    slack = max(
-        float(ALLOCATOR_SLACK_MIN_BYTES),
-        ALLOCATOR_SLACK_FRACTION * (activations + logits + fsdp_buffers + dequant),
+    slack = cached + max(
+        float(ALLOCATOR_SLACK_MIN_BYTES), ALLOCATOR_SLACK_FRACTION * (largest + dequant)
     )
     breakdown_f: dict[str, float] = {
         "weights": weights,
