@@ -614,9 +614,18 @@ class LocalCluster:
         self._spawn(component, argv)
 
     def add_local_pool(
-        self, pool: Mapping[str, Any], node: str = "local-0", pod_ip_base: str | None = None
+        self,
+        pool: Mapping[str, Any],
+        node: str = "local-0",
+        pod_ip_base: str | None = None,
+        *,
+        nodes: Mapping[str, str | None] | None = None,
     ) -> None:
-        """A GPUPool whose one node is this machine: its pods run as local processes."""
+        """A GPUPool whose nodes are this machine: its pods run as local processes.
+
+        One node (`node`, `pod_ip_base`), or several: `nodes` maps each node's name to its
+        pod IP base (one pod runner each, so a multi-node plan's pods get distinct IPs and
+        find each other through their headless Service)."""
         self.apply([pool])
         sim = simulated_nodes({**pool, "spec": {**pool["spec"], "maxNodes": 1}})[0]
         labels = {
@@ -624,13 +633,14 @@ class LocalCluster:
             for k, v in sim["metadata"]["labels"].items()
             if k not in ("kubernetes.io/hostname", "type")
         }
-        self.start_pod_runner(
-            node,
-            labels=labels,
-            taints=sim["spec"]["taints"],
-            gpus=int(pool["spec"]["gpusPerNode"]),
-            pod_ip_base=pod_ip_base,
-        )
+        for name, base in (nodes or {node: pod_ip_base}).items():
+            self.start_pod_runner(
+                name,
+                labels=labels,
+                taints=sim["spec"]["taints"],
+                gpus=int(pool["spec"]["gpusPerNode"]),
+                pod_ip_base=base,
+            )
 
     def add_simulated_pools(self, pools: Sequence[Mapping[str, Any]]) -> None:
         """Create the GPUPools and, for each, `maxNodes` kwok nodes that match it."""
