@@ -496,6 +496,30 @@ def test_observe_sees_the_batch_job_and_pods_of_the_current_attempt(
     assert [p["metadata"]["name"] for p in observed.pods] == [f"{a2}-0-abcde", f"{a2}-1-fghij"]
 
 
+def test_observe_names_the_nodes_of_its_pods_that_are_not_ready(
+    apiserver: ApiServerEmulator,
+) -> None:
+    body = tiny_job()
+    body["status"] = {"phase": "Running", "attempt": 1}
+    job = FineTuneJob.model_validate(body)
+    a1 = child_names(body["metadata"]["name"], 1).job
+    gone = node("gpu-2", "l4", ready=False)
+    gone["status"]["conditions"][0]["lastTransitionTime"] = "2026-11-22T12:03:00Z"
+    seed(
+        apiserver,
+        node("gpu-1", "l4"),
+        gone,
+        node("gpu-3", "l4", ready=False),  # not ready, but none of this job's pods is there
+        batch_job_of(job, 1, status={"active": 2}),
+        pod(f"{a1}-0-abcde", pod_labels=labels(job, 1), node_name="gpu-1"),
+        pod(f"{a1}-1-fghij", pod_labels=labels(job, 1), node_name="gpu-2"),
+    )
+
+    observed = caches_from(apiserver).observe(job, [])
+
+    assert observed.lost_nodes == {"gpu-2": "2026-11-22T12:03:00Z"}
+
+
 def test_observe_finds_the_pods_of_a_job_with_a_long_name(apiserver: ApiServerEmulator) -> None:
     body = tiny_job()
     body["metadata"]["name"] = "nightly-" * 8 + "qwen2-5-0-5b"  # 76 characters, a valid name

@@ -707,6 +707,31 @@ def test_preemptions_without_progress_are_bounded() -> None:
     assert s.recovery_counts == {"Preemption": 5}
 
 
+def test_a_trainer_pod_on_a_node_that_is_not_ready_is_reported_with_the_fix() -> None:
+    job, _ = run(make_job())
+    on_node = {**pod("demo-a1-0"), "spec": {"nodeName": "gpu-7"}}
+    lost = replace(
+        running_with(5, checkpoint=4), pods=[on_node], lost_nodes={"gpu-7": "2026-11-22T12:03:00Z"}
+    )
+    job, d = run(job, lost, now=T0 + timedelta(minutes=5))
+    s = job.status
+    assert s is not None and s.phase == "Running"
+    cond = c.get_condition(s.conditions, ConditionType.RUNNING)
+    assert cond is not None and cond.status == "False" and cond.reason == Reason.NODE_NOT_READY
+    assert (s.message or "").startswith(
+        "attempt 1: pod demo-a1-0 is on node gpu-7, not Ready since 2026-11-22T12:03:00Z"
+    )
+    assert "To fix: if the machine is lost, delete the Node object" in (s.message or "")
+    assert [e.reason for e in d.events if e.type == "Warning"] == [Reason.NODE_NOT_READY]
+    # Said once, not on every look; gone once the node is Ready again.
+    job, d = run(job, lost, now=T0 + timedelta(minutes=6))
+    assert Reason.NODE_NOT_READY not in [e.reason for e in d.events]
+    job, d = run(job, replace(lost, lost_nodes={}), now=T0 + timedelta(minutes=7))
+    cond = c.get_condition(job.status.conditions, ConditionType.RUNNING)  # type: ignore[union-attr]
+    assert cond is not None and cond.reason == Reason.TRAINING
+    assert not d.delete_jobs and job.status is not None and job.status.attempt == 1
+
+
 def test_a_preempted_two_node_attempt_counts_once_against_the_limit() -> None:
     """Both pods of a two-node attempt exit with the preemption code when one is preempted
     (every rank checkpoints): one preemption. Their replacements preempted again at the

@@ -120,6 +120,9 @@ class Reason(StrEnum):
     """A trainer pod waits for room: the scheduler's message says why."""
     STARTUP_TIMEOUT = "StartupTimeout"
     """A trainer pod bound to a node did not start within the startup timeout."""
+    NODE_NOT_READY = "NodeNotReady"
+    """A trainer pod's node stopped being Ready (its kubelet no longer reports): the pod
+    cannot be replaced until the node is deleted or taken out of service."""
     SUSPEND_REQUESTED = "SuspendRequested"
     RESUMED = "Resumed"
     # recovery

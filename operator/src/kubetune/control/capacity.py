@@ -26,15 +26,16 @@ class NodeInfo:
     """Allocatable GPUs."""
     schedulable: bool
     """Ready and not cordoned."""
+    not_ready_since: str | None = None
+    """When its Ready condition last left True (RFC 3339; "" when not known); None while the
+    node is Ready."""
 
 
 def node_info(node: Mapping[str, Any]) -> NodeInfo:
     meta = node.get("metadata") or {}
     status = node.get("status") or {}
-    ready = any(
-        c.get("type") == "Ready" and c.get("status") == "True"
-        for c in status.get("conditions") or []
-    )
+    condition = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), None)
+    ready = condition is not None and condition.get("status") == "True"
     cordoned = bool((node.get("spec") or {}).get("unschedulable"))
     allocatable = status.get("allocatable") or {}
     return NodeInfo(
@@ -42,6 +43,7 @@ def node_info(node: Mapping[str, Any]) -> NodeInfo:
         labels=dict(meta.get("labels") or {}),
         gpus=int(allocatable.get(GPU_RESOURCE, 0) or 0),
         schedulable=ready and not cordoned,
+        not_ready_since=None if ready else str((condition or {}).get("lastTransitionTime") or ""),
     )
 
 

@@ -211,6 +211,8 @@ class Observed:
     missing_inputs: Sequence[MissingInput] = ()
     """What the launch preflight found missing of `builders.input_refs(job)` (read only
     before a launch; empty when all exist or they could not be read)."""
+    lost_nodes: Mapping[str, str] = field(default_factory=dict)
+    """Nodes of `pods` that are not Ready: node → since when ("" when not known)."""
     checkpoint_claim: Mapping[str, Any] | None = None
     """The job's checkpoint PersistentVolumeClaim (`spec` and `status`), if it exists."""
     checkpoint_class_expands: bool | None = None
@@ -1015,6 +1017,8 @@ class _Reconciler:
                 self.d.event(Reason.CHECKPOINT, f"checkpoint at step {step} is complete")
         if self.relaunch_if_stalled(plan):
             return
+        if self.report_lost_nodes():
+            return
         if self.running_trainers() >= plan.nodes:
             if not is_true(self.s.conditions, ConditionType.RUNNING):
                 self.d.event(Reason.TRAINING, f"{plan.nodes} trainer pod(s) running")
@@ -1024,6 +1028,36 @@ class _Reconciler:
             )
             return
         self.follow_startup()
+
+    def report_lost_nodes(self) -> bool:
+        """A trainer pod whose node stopped being Ready: it shows as running, but nothing
+        runs it, and no kubelet will confirm its end, so the batch Job cannot replace it
+        until the node is deleted or taken out of service. Say so (condition Running=False,
+        status.message, a Warning Event when it starts). Stall detection still relaunches
+        the attempt after its timeout. True when one was found."""
+        lost = sorted(
+            (str(node), p.pod_name(pod))
+            for pod in self.observed.pods
+            if (node := (pod.get("spec") or {}).get("nodeName")) in self.observed.lost_nodes
+            and p.pod_phase(pod) not in p.POD_DONE
+        )
+        if not lost:
+            return False
+        node, pod = lost[0]
+        since = self.observed.lost_nodes[node]
+        message = (
+            f"pod {pod} is on node {node}, not Ready{f' since {since}' if since else ''}: its "
+            "kubelet no longer reports, so the pod cannot be replaced until the node is gone. "
+            "To fix: if the machine is lost, delete the Node object (or taint it "
+            "node.kubernetes.io/out-of-service=nodeshutdown:NoExecute); the trainer then "
+            "resumes from the latest checkpoint on another node"
+        )
+        before = get_condition(self.s.conditions, ConditionType.RUNNING)
+        if before is None or before.reason != Reason.NODE_NOT_READY:
+            self.d.event(Reason.NODE_NOT_READY, message, warning=True)
+        self.go.condition(ConditionType.RUNNING, False, Reason.NODE_NOT_READY, message)
+        self.s.message = f"attempt {self.s.attempt}: {message}"
+        return True
 
     def running_trainers(self) -> int:
         return sum(1 for pod in self.observed.pods if p.trainer_running(pod))

@@ -250,11 +250,22 @@ class Caches:
             pools=pools,
             batch_job=by_attempt.get(attempt),
             pods=sorted(pods, key=lambda pod: str(pod["metadata"].get("name"))),
+            lost_nodes=self.lost_nodes(pods),
             attempt=attempt,
             other_attempts=others,
             tenant=tenant,
             **steps,
         )
+
+    def lost_nodes(self, pods: Iterable[Mapping[str, Any]]) -> dict[str, str]:
+        """The nodes of `pods` that are not Ready, and since when."""
+        out: dict[str, str] = {}
+        for pod in pods:
+            node = (pod.get("spec") or {}).get("nodeName")
+            info: NodeInfo | None = first(self.nodes.get(node)) if node else None
+            if info is not None and info.not_ready_since is not None:
+                out[str(node)] = info.not_ready_since
+        return out
 
     def checkpoint_claim(self, job: FineTuneJob) -> dict[str, Any] | None:
         """The job's checkpoint volume claim, if the cache holds it. Any claim of that name
