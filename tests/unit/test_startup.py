@@ -248,7 +248,8 @@ def test_the_startup_timer_starts_when_the_pod_gets_its_node() -> None:
 
 
 def test_cost_accrues_for_the_share_of_trainers_that_run() -> None:
-    job = launched(resources={"gpus": 16})
+    # Two nodes: the checkpoint volume must be able to follow (ReadWriteMany).
+    job = launched(resources={"gpus": 16}, checkpoint={"storage": {"accessMode": "ReadWriteMany"}})
     plan = job.status.plan  # type: ignore[union-attr]
     assert plan is not None and plan.nodes == 2, plan
     rate = job.status.cost.rate_usd_per_hour  # type: ignore[union-attr]
