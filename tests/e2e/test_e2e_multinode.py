@@ -235,3 +235,68 @@ def test_two_nodes_train_as_one_and_survive_a_preempted_pod(
     assert diff <= CROSS_LAYOUT_TOLERANCE, (diff, curve_two, curve_one)
     delete_job(target, two)
     delete_job(target, one)
+
+
+def test_a_lost_node_is_reported_and_the_job_resumes_on_another_once_it_is_removed(
+    target: Target, two_node_pool: list[str]
+) -> None:
+    """A node dies with its trainer (the pod runner SIGKILLed: nothing reports the pod's end
+    any more). The operator says so (Running=False, NodeNotReady, with the fix); once the Node
+    object is deleted, as a cloud provider does for a vanished machine, the pod is
+    garbage-collected, the batch Job replaces it on the pool's other node, and the run resumes
+    from its last checkpoint."""
+    cluster = getattr(target, "cluster", None)
+    if cluster is None:
+        pytest.skip(f"on {target.name}, stopping a worker is not wired into the suite yet")
+    import os
+    import signal
+
+    name = "node-lost"
+    target.apply(job_doc(name, POOL_2N_NAME, 2))
+    pod = wait_for("a running trainer pod", lambda: trainer_pods(target, name), 120)[0]
+    node = pod["spec"]["nodeName"]
+    wait_for(
+        f"{name} to train step {INTERVAL + 3}",
+        lambda: max(losses(train_log(target, name)), default=0) >= INTERVAL + 3,
+        300,
+    )
+    pid = cluster.state.pids.pop(f"podrunner-{node}")
+    cluster.state.save()
+    os.killpg(pid, signal.SIGKILL)
+    killed = time.monotonic()
+
+    def reported() -> dict[str, Any] | None:
+        s = status(target, name)
+        running = next((c for c in s.get("conditions") or [] if c["type"] == "Running"), {})
+        return s if running.get("reason") == "NodeNotReady" else None
+
+    s = wait_for("NodeNotReady in the status", reported, 180)
+    noticed = time.monotonic() - killed
+    assert f"is on node {node}, not Ready" in s["message"], s["message"]
+    assert "To fix: if the machine is lost, delete the Node object" in s["message"]
+    target.kubectl("delete", "node", node)
+    deleted = time.monotonic()
+    s = wait_phase(target, name, "Succeeded", 600)
+    recovered = time.monotonic() - deleted
+    records = train_log(target, name)
+    starts = [r for r in records if r.get("event") == "start"]
+    assert len(starts) == 2, starts
+    match = re.search(r"step-(\d+)", starts[1].get("resumed_from") or "")
+    before = max(int(r["step"]) for r in records[: records.index(starts[1])] if "loss" in r)
+    assert match and 0 < int(match.group(1)) <= before, (match, before)
+    lost = before - int(match.group(1))
+    assert lost <= INTERVAL, lost
+    assert sorted(losses(records)) == list(range(1, STEPS + 1))
+    other = next(n for n in two_node_pool if n != node)
+    done = [
+        p
+        for p in target.list("pods", f"kubetune.io/job={name}")
+        if (p.get("status") or {}).get("phase") == "Succeeded"
+    ]
+    assert [p["spec"]["nodeName"] for p in done] == [other], done
+    REPORT.append(
+        f"node lost at step {before} (its pod runner SIGKILLed): NodeNotReady in status after "
+        f"{noticed:.0f}s; Node deleted → resumed at step {match.group(1)} on {other}, "
+        f"{lost} steps lost, Succeeded {recovered:.0f}s after the deletion"
+    )
+    delete_job(target, name)

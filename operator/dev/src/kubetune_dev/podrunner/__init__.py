@@ -22,9 +22,10 @@ What it does, like a kubelet:
   containers one after the other, then all its containers at once, each as a local process;
 - runs each container in private mount, UTS and PID namespaces: the pod's volumes bind-mounted
   at their mount paths, a per-pod `/etc/hosts` (the pod's and its siblings'
-  `<hostname>.<subdomain>` names, siblings on other nodes included), a per-container termination-message file at
-  `terminationMessagePath`, the pod's hostname, and the command as PID 1, so that everything it
-  started dies with it (torchrun puts its workers in sessions of their own). Without
+  `<hostname>.<subdomain>` names, siblings on other nodes included), a per-container
+  termination-message file at `terminationMessagePath`, the pod's hostname, and the command
+  as PID 1, so that everything it started dies with it (torchrun puts its workers in sessions
+  of their own). Without
   CAP_SYS_ADMIN it falls back to a path map: the process runs in the host's namespaces and
   `$KUBETUNE_PATH_MAP` (JSON, mountPath → host path) says where each volume is; nothing is
   rewritten;
