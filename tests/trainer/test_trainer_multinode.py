@@ -213,32 +213,28 @@ def test_two_nodes_follow_the_one_node_curve(
     print(f"2 nodes vs 1 node: max |loss diff| = {diff:.3g}")
 
 
-def test_a_two_node_checkpoint_resumes_on_one_node(
-    tmp_path: Path, tiny_llama: Path, alpaca_data: Path, two_node_curve: dict[int, float]
+@pytest.mark.parametrize(("before", "after"), [(NODES, 1), (1, NODES)])
+def test_a_checkpoint_moves_between_one_and_two_nodes(
+    tmp_path: Path,
+    tiny_llama: Path,
+    alpaca_data: Path,
+    two_node_curve: dict[int, float],
+    before: int,
+    after: int,
 ) -> None:
+    """A run preempted on one layout resumes on the other (a re-plan onto fewer or more
+    nodes): the same volume and log, the other number of ranks."""
     a = tmp_path / "a"
-    cfg = config(a, tiny_llama, alpaca_data, nodes=NODES, min_step_seconds=0.5)
-    step = preempt_mid_run(write_config(a, cfg), a / "metrics.jsonl", NODES)
-    # The re-plan onto one node: same volume, same log, half the ranks.
+    cfg = config(a, tiny_llama, alpaca_data, nodes=before, min_step_seconds=0.5)
+    step = preempt_mid_run(write_config(a, cfg), a / "metrics.jsonl", before)
     b = tmp_path / "b"
     shutil.copytree(a / "ckpt", b / "ckpt")
     shutil.copy(a / "metrics.jsonl", b / "metrics.jsonl")
-    run_one_node(write_config(b, config(b, tiny_llama, alpaca_data, nodes=1)))
+    path = write_config(b, config(b, tiny_llama, alpaca_data, nodes=after))
+    if after == NODES:
+        run_two_nodes(path)
+    else:
+        run_one_node(path)
     assert_resumed(b / "metrics.jsonl", step)
     diff = assert_close(two_node_curve, step_losses(b / "metrics.jsonl"))
-    print(f"2 nodes → 1 node at step {step}: max |loss diff| = {diff:.3g}")
-
-
-def test_a_one_node_checkpoint_resumes_on_two_nodes(
-    tmp_path: Path, tiny_llama: Path, alpaca_data: Path, two_node_curve: dict[int, float]
-) -> None:
-    a = tmp_path / "a"
-    cfg = config(a, tiny_llama, alpaca_data, nodes=1, min_step_seconds=0.5)
-    step = preempt_mid_run(write_config(a, cfg), a / "metrics.jsonl", 1)
-    b = tmp_path / "b"
-    shutil.copytree(a / "ckpt", b / "ckpt")
-    shutil.copy(a / "metrics.jsonl", b / "metrics.jsonl")
-    run_two_nodes(write_config(b, config(b, tiny_llama, alpaca_data, nodes=NODES)))
-    assert_resumed(b / "metrics.jsonl", step)
-    diff = assert_close(two_node_curve, step_losses(b / "metrics.jsonl"))
-    print(f"1 node → 2 nodes at step {step}: max |loss diff| = {diff:.3g}")
+    print(f"{before} → {after} node(s) at step {step}: max |loss diff| = {diff:.3g}")
