@@ -72,6 +72,29 @@ def test_estimate_counts_a_dpo_micro_batch_of_pairs_as_twice_the_sequences() -> 
     assert code == 0 and "micro-batch 1 pairs (2 sequences)" in out, out
 
 
+def test_estimate_counts_the_gradients_of_accumulated_micro_batches() -> None:
+    def estimate(*flags: str) -> dict[str, Any]:
+        code, out = invoke(
+            "estimate", "--model", "Qwen/Qwen2.5-0.5B", "--method", "full", "--seq-len", "8192",
+            "--json", *flags,
+        )  # fmt: skip
+        assert code == 0, out
+        return dict(json.loads(out))
+
+    one = estimate()
+    four = estimate("--grad-accumulation", "4")
+    assert one["setup"]["gradAccumulation"] == 1 and four["setup"]["gradAccumulation"] == 4
+    assert one["breakdown"]["gradients"] == 0  # the loss is the peak: no gradient yet
+    assert four["breakdown"]["gradients"] == four["totalParams"] * 2
+    # DPO: accumulation counts micro-batches of pairs, whatever their rows
+    dpo = estimate("--objective", "dpo", "--micro-batch", "2", "--grad-accumulation", "4")
+    assert dpo["setup"]["microBatch"] == 4 and dpo["setup"]["gradAccumulation"] == 4
+    code, out = invoke("estimate", "--model", "Qwen/Qwen2.5-0.5B", "--grad-accumulation", "0")
+    assert code != 0 and "--grad-accumulation" in out, out
+    code, out = invoke("estimate", "--model", "Qwen/Qwen2.5-0.5B", "--grad-accumulation", "2")
+    assert code == 0 and "× 2 accumulated" in out, out
+
+
 def test_estimate_from_config_file(tmp_path: Path) -> None:
     cfg = ROOT / "tests/unit/fixtures/configs"
     config = sorted(cfg.glob("*.json"))[0]

@@ -72,6 +72,8 @@ def test_a_dpo_plan_sizes_two_rows_a_pair_and_the_reference_passes() -> None:
     assert dpo_plan.dataset.tokens_per_epoch == 20000 * 2048 * 2
     # Memory: a micro-batch of 2 pairs runs 4 rows, so activations double.
     assert dpo.estimate.setup.micro_batch == 2 * sft.estimate.setup.micro_batch
+    # Accumulation counts micro-batches of pairs: 32 pairs / 2 pairs on one GPU, not rows.
+    assert dpo.grad_accum == dpo.estimate.setup.grad_accumulation == 16
     assert dpo.estimate.breakdown["activations"] == pytest.approx(
         2 * sft.estimate.breakdown["activations"], rel=0.01
     )

@@ -239,6 +239,66 @@ def test_the_peak_is_the_largest_moment_of_the_step() -> None:
     assert long.breakdown["activations"] < 3 * table * 4
 
 
+def test_without_accumulation_no_gradient_exists_at_the_loss() -> None:
+    """One micro-batch per optimizer step: the trainer freed the gradients after the last
+    step, so the loss (the peak at a long sequence) has none; with four, the earlier
+    micro-batches' gradients are there, full fine-tuning's and LoRA's alike."""
+    arch = load_arch("meta-llama/Llama-3.2-1B")
+    full = replace(SINGLE, method="full", micro_batch=4, seq_len=8192, grad_ckpt=True)
+    one = estimate_vram(arch, full)
+    four = estimate_vram(arch, replace(full, grad_accumulation=4))
+    logits = 4 * 8192 * arch.vocab_size * 12
+    assert one.breakdown["logits"] == four.breakdown["logits"] == logits
+    assert one.breakdown["gradients"] == 0
+    assert four.breakdown["gradients"] == arch.total_params * 2  # bf16, as param.grad
+    assert one.per_gpu_bytes < four.per_gpu_bytes
+
+    lora = replace(full, method="lora", lora_dropout=0.0)
+    one = estimate_vram(arch, lora)
+    four = estimate_vram(arch, replace(lora, grad_accumulation=4))
+    assert one.breakdown["gradients"] == 0
+    assert four.breakdown["gradients"] == four.trainable_params * 4  # fp32 adapters
+    assert four.per_gpu_bytes - one.per_gpu_bytes >= four.trainable_params * 4
+
+
+def test_without_accumulation_the_end_of_backward_holds_every_gradient() -> None:
+    """A short sequence peaks at the end of backward, where this micro-batch's gradients all
+    exist: accumulation changes nothing on one GPU."""
+    arch = load_arch("meta-llama/Llama-3.2-1B")
+    setup = replace(SINGLE, method="full", micro_batch=1, seq_len=512, grad_ckpt=True)
+    one = estimate_vram(arch, setup)
+    four = estimate_vram(arch, replace(setup, grad_accumulation=4))
+    assert one.breakdown["gradients"] == four.breakdown["gradients"] == arch.total_params * 2
+    assert one.per_gpu_bytes == four.per_gpu_bytes
+
+
+def test_fsdp_accumulates_unsharded_fp32_gradients() -> None:
+    """FSDP2 without gradient sync keeps each parameter's whole gradient in the reduce dtype
+    (fp32) until the last micro-batch reduce-scatters it: not divided by the GPU count."""
+    arch = load_arch("meta-llama/Llama-3.2-1B")
+    full = TrainingSetup(
+        method="full", gpus=8, sharding="full", micro_batch=4, seq_len=8192, lora_dropout=0.0
+    )
+    one = estimate_vram(arch, full)
+    four = estimate_vram(arch, replace(full, grad_accumulation=4))
+    assert four.breakdown["gradients"] == arch.total_params * 4
+    # without accumulation only the sharded bf16 gradients, from backward on
+    assert one.breakdown["gradients"] == 0
+    assert four.per_gpu_bytes - one.per_gpu_bytes > arch.total_params * 3
+
+    lora = replace(full, method="lora", gpus=2)
+    one = estimate_vram(arch, lora)
+    four = estimate_vram(arch, replace(lora, grad_accumulation=4))
+    assert one.breakdown["gradients"] == 0
+    assert four.breakdown["gradients"] == four.trainable_params * 4
+
+
+def test_grad_accumulation_must_be_positive() -> None:
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(EstimatorError, match=r"grad_accumulation.*To fix"):
+            estimate_vram(TINY, replace(SINGLE, grad_accumulation=bad))  # type: ignore[arg-type]
+
+
 def test_gradient_checkpointing_reduces_activations() -> None:
     arch = load_arch("meta-llama/Llama-3.1-8B")
     setup = replace(SINGLE, method="lora", seq_len=4096)
@@ -256,7 +316,8 @@ def test_checkpointed_activations_keep_each_layer_input() -> None:
 
 
 def test_activations_scale_with_tokens() -> None:
-    setup = replace(SINGLE, method="full", grad_ckpt=False, seq_len=128)
+    # With accumulation the gradients are there at every moment, so both peak at the same one.
+    setup = replace(SINGLE, method="full", grad_ckpt=False, seq_len=128, grad_accumulation=2)
     one = estimate_vram(TINY, replace(setup, micro_batch=1)).breakdown["activations"]
     four = estimate_vram(TINY, replace(setup, micro_batch=4)).breakdown["activations"]
     assert four == pytest.approx(4 * one, rel=1e-6)

@@ -560,6 +560,35 @@ def test_activation_offloading_is_the_last_resort_and_is_priced() -> None:
     assert short.to_status(l40s).activation_offloading is None
 
 
+def test_each_candidate_is_sized_with_its_gradient_accumulation() -> None:
+    """The estimate of a configuration counts the accumulation the trainer will run:
+    micro-batch × GPUs × accumulation = global batch."""
+    s = spec(model={"uri": "meta-llama/Llama-3.2-1B"}, method="full")
+    plan = plan_job(s, pools("a100-80gb", "h100"), load_arch(s.model.uri), NO_LIVE)
+    candidates = [plan.chosen, *plan.alternatives]
+    assert {c.grad_accum for c in candidates} != {1}
+    for c in candidates:
+        assert c.estimate.setup.grad_accumulation == c.grad_accum
+        assert c.micro_batch * c.total_gpus * c.grad_accum == 32
+
+
+def test_accumulated_gradients_can_change_the_plan() -> None:
+    """Full fine-tuning under FSDP2 accumulates unsharded fp32 gradients: a configuration that
+    accumulates needs more memory than the same micro-batch making up the whole global batch,
+    enough here to leave the 48 GiB GPUs."""
+    arch = load_arch("meta-llama/Llama-3.1-8B")
+    base = {"resources": {"gpus": 8}, "method": "full"}
+    layout = {"microBatchSize": 1, "gradientCheckpointing": True}
+    whole = spec(**base, training={**layout, "globalBatchSize": 8})
+    accumulating = spec(**base, training={**layout, "globalBatchSize": 32})
+    one = plan_job(whole, pools("l40s", "h100"), arch, NO_LIVE).chosen
+    four = plan_job(accumulating, pools("l40s", "h100"), arch, NO_LIVE)
+    assert (one.pool, one.grad_accum) == ("l40s", 1)
+    assert (four.chosen.pool, four.chosen.grad_accum) == ("h100", 4)
+    assert four.chosen.estimate.breakdown["gradients"] == arch.total_params * 4
+    assert [r.pool for r in four.rejected] == ["l40s"]
+
+
 def test_estimates_are_shared_by_pools(monkeypatch: pytest.MonkeyPatch) -> None:
     """The memory estimate depends on the layout, not the pool: planning on four pools with
     the same GPU shape sizes each layout once, as planning on one does."""

@@ -167,6 +167,15 @@ def _arch(config: str | None, model: str | None, allow_network: bool) -> ModelAr
     "--gpus", type=int, default=1, show_default=True, help="GPUs the model is sharded over."
 )
 @click.option("--sharding", type=click.Choice(SHARDINGS), default="full", show_default=True)
+@click.option(
+    "--grad-accumulation",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Micro-batches per optimizer step (a plan's gradientAccumulation; global batch = "
+    "micro-batch × GPUs × this). Above 1 the earlier micro-batches' gradients are counted at "
+    "every moment of the step (unsharded fp32 under FSDP); --simulate runs one micro-batch.",
+)
 @click.option("--cpu-offload/--no-cpu-offload", default=False, show_default=True)
 @click.option(
     "--precision",
@@ -234,6 +243,7 @@ def estimate(
     seq_len: int,
     gpus: int,
     sharding: Sharding,
+    grad_accumulation: int,
     cpu_offload: bool,
     precision: Precision,
     optimizer: Optimizer,
@@ -265,6 +275,7 @@ def estimate(
         seq_len=seq_len,
         gpus=gpus,
         sharding=sharding,
+        grad_accumulation=grad_accumulation,
         cpu_offload=cpu_offload,
         precision=precision,
         optimizer=optimizer,
@@ -295,8 +306,9 @@ def estimate(
     batch = f"{micro_batch} pairs ({rows} sequences)" if objective == "dpo" else f"{micro_batch}"
     click.echo(
         f"{arch.name}: {method}{' DPO' if objective == 'dpo' else ''}, {gpus} GPU(s), "
-        f"micro-batch {batch} × {seq_len} tokens, "
-        f"{precision}, {optimizer}, checkpointing {'on' if grad_ckpt else 'off'}"
+        f"micro-batch {batch} × {seq_len} tokens"
+        + (f" × {grad_accumulation} accumulated" if grad_accumulation > 1 else "")
+        + f", {precision}, {optimizer}, checkpointing {'on' if grad_ckpt else 'off'}"
         + (", chunked loss" if chunked_ce else "")
         + (", activations offloaded" if activation_offload else "")
     )

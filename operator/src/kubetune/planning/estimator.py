@@ -20,11 +20,15 @@ were checked against published measurements (``kubetune/planning/data/measuremen
 * **runtime overheads**: FSDP all-gather buffers, QLoRA dequantization buffers, CUDA context,
   NCCL buffers and caching-allocator slack.
 
-Static state (gradients included: with gradient accumulation they coexist with everything) is
-there for the whole step; the transient terms (activations, logits, FSDP buffers) are taken at
-the moment of the step where their sum is largest (the loss, the root's all-gather, a block's
-backward, the end of backward: :func:`_transient_moments`), and the allocator slack keeps what
-the caching allocator holds from the other moments.
+Static state (weights, adapters, optimizer states) is there for the whole step; the gradients
+and the transient terms (activations, logits, FSDP buffers) are taken at the moment of the step
+where their sum is largest (the loss, the root's all-gather, a block's backward, the end of
+backward: :func:`_transient_moments`), and the allocator slack keeps what the caching allocator
+holds from the other moments.  Gradients depend on the gradient accumulation
+(:attr:`TrainingSetup.grad_accumulation`): with one micro-batch per optimizer step the trainer
+frees them after every step (``zero_grad(set_to_none=True)``), so they exist from backward on
+only; with more, the earlier micro-batches' gradients are there at every moment, and under FSDP
+they are held unsharded in fp32 (:func:`_accumulated_gradient_bytes`).
 
 Activations and logits belong to the micro-batch each GPU processes and are *never* divided
 by the number of GPUs.
@@ -251,6 +255,11 @@ class TrainingSetup:
     gpus: int = 1
     """World size the model is sharded over (FSDP) or replicated across (DDP)."""
     sharding: Sharding = "full"
+    grad_accumulation: int = 1
+    """Micro-batches per optimizer step on each GPU (micro-batch × data-parallel GPUs ×
+    accumulation = global batch).  1: the gradients exist from backward on only (the trainer
+    frees them after every optimizer step); more: the earlier micro-batches' gradients exist at
+    every moment of the step, unsharded in fp32 under FSDP (docs/estimator.md, "Peak timing")."""
     cpu_offload: bool = False
     precision: Precision = "bf16"
     optimizer: Optimizer = "adamw"
@@ -344,7 +353,7 @@ def _validate(setup: TrainingSetup) -> None:
     _check_choice("sharding", setup.sharding, SHARDINGS)
     _check_choice("attention", setup.attention, ATTENTIONS)
     _check_choice("lora_base_dtype", setup.lora_base_dtype, (*get_args(BaseDtype), None))
-    for name in ("micro_batch", "seq_len", "gpus"):
+    for name in ("micro_batch", "seq_len", "gpus", "grad_accumulation"):
         _check_positive_int(name, getattr(setup, name))
     if setup.loss_chunk_tokens is not None:
         _check_positive_int("loss_chunk_tokens", setup.loss_chunk_tokens)
@@ -711,6 +720,29 @@ def _state_bytes_per_param(setup: TrainingSetup) -> float:
     return ADAM8BIT_BYTES_PER_PARAM
 
 
+def _accumulated_gradient_bytes(
+    setup: TrainingSetup, trainable: int, after_backward: float, fsdp: bool
+) -> float:
+    """Gradient bytes that exist before a micro-batch's backward starts (0 without gradient
+    accumulation: the trainer's ``zero_grad(set_to_none=True)`` after every optimizer step
+    leaves none).
+
+    With accumulation the earlier micro-batches' gradients are there.  One GPU and DDP keep
+    them as ``param.grad`` (what the optimizer then reads: ``after_backward``).  FSDP2 under
+    ``set_requires_gradient_sync(False)`` (the trainer's ``_grad_sync`` on every micro-batch
+    but the last) skips the reduce-scatter and keeps each parameter's *unsharded* gradient,
+    upcast to the reduce dtype (fp32, the trainer's ``MixedPrecisionPolicy``) to accumulate
+    in: every trainable parameter in fp32 on every GPU, not divided by the GPU count, until the
+    last micro-batch's backward reduce-scatters them block by block into the sharded
+    gradients.  CPU offload too: FSDP2 moves a gradient to the CPU only after its reduction.
+    """
+    if setup.grad_accumulation <= 1:
+        return 0.0
+    if fsdp:
+        return float(trainable * FSDP_REDUCE_BYTES)
+    return after_backward
+
+
 def _transient_moments(
     arch: ModelArch,
     setup: TrainingSetup,
@@ -723,7 +755,8 @@ def _transient_moments(
     logits_grad: float,
 ) -> dict[str, tuple[float, float, float]]:
     """(activations, logits, FSDP buffers) at each moment of the step that can hold the peak,
-    on top of the static state and the gradients (docs/estimator.md, "Peak timing").
+    on top of the static state and the gradients (docs/estimator.md, "Peak timing"); the
+    gradients at each moment are :func:`_gradients_at`'s.
 
     ``saved`` is what forward leaves for backward and ``working`` what one layer's backward
     adds (its recomputation under checkpointing, its gradient buffers); ``logits`` is the
@@ -789,6 +822,22 @@ def _transient_moments(
     }
 
 
+_BEFORE_PARAMETER_GRADIENTS = frozenset({"loss", "root all-gather"})
+"""The moments before backward has made any parameter's gradient (of this micro-batch)."""
+
+
+def _gradients_at(moment: str, accumulated: float, after_backward: float) -> float:
+    """Gradient bytes at `moment`: before backward reaches a parameter only the earlier
+    micro-batches' (`accumulated`); from a block's backward on, this micro-batch's too,
+    counted whole (the most they reach: the gradients of the blocks done grow as the saved
+    activations shrink).  Under FSDP with accumulation the unsharded fp32 gradients of the last
+    micro-batch are replaced block by block by the smaller sharded ones: the larger of the
+    two bounds every moment."""
+    if moment in _BEFORE_PARAMETER_GRADIENTS:
+        return accumulated
+    return max(accumulated, after_backward)
+
+
 # --------------------------------------------------------------------------- the estimate
 
 
@@ -851,6 +900,7 @@ def estimate_vram(arch: ModelArch, setup: TrainingSetup) -> VramEstimate:
 
     # ---- trainable state
     adapters = 0.0 if (setup.method == "full" or offload) else trainable * a / shard
+    # gradients once backward has made them (where FSDP leaves them: sharded; offload: CPU)
     gradients = 0.0 if offload else trainable * a / shard
     ddp_buckets = float(trainable * a) if (distributed and setup.sharding == "none") else 0.0
     optimizer_states = 0.0 if offload else trainable * _state_bytes_per_param(setup) / shard
@@ -907,11 +957,16 @@ def estimate_vram(arch: ModelArch, setup: TrainingSetup) -> VramEstimate:
     # The fp32 gradient of the logits the output projection's backward receives.
     logits_grad = min(logits, float(tokens * arch.vocab_size * FP32_BYTES))
 
-    # ---- the moment of the peak: static state and gradients are there throughout (with
-    # gradient accumulation the gradients of earlier micro-batches coexist with everything);
-    # the rest is the largest of the moments of the step (docs/estimator.md, "Peak timing").
+    # ---- the moment of the peak: static state is there throughout; the gradients and the
+    # transient terms are those of the largest moment of the step (docs/estimator.md, "Peak
+    # timing"): with one micro-batch per optimizer step no gradient exists at the loss.
     moments = _transient_moments(arch, setup, p, saved, working, logits, unit, root, logits_grad)
-    activations, logits, fsdp_buffers = max(moments.values(), key=sum)
+    accumulated = _accumulated_gradient_bytes(
+        setup, trainable, gradients, fsdp=full_shard or grad_op or offload
+    )
+    at_peak = max(moments, key=lambda m: sum(moments[m]) + _gradients_at(m, accumulated, gradients))
+    gradients = _gradients_at(at_peak, accumulated, gradients)
+    activations, logits, fsdp_buffers = moments[at_peak]
     # Each transient term's largest value over the moments: the caching allocator keeps what
     # one moment frees (the logits at the start of backward, the gathered root) as cached
     # segments, which later, differently sized requests reuse only in part.

@@ -19,10 +19,11 @@ micro-batch, so fastest-first still holds.
 
 `plan_job` walks the same groups in the same order, but the memory estimate depends on the
 method and layout only, never on the pool, so it is computed once per layout and shared by
-every pool; a configuration is priced (step time, duration, cost) only once it fits, and step
-times are shared by pools with the same GPU and network. `brute_force_plan(...,
-exhaustive=False)` is that walk without any of this, and the property tests hold `plan_job`
-to it plan for plan (alternatives and rejections included).
+every pool (the gradient accumulation it counts follows from the job's global batch, the
+micro-batch and the GPU count, all part of the layout); a configuration is priced (step time,
+duration, cost) only once it fits, and step times are shared by pools with the same GPU and
+network. `brute_force_plan(..., exhaustive=False)` is that walk without any of this, and the
+property tests hold `plan_job` to it plan for plan (alternatives and rejections included).
 """
 
 from __future__ import annotations
@@ -343,6 +344,11 @@ def rows_per_sample(spec: FineTuneJobSpec) -> int:
     return ROWS_PER_PAIR if spec.training.objective == "dpo" else 1
 
 
+def grad_accumulation(spec: FineTuneJobSpec, micro: int, gpus: int) -> int:
+    """Micro-batches per optimizer step on each GPU: global batch / (micro-batch × GPUs)."""
+    return max(1, spec.training.global_batch_size // (micro * gpus))
+
+
 def _setup(
     spec: FineTuneJobSpec,
     method: Method,
@@ -362,6 +368,9 @@ def _setup(
         seq_len=spec.training.sequence_length,
         gpus=gpus,
         sharding=sharding,
+        # Micro-batches per optimizer step: the global batch and the micro-batch both count
+        # samples (pairs for DPO), so the rows per sample cancel out.
+        grad_accumulation=grad_accumulation(spec, micro, gpus),
         precision=spec.training.precision,
         optimizer=spec.training.optimizer,
         grad_ckpt=ckpt,
@@ -502,7 +511,7 @@ class _Context:
             gpus_per_node=gpn,
             sharding=sharding,
             micro_batch=micro,
-            grad_accum=self.spec.training.global_batch_size // (micro * total),
+            grad_accum=grad_accumulation(self.spec, micro, total),
             grad_ckpt=ckpt,
             estimate=estimate,
             gpu_memory_gib=pool.spec.gpu.memory_gib,
