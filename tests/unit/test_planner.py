@@ -587,6 +587,8 @@ def test_accumulated_gradients_can_change_the_plan() -> None:
     assert (four.chosen.pool, four.chosen.grad_accum) == ("h100", 4)
     assert four.chosen.estimate.breakdown["gradients"] == arch.total_params * 4
     assert [r.pool for r in four.rejected] == ["l40s"]
+    with pytest.raises(InfeasibleError, match=r"raise or unset training\.microBatchSize \(now 1\)"):
+        plan_job(accumulating, pools("l40s"), arch, NO_LIVE)
 
 
 def test_estimates_are_shared_by_pools(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -953,6 +953,15 @@ def _infeasible(ctx: _Context, rejected: list[Rejection]) -> InfeasibleError:
             hints.append("enable training.chunkedCrossEntropy")
         if ctx.spec.training.activation_offloading is False:
             hints.append("enable training.activationOffloading")
+        micro = ctx.spec.training.micro_batch_size
+        if micro is not None and ctx.spec.training.global_batch_size > micro:
+            # a fixed micro-batch below the global batch means accumulation, whose gradients
+            # exist throughout the step (unsharded in fp32 under FSDP)
+            hints.append(
+                f"raise or unset training.microBatchSize (now {micro}), or lower "
+                "training.globalBatchSize: gradients accumulated over micro-batches stay in "
+                "memory for the whole step"
+            )
         hints.append(f"shorten training.sequenceLength (now {ctx.spec.training.sequence_length})")
         hints.append("add a pool with larger GPUs")
     if Limit.DEADLINE in limits:
