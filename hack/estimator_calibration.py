@@ -72,6 +72,8 @@ _SETUP_FIELDS = (
     "adapter_fp32",
     "qlora_upcast_non_quantized",
     "lora_base_dtype",
+    "grad_accumulation",
+    "fused_qkv",
 )
 
 

@@ -67,6 +67,11 @@ TINY_MOE = ModelArch(
 SINGLE = TrainingSetup(gpus=1, sharding="none")
 
 
+# Two micro-batches per optimizer step: the gradients exist whole at every moment of the step
+# (one GPU), whichever moment holds the peak.
+WHOLE_GRADIENTS = replace(SINGLE, grad_accumulation=2)
+
+
 def _static(est: VramEstimate) -> int:
     b = est.breakdown
     return b["weights"] + b["gradients"] + b["optimizer_states"]
@@ -117,14 +122,14 @@ def test_full_method_trains_every_parameter() -> None:
 
 
 def test_full_amp_bf16_adamw_is_16_bytes_per_param() -> None:
-    setup = replace(SINGLE, method="full", precision="amp-bf16", optimizer="adamw")
+    setup = replace(WHOLE_GRADIENTS, method="full", precision="amp-bf16", optimizer="adamw")
     est = estimate_vram(TINY, setup)
     # fp32 master weights (4) + fp32 grads (4) + fp32 exp_avg and exp_avg_sq (8)
     assert _static(est) == 16 * TINY.total_params
 
 
 def test_full_pure_bf16_adamw_is_8_bytes_per_param() -> None:
-    setup = replace(SINGLE, method="full", precision="bf16", optimizer="adamw")
+    setup = replace(WHOLE_GRADIENTS, method="full", precision="bf16", optimizer="adamw")
     est = estimate_vram(TINY, setup)
     # bf16 weights (2) + bf16 grads (2) + bf16 states (4)
     assert _static(est) == 8 * TINY.total_params
@@ -197,7 +202,7 @@ def test_qlora_7b_is_far_below_lora() -> None:
 
 
 def test_lora_adapters_fp32_by_default_and_bf16_on_request() -> None:
-    setup = replace(SINGLE, method="lora", lora_rank=8)
+    setup = replace(WHOLE_GRADIENTS, method="lora", lora_rank=8)
     fp32 = estimate_vram(TINY, setup)
     n = fp32.trainable_params
     assert fp32.breakdown["lora_adapters"] == 4 * n
@@ -293,6 +298,72 @@ def test_fsdp_accumulates_unsharded_fp32_gradients() -> None:
     assert four.breakdown["gradients"] == four.trainable_params * 4
 
 
+def test_a_blocks_backward_peaks_at_the_first_or_the_last_block() -> None:
+    """Without checkpointing, backward frees each block's saved activations as it leaves its
+    gradients: the first block backward runs has every saved activation and one block's
+    gradients (and the untied output projection's), the last one block's activations and
+    every gradient but the embedding's.  Neither holds both whole."""
+    arch = load_arch("mistralai/Mistral-7B-v0.3")
+    assert not arch.tie_embeddings
+    setup = replace(
+        SINGLE, method="full", micro_batch=2, seq_len=2048, grad_ckpt=False, chunked_ce=True
+    )
+    long = estimate_vram(arch, setup)
+    whole = estimate_vram(arch, replace(setup, grad_accumulation=2))
+    per_block = (arch.total_params - 2 * arch.embedding_params - arch.hidden_size) / 32
+    # a long micro-batch: the first block, with every saved activation
+    assert long.breakdown["activations"] >= whole.breakdown["activations"]  # the loss's and more
+    first_block = per_block + arch.lm_head_params
+    assert long.breakdown["gradients"] == pytest.approx(first_block * 2, rel=1e-6)
+    # a short one: the last block (every gradient but the embedding's) or the end of backward
+    short = estimate_vram(arch, replace(setup, micro_batch=1, seq_len=512))
+    assert short.breakdown["gradients"] >= (arch.total_params - arch.embedding_params) * 2
+    assert short.breakdown["activations"] < whole.breakdown["activations"] / 8
+    # what the older rule counted (every saved activation and every gradient) is more
+    assert long.per_gpu_bytes < whole.per_gpu_bytes
+
+
+def test_lora_frozen_linears_drop_their_inputs() -> None:
+    """A frozen base linear keeps no input for backward: with fp32 adapters (which keep their
+    own fp32 copy) the norm outputs, the output projection's input and the MLP's down input
+    are not kept; bf16 adapters without dropout keep the input itself, and QLoRA's 4-bit
+    matmul keeps it whatever the adapters."""
+    arch = load_arch("meta-llama/Llama-3.2-1B")
+    setup = replace(WHOLE_GRADIENTS, method="lora", lora_dropout=0.0, grad_ckpt=False, seq_len=2048)
+    fp32 = estimate_vram(arch, setup).breakdown["activations"]
+    bf16 = estimate_vram(arch, replace(setup, adapter_fp32=False)).breakdown["activations"]
+    h, q, i = arch.hidden_size, arch.num_heads * arch.head_dim, arch.intermediate_size
+    dropped = (2 * h + q + i) * 2 * 2048 * arch.num_layers
+    # fp32 adapters keep a 4-byte copy of each adapted input instead: q, k, v, gate and up
+    # read h, o_proj q and down_proj i
+    inputs = (5 * h + q + i) * 4 * 2048 * arch.num_layers
+    lora_a = (
+        sum(16 * 4 * layer.count for layer in arch.linear_layers() if layer.name != "lm_head")
+        * 2048
+    )
+    assert fp32 - bf16 == pytest.approx(inputs + lora_a / 2 - dropped, rel=1e-3)
+    qlora = estimate_vram(arch, replace(setup, method="qlora")).breakdown["activations"]
+    assert qlora - fp32 == pytest.approx(dropped, rel=1e-3)
+
+
+def test_only_a_fused_qkv_projection_keeps_its_output() -> None:
+    """Phi-3 projects Q, K and V with one matmul whose output stays alive (V is a view of
+    it); Llama's separate projections leave nothing of the kind unless a stack fuses them
+    (``fused_qkv=True``, LitGPT)."""
+    setup = replace(WHOLE_GRADIENTS, method="full", grad_ckpt=False, seq_len=1024)
+    for model, fused in (
+        ("microsoft/Phi-3-mini-4k-instruct", True),
+        ("meta-llama/Llama-3.2-1B", False),
+    ):
+        arch = load_arch(model)
+        default = estimate_vram(arch, setup).breakdown["activations"]
+        on = estimate_vram(arch, replace(setup, fused_qkv=True)).breakdown["activations"]
+        off = estimate_vram(arch, replace(setup, fused_qkv=False)).breakdown["activations"]
+        q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+        assert on - off == pytest.approx((q + kv) * 2 * 1024 * arch.num_layers, rel=1e-6)
+        assert default == (on if fused else off)
+
+
 def test_grad_accumulation_must_be_positive() -> None:
     for bad in (0, -1, 1.5, True):
         with pytest.raises(EstimatorError, match=r"grad_accumulation.*To fix"):
@@ -370,9 +441,11 @@ def test_gemma2_is_sized_with_the_eager_attention_it_trains_with() -> None:
 def test_stacked_expert_updates_are_kept_per_moe_layer() -> None:
     """PEFT forms an expert-sized update per MoE layer and keeps it for backward: every
     layer's without checkpointing, one with it; backward adds the gradient of one stacked
-    parameter's update (the fused gate/up projection: two thirds of a layer's experts)."""
+    parameter's update (the fused gate/up projection: two thirds of a layer's experts).
+    Gradients whole at every moment (accumulation): the peak is the first block backward
+    runs, with every saved activation."""
     mixtral = load_arch("mistralai/Mixtral-8x7B-v0.1")
-    setup = TrainingSetup(method="lora", lora_dropout=0.0, seq_len=512)
+    setup = TrainingSetup(method="lora", lora_dropout=0.0, seq_len=512, grad_accumulation=2)
     q_only = replace(setup, lora_targets=("q_proj",))
     per_layer = mixtral.expert_params / mixtral.moe_layers * 2
     for ckpt, layers in ((True, 1), (False, mixtral.moe_layers)):
@@ -441,8 +514,11 @@ def test_full_shard_divides_static_state_but_not_activations_or_logits() -> None
     base = TrainingSetup(method="full", precision="amp-bf16", seq_len=2048, grad_ckpt=True)
     one = estimate_vram(arch, replace(base, gpus=1, sharding="none"))
     four = estimate_vram(arch, replace(base, gpus=4, sharding="full"))
-    for name in ("weights", "gradients", "optimizer_states"):
+    for name in ("weights", "optimizer_states"):
         assert four.breakdown[name] == pytest.approx(one.breakdown[name] / 4, abs=1)
+    # the gradients at the peak moment: at most a quarter of all of them
+    whole = estimate_vram(arch, replace(base, gpus=1, sharding="none", grad_accumulation=2))
+    assert 0 < four.breakdown["gradients"] <= whole.breakdown["gradients"] / 4 + 1
     # activations and logits belong to the micro-batch: on top of them, the gathered blocks
     transient = ("activations", "logits", "fsdp_buffers")
     assert sum(four.breakdown[k] for k in transient) > sum(one.breakdown[k] for k in transient)
@@ -465,7 +541,7 @@ def test_grad_op_shards_grads_and_states_but_keeps_params() -> None:
 
 
 def test_ddp_replicates_everything_and_adds_gradient_buckets() -> None:
-    base = TrainingSetup(method="full", precision="bf16", sharding="none")
+    base = TrainingSetup(method="full", precision="bf16", sharding="none", grad_accumulation=2)
     one = estimate_vram(TINY, replace(base, gpus=1))
     ddp = estimate_vram(TINY, replace(base, gpus=2))
     assert ddp.breakdown["weights"] == one.breakdown["weights"]

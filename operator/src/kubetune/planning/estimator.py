@@ -22,13 +22,14 @@ were checked against published measurements (``kubetune/planning/data/measuremen
 
 Static state (weights, adapters, optimizer states) is there for the whole step; the gradients
 and the transient terms (activations, logits, FSDP buffers) are taken at the moment of the step
-where their sum is largest (the loss, the root's all-gather, a block's backward, the end of
-backward: :func:`_transient_moments`), and the allocator slack keeps what the caching allocator
-holds from the other moments.  Gradients depend on the gradient accumulation
-(:attr:`TrainingSetup.grad_accumulation`): with one micro-batch per optimizer step the trainer
-frees them after every step (``zero_grad(set_to_none=True)``), so they exist from backward on
-only; with more, the earlier micro-batches' gradients are there at every moment, and under FSDP
-they are held unsharded in fp32 (:func:`_accumulated_gradient_bytes`).
+where their sum is largest (the loss, the root's all-gather, the first and the last block's
+backward, the end of backward: :func:`_transient_moments`), and the allocator slack keeps what
+the caching allocator holds from the other moments.  Gradients depend on the gradient
+accumulation (:attr:`TrainingSetup.grad_accumulation`): with one micro-batch per optimizer step
+the trainer frees them after every step (``zero_grad(set_to_none=True)``), so they exist from
+backward on only, made block by block as the saved activations are freed
+(:func:`_gradients_made`); with more, the earlier micro-batches' gradients are there at every
+moment, and under FSDP they are held unsharded in fp32 (:func:`_accumulated_gradient_bytes`).
 
 Activations and logits belong to the micro-batch each GPU processes and are *never* divided
 by the number of GPUs.
@@ -133,11 +134,11 @@ NORM_WEIGHT_INPUT_ELEMS_PER_HIDDEN = 1
 # is passed).
 ATTN_Q_SIZED_TENSORS = 3
 ATTN_KV_TENSORS = 2
-# Implementations that project Q, K and V with one fused matmul (LitGPT for every model,
-# Phi-3 and Falcon in transformers) keep the whole fused output alive because V is a view of
-# it: its Q and K slices (q + kv elements) stay next to the rotated copies.  Counted for every
-# model as a margin for such implementations (1 = counted, 0 = not).
-FUSED_QKV_MARGIN = 1
+# Models that project Q, K and V with one fused matmul (Phi-3 and Falcon in transformers)
+# keep the whole fused output alive because V is a view of it: its Q and K slices (q + kv
+# elements) stay next to the rotated copies.  Separate projections leave nothing of the kind:
+# RoPE and the K/V expansion keep only their own outputs.
+FUSED_QKV_ELEMS = 1
 # Gated MLP (SwiGLU/GeGLU): gate output, activation output, up output, their product: 4 I.
 GATED_MLP_ELEMS_PER_INTERMEDIATE = 4
 # Plain MLP: fc1 output, activation output and the tanh-GELU temporaries: 3 I.
@@ -294,6 +295,11 @@ class TrainingSetup:
     lora_base_dtype: BaseDtype | None = None
     """LoRA: dtype of the frozen base weights.  None follows the trainer: bf16 for ``bf16``
     precision, fp32 for ``amp-bf16`` and ``fp32``."""
+    fused_qkv: bool | None = None
+    """Q, K and V projected by one fused matmul, whose output stays alive for backward.  None
+    follows the trainer's (transformers') model: fused for the families whose checkpoint has
+    one projection (Phi-3, Falcon); True describes stacks that fuse it for every model
+    (LitGPT)."""
 
 
 @dataclass(frozen=True)
@@ -596,7 +602,11 @@ def _layer_bytes_per_token(arch: ModelArch, setup: TrainingSetup) -> tuple[float
     if setup.method == "full":
         norm_elems += NORM_WEIGHT_INPUT_ELEMS_PER_HIDDEN
     norms = norm_elems * h * max(arch.norms_per_layer, 1)
-    attn = ATTN_Q_SIZED_TENSORS * q + ATTN_KV_TENSORS * q + FUSED_QKV_MARGIN * (q + kv)
+    fused_qkv = setup.fused_qkv
+    if fused_qkv is None:
+        fused_qkv = any(layer.out_features == q + 2 * kv for layer in _attention_inputs(arch))
+    attn = ATTN_Q_SIZED_TENSORS * q + ATTN_KV_TENSORS * q
+    attn += FUSED_QKV_ELEMS * (q + kv) if fused_qkv else 0
     if arch.qk_norm:
         attn += QK_NORM_ELEMS * (q + kv)
     plain = arch.model_type in _PLAIN_MLP_MODEL_TYPES
@@ -622,9 +632,80 @@ def _layer_bytes_per_token(arch: ModelArch, setup: TrainingSetup) -> tuple[float
     else:
         mlp = float(dense_mlp)
         width = float(arch.intermediate_size)
-    saved = (norms + attn + mlp) * e
+    saved = (norms + attn + mlp - _dropped_input_elems(arch, setup)) * e
     backward = (BACKWARD_HIDDEN_ELEMS * h + BACKWARD_INTERMEDIATE_ELEMS * width) * e
     return saved, backward
+
+
+def _dense_block_linears(arch: ModelArch) -> tuple[list[LinearLayer], list[LinearLayer]]:
+    """(attention linears, dense MLP linears) of a decoder block, each in forward order (the
+    input projections first, the output projection last); the MLP list is empty for a model
+    whose every layer is MoE."""
+    block = [
+        layer
+        for layer in arch.linear_layers()
+        if layer.name != "lm_head" and not layer.per_expert and not layer.router
+    ]
+    prefix = block[0].path.rpartition(".")[0]
+    attention = [layer for layer in block if layer.path.rpartition(".")[0] == prefix]
+    dense = arch.num_layers - arch.moe_layers
+    mlp = [layer for layer in block if layer not in attention and layer.count == dense]
+    return attention, mlp
+
+
+def _attention_inputs(arch: ModelArch) -> list[LinearLayer]:
+    """The Q/K/V projection(s): every attention linear but the output projection."""
+    return _dense_block_linears(arch)[0][:-1]
+
+
+def _adapter_input_copied(setup: TrainingSetup) -> bool:
+    """Whether a LoRA adapter's ``A`` sees a copy of its linear's input (the dropout output,
+    or the cast to fp32 adapters) rather than the input itself: then it keeps the copy, not
+    the input (see :func:`_lora_bytes_per_token`)."""
+    adapter = _trainable_bytes(setup)
+    if setup.gpus > 1 and setup.sharding in ("full", "grad-op"):
+        adapter = _compute_bytes(setup)
+    return setup.lora_dropout > 0.0 or adapter != _compute_bytes(setup)
+
+
+def _dropped_input_elems(arch: ModelArch, setup: TrainingSetup) -> float:
+    """Elements per token per layer of linear inputs autograd does not keep under LoRA.
+
+    A matmul keeps its input only for its weight's gradient (``MmBackward`` saves ``self``
+    only when ``mat2`` requires grad), so a frozen base linear drops it; the adapter keeps it
+    only when ``A`` sees the input itself (bf16 adapters without dropout), and otherwise keeps
+    its own copy (counted by :func:`_lora_bytes_per_token`).  Full fine-tuning keeps every
+    input, and QLoRA's 4-bit matmul (bitsandbytes ``MatMul4Bit``) keeps its input
+    unconditionally.  No other operation keeps these inputs: the pre-norm outputs (``h``
+    each) feed only the projections, the output projection reads a contiguous copy of the
+    attention output (``q``; the attention keeps its own), and the down projection the
+    product of the MLP's branches (``I``).  MoE layers are left as counted (the router and the
+    dispatch read the norm output).
+    """
+    if setup.method != "lora":
+        return 0.0
+    targets = set(_targets(arch, setup))
+    copied = _adapter_input_copied(setup)
+
+    def kept(layers: list[LinearLayer]) -> bool:
+        return any(layer in targets and not copied for layer in layers)
+
+    attention, mlp = _dense_block_linears(arch)
+    q_in, o = attention[:-1], attention[-1]
+    dense_share = (arch.num_layers - arch.moe_layers) / arch.num_layers
+    h = arch.hidden_size
+    dropped = 0.0
+    if not kept([o]):
+        dropped += o.in_features
+    if mlp and not kept(mlp[-1:]):
+        dropped += mlp[-1].in_features * dense_share
+    if arch.norms_per_layer == 1:  # attention and MLP read one norm's output (Phi, Falcon)
+        dropped += 0.0 if kept(q_in + mlp[:-1]) else h
+    elif arch.norms_per_layer >= 2:
+        dropped += 0.0 if kept(q_in) else h
+        if mlp and not kept(mlp[:-1]):
+            dropped += h * dense_share
+    return dropped
 
 
 def _lora_bytes_per_token(
@@ -646,7 +727,7 @@ def _lora_bytes_per_token(
         # in it and PEFT makes no fp32 copy of their input.
         adapter = compute
     dropout = setup.lora_dropout > 0.0
-    needs_copy = dropout or adapter != compute
+    needs_copy = _adapter_input_copied(setup)
     copy_bytes = compute if setup.precision == "amp-bf16" else adapter
     per_in = (copy_bytes if needs_copy else 0) + (1 if dropout else 0)
     block = 0.0
@@ -753,16 +834,25 @@ def _transient_moments(
     unit: float,
     root: float,
     logits_grad: float,
+    released: float,
 ) -> dict[str, tuple[float, float, float]]:
     """(activations, logits, FSDP buffers) at each moment of the step that can hold the peak,
     on top of the static state and the gradients (docs/estimator.md, "Peak timing"); the
-    gradients at each moment are :func:`_gradients_at`'s.
+    gradients at each moment are :func:`_gradients_made`'s.
 
     ``saved`` is what forward leaves for backward and ``working`` what one layer's backward
-    adds (its recomputation under checkpointing, its gradient buffers); ``logits`` is the
-    loss's largest footprint and ``logits_grad`` the gradient of the logits the output
-    projection's backward receives; ``unit`` / ``root`` are the bytes of one gathered decoder
-    block / of the gathered root (embeddings, final norm, untied ``lm_head``).
+    adds (its recomputation under checkpointing, its gradient buffers); ``released`` is the
+    part of ``saved`` that the blocks run before the last one free (every block's saved
+    tensors but the first block's); ``logits`` is the loss's largest footprint and
+    ``logits_grad`` the gradient of the logits the output projection's backward receives;
+    ``unit`` / ``root`` are the bytes of one gathered decoder block / of the gathered root
+    (embeddings, final norm, untied ``lm_head``).
+
+    Backward runs the blocks from the last to the first: each frees what it saved and leaves
+    its gradients, so memory during block ``j``'s backward is affine in ``j`` and its largest
+    value is at one end: the **first block backward** runs (the model's last layer: every
+    saved activation, one block's gradients) or the **last** (the model's first layer: one
+    block's saved activations, every block's gradients).
     """
     e = _compute_bytes(setup)
     n = setup.gpus
@@ -797,7 +887,8 @@ def _transient_moments(
         # One GPU, DDP, or SHARD_GRAD_OP (whose gathered parameters are in `weights`).
         return {
             "loss": (saved, logits, 0.0),
-            "block backward": (activations + pending, 0.0, 0.0),
+            "first block backward": (activations + pending, 0.0, 0.0),
+            "last block backward": (activations - released + pending, 0.0, 0.0),
             "end": (end, 0.0, 0.0),
         }
     # FULL_SHARD (FSDP2, `reshard_after_forward=True` for the blocks and the root, as
@@ -815,27 +906,71 @@ def _transient_moments(
         # the root's all-gather for backward, when the gradient of the logits reaches the
         # output projection: its output buffer and the unsharded parameters it fills
         "root all-gather": (saved, logits_grad, FSDP_ROOT_GATHER_COPIES * root),
-        # a block's backward: the gathered root, two gathered blocks and one's gradients
-        "block backward": (activations + pending, 0.0, root + blocks + block_grads),
+        # a block's backward (the first and the last backward runs): the gathered root, two
+        # gathered blocks and one's gradients
+        "first block backward": (activations + pending, 0.0, root + blocks + block_grads),
+        "last block backward": (
+            activations - released + pending,
+            0.0,
+            root + blocks + block_grads,
+        ),
         # the end of backward: the embedding's gradients, the root and two blocks gathered
         "end": (end, 0.0, root + blocks),
     }
 
 
-_BEFORE_PARAMETER_GRADIENTS = frozenset({"loss", "root all-gather"})
-"""The moments before backward has made any parameter's gradient (of this micro-batch)."""
+def _gradients_made(
+    arch: ModelArch,
+    setup: TrainingSetup,
+    p: _Params,
+    targets: list[LinearLayer],
+    after_backward: float,
+) -> dict[str, float]:
+    """Bytes of this micro-batch's gradients (where they stay: sharded under FSDP) at each
+    moment of :func:`_transient_moments`.
+
+    None at the loss and the root's all-gather.  At the first block backward runs: that
+    block's, and the untied output projection's on one GPU or DDP (under FSDP the root's
+    gradients wait unsharded for the root's reduce-scatter, counted with the activations as
+    the pending gradient; tied, the projection's gradient waits in autograd's buffer for the
+    embedding's, counted there too).  At the last block: every gradient but the embedding's,
+    which the end of backward makes; at the end: all of them (``after_backward``).
+    LoRA's adapters are split the same way: an adapted ``lm_head``'s before the blocks, the
+    rest a block at a time.
+    """
+    if after_backward == 0.0:
+        return dict.fromkeys(_MOMENT_NAMES, 0.0)
+    if setup.method == "full":
+        whole = float(p.total)
+        first = float(p.per_block)
+        if not arch.tie_embeddings and not (setup.gpus > 1 and setup.sharding != "none"):
+            first += arch.lm_head_params
+        last = whole - arch.embedding_params
+    else:
+        whole = float(_adapter_params(arch, setup, targets))
+        head = _adapter_params(arch, setup, [t for t in targets if t.name == "lm_head"])
+        first = head + (whole - head) / arch.num_layers
+        last = whole
+    share = after_backward / whole if whole else 0.0
+    return {
+        "loss": 0.0,
+        "root all-gather": 0.0,
+        "first block backward": min(first, whole) * share,
+        "last block backward": last * share,
+        "end": after_backward,
+    }
 
 
-def _gradients_at(moment: str, accumulated: float, after_backward: float) -> float:
-    """Gradient bytes at `moment`: before backward reaches a parameter only the earlier
-    micro-batches' (`accumulated`); from a block's backward on, this micro-batch's too,
-    counted whole (the most they reach: the gradients of the blocks done grow as the saved
-    activations shrink).  Under FSDP with accumulation the unsharded fp32 gradients of the last
-    micro-batch are replaced block by block by the smaller sharded ones: the larger of the
-    two bounds every moment."""
-    if moment in _BEFORE_PARAMETER_GRADIENTS:
-        return accumulated
-    return max(accumulated, after_backward)
+_MOMENT_NAMES = ("loss", "root all-gather", "first block backward", "last block backward", "end")
+
+
+def _gradients_at(accumulated: float, made: float) -> float:
+    """Gradient bytes at a moment: the earlier micro-batches' (`accumulated`) and this one's
+    made so far (`made`).  Under FSDP with accumulation the unsharded fp32 gradients of the
+    earlier micro-batches are replaced block by block by the smaller sharded ones: the larger
+    of the two bounds every moment; on one GPU and DDP this micro-batch's gradients accumulate
+    into the earlier ones' (``param.grad``), which are whole at every moment."""
+    return max(accumulated, made)
 
 
 # --------------------------------------------------------------------------- the estimate
@@ -938,11 +1073,15 @@ def estimate_vram(arch: ModelArch, setup: TrainingSetup) -> VramEstimate:
         saved += kept_layers * layer_mask if eager else 0.0
         working = tokens * (per_layer + lora_layer + backward) + scores + delta + delta_grad
         working += 0.0 if eager else layer_mask
+        # the inputs (and Gemma 2's masks) of the layers whose backward is done
+        released = (kept_layers - 1) * (saved - tokens * non_layer - mask) / kept_layers
     else:
         moe_kept = min(kept_layers, arch.moe_layers)
         every_layer = kept_layers * (tokens * (per_layer + lora_layer) + scores + layer_mask)
         saved = every_layer + moe_kept * delta + tokens * non_layer + mask
         working = tokens * backward + delta_grad
+        # what the layers whose backward is done saved (MoE: the first layer counted dense)
+        released = every_layer * (kept_layers - 1) / kept_layers + max(moe_kept - 1, 0) * delta
 
     # ---- logits for the loss
     softcap_logits = arch.model_type in _LOGIT_SOFTCAP_MODEL_TYPES
@@ -960,12 +1099,15 @@ def estimate_vram(arch: ModelArch, setup: TrainingSetup) -> VramEstimate:
     # ---- the moment of the peak: static state is there throughout; the gradients and the
     # transient terms are those of the largest moment of the step (docs/estimator.md, "Peak
     # timing"): with one micro-batch per optimizer step no gradient exists at the loss.
-    moments = _transient_moments(arch, setup, p, saved, working, logits, unit, root, logits_grad)
+    moments = _transient_moments(
+        arch, setup, p, saved, working, logits, unit, root, logits_grad, released
+    )
     accumulated = _accumulated_gradient_bytes(
         setup, trainable, gradients, fsdp=full_shard or grad_op or offload
     )
-    at_peak = max(moments, key=lambda m: sum(moments[m]) + _gradients_at(m, accumulated, gradients))
-    gradients = _gradients_at(at_peak, accumulated, gradients)
+    made = _gradients_made(arch, setup, p, targets, gradients)
+    at_peak = max(moments, key=lambda m: sum(moments[m]) + _gradients_at(accumulated, made[m]))
+    gradients = _gradients_at(accumulated, made[at_peak])
     activations, logits, fsdp_buffers = moments[at_peak]
     # Each transient term's largest value over the moments: the caching allocator keeps what
     # one moment frees (the logits at the start of backward, the gathered root) as cached
