@@ -450,7 +450,8 @@ def test_rbac_rules_are_the_documented_set(helm: Helm) -> None:
         for v in rule["verbs"]
     }
     expected = {
-        ("kubetune.io", "finetunejobs", v) for v in ("list", "watch", "patch", "delete")
+        ("kubetune.io", "finetunejobs", v)
+        for v in ("get", "list", "watch", "patch", "delete")  # get: a chained job's upstream
     } | {
         ("kubetune.io", "finetunejobs/status", "patch"),
         ("kubetune.io", "finetunejobs/finalizers", "update"),

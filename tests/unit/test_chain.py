@@ -104,6 +104,7 @@ def test_a_missing_upstream_is_waited_for_briefly_then_fails() -> None:
     # Unreadable (the API server's trouble): never taken for missing.
     job, _ = run(job, seen(None, read=False), now=T0 + timedelta(hours=1))
     assert job.status is not None and job.status.phase == Phase.PENDING
+    assert "FineTuneJob sft (not read yet: the read got no answer)" in (job.status.message or "")
     job, _ = run(job, seen(None), now=T0 + timedelta(minutes=2))
     s = job.status
     assert s is not None and s.phase == Phase.FAILED

@@ -539,7 +539,12 @@ class _Reconciler:
         if up is None:
             created = p.parse_time(self.job.metadata.get("creationTimestamp"))
             young = created is None or (self.now - created).total_seconds() < UPSTREAM_GRACE_SECONDS
-            if not self.observed.upstream_read or young:
+            if not self.observed.upstream_read:
+                # No answer, or a refusal (the operator's RBAC, the API server's trouble):
+                # the operator's log has the status code.
+                self.hold_for_upstream(name, "not read yet: the read got no answer")
+                return True
+            if young:
                 self.hold_for_upstream(name, "not found yet")
                 return True
             self.fail(
