@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The e2e suite against a kind cluster: the trainer trains in real containers under a real
-# kubelet, the operator runs as a pod installed by `helm install`, checkpoints land on
-# local-path volumes.
+# kubelet, the operator runs as a pod installed by `helm install`, checkpoints and data land on
+# volumes of one host folder mounted into every node (ReadWriteMany, kubetune-shared).
 #
 #   hack/kind-e2e.sh            # create the cluster, build + load images, install, test, delete
 #   KEEP=1 hack/kind-e2e.sh     # leave the cluster running afterwards
@@ -181,7 +181,7 @@ done
 # The operator (and nothing else) runs on the control plane.
 kubectl taint node "$CLUSTER-control-plane" node-role.kubernetes.io/control-plane:NoSchedule- || true
 
-stamp "StorageClass kubetune-shared (ReadWriteMany, for the operator's cache claim)"
+stamp "StorageClass kubetune-shared (ReadWriteMany: the cache, checkpoint and data claims)"
 # A second local-path provisioner with kind's own images, on the directory the nodes share.
 lpp_image=$(kubectl -n local-path-storage get deployment local-path-provisioner \
   -o jsonpath='{.spec.template.spec.containers[0].image}')
@@ -203,7 +203,8 @@ stamp "helm install"
 # does (tests/support/e2e_targets.py): the operator's pod and the `helm test` pod must pass it.
 kubectl create namespace kubetune-system
 kubectl label namespace kubetune-system pod-security.kubernetes.io/enforce=restricted
-# The cache claim (ReadWriteMany) on kubetune-shared. Stage-in pods run the trainer image, which
+# The cache and checkpoint claims (ReadWriteMany) on kubetune-shared: a checkpoint volume
+# follows its job to any node, and the pods of a two-node plan share it. Stage-in pods run the trainer image, which
 # only the workers hold: they go to the first pool's node and tolerate its taint.
 helm install kubetune charts/kubetune --namespace kubetune-system --wait \
   --set image.repository="${OPERATOR_IMAGE%:*}" --set image.tag="${OPERATOR_IMAGE##*:}" \
@@ -215,7 +216,9 @@ helm install kubetune charts/kubetune --namespace kubetune-system --wait \
   --set operator.trainerCPUPerGPU=250m --set operator.trainerMemoryPerGPU=1Gi \
   --set operator.allowTestFaults=true --set operator.startupTimeoutSeconds=90 \
   --set operator.cacheStorageClass=kubetune-shared \
+  --set operator.checkpointStorageClass=kubetune-shared --set operator.checkpointReadWriteMany=true \
   --set operator.stageInCPU=250m --set operator.stageInMemory=1Gi \
+  --set operator.exportCPU=250m --set operator.exportMemory=1Gi \
   --set-json 'operator.stageInNodeSelector={"kubetune.io/pool":"local-cpu"}' \
   --set-json 'operator.stageInTolerations=[{"key":"nvidia.com/gpu","operator":"Exists","effect":"NoSchedule"}]' \
   --set 'operator.allowedTrainerImages={localhost/kubetune-missing:0}'
@@ -225,5 +228,6 @@ helm test kubetune --namespace kubetune-system --logs --timeout 3m
 
 stamp "running the e2e suite against kind"
 KUBETUNE_E2E_TARGET=kind KUBETUNE_KIND_KUBECONFIG="$KUBECONFIG_FILE" KIND_CLUSTER_NAME="$CLUSTER" \
+  KUBETUNE_KIND_SHARED_DIR="$SHARED_DIR" \
   KUBETUNE_KIND_TRAINER_IMAGE="$TRAINER_IMAGE" "$VENV/bin/pytest" tests/e2e -m e2e "$@"
 stamp "kind e2e passed in $(( $(date +%s) - t0 ))s"

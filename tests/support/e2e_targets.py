@@ -70,6 +70,8 @@ POOL_B: dict[str, Any] = {
     },
 }
 NODE_A, NODE_B = "local-0", "local-1"
+SHARED_CLASS = "kubetune-shared"
+"""The kind target's ReadWriteMany StorageClass (hack/kind-shared-storage.yaml)."""
 
 OPERATOR_SETTINGS = {
     "KUBETUNE_POLL_SECONDS": "1",
@@ -295,14 +297,22 @@ class KindTarget(Target):
     """A kind cluster prepared by hack/kind-e2e.sh (operator installed with helm)."""
 
     name = "kind"
-    volumes_follow_pods = False  # kind's local-path volumes are pinned to the node
+    # The data and checkpoint claims are on the StorageClass kubetune-shared (ReadWriteMany,
+    # one host folder mounted into every node, hack/kind-e2e.sh): a volume follows its job to
+    # any node, and a multi-node plan's pods share one.
+    volumes_follow_pods = True
     cheap_volume_reads = False  # each read is a pod
+    SHARED_MOUNT = "/var/kubetune-shared"
+    """Where kubetune-shared's folder is mounted inside the nodes."""
     pulls_images = True
     OPERATOR_NAMESPACE = "kubetune-system"
     OPERATOR_SELECTOR = "app.kubernetes.io/name=kubetune"
 
-    def __init__(self, kubeconfig: str, trainer_image: str, cluster: str) -> None:
+    def __init__(
+        self, kubeconfig: str, trainer_image: str, cluster: str, shared_dir: str | None = None
+    ) -> None:
         self.nodes = (f"{cluster}-worker", f"{cluster}-worker2")
+        self.shared_dir = Path(shared_dir) if shared_dir else None
         self.kubeconfig = kubeconfig
         self.image = trainer_image
         self.kubectl_bin = shutil.which("kubectl") or "kubectl"
@@ -327,7 +337,8 @@ class KindTarget(Target):
                 "kind": "PersistentVolumeClaim",
                 "metadata": {"name": DATA_CLAIM},
                 "spec": {
-                    "accessModes": ["ReadWriteOnce"],
+                    "accessModes": ["ReadWriteMany"],
+                    "storageClassName": SHARED_CLASS,
                     "resources": {"requests": {"storage": "1Gi"}},
                 },
             }
@@ -339,8 +350,21 @@ class KindTarget(Target):
             f"make_model(Path('/data/{MODEL_PATH}'), arch='llama'); "
             f"write_jsonl(Path('/data/{DATASET_PATH}'), make_records('alpaca', 256))"
         )
-        # On the first pool's node: the local-path volume stays on the node it was made on.
+        # On the first pool's node, which holds the trainer image.
         self._run_pod("e2e-prepare-data", ["python", "-c", script], timeout=600, node=self.nodes[0])
+
+    def volume_folder(self, claim: str) -> Path:
+        """A kubetune-shared claim's folder on this machine: the PV's hostPath inside the
+        nodes is under SHARED_MOUNT, which is the host's shared folder."""
+        if self.shared_dir is None:
+            return super().volume_folder(claim)
+        pvc = self.get("persistentvolumeclaim", claim) or {}
+        volume = (pvc.get("spec") or {}).get("volumeName")
+        assert volume, f"claim {claim} is not bound"
+        out = self.kubectl("get", "pv", volume, "-o", "jsonpath={.spec.hostPath.path}")
+        inside = Path(out.stdout.strip())
+        assert inside.is_relative_to(self.SHARED_MOUNT), f"{claim}: {inside} is not shared"
+        return self.shared_dir / inside.relative_to(self.SHARED_MOUNT)
 
     def kubectl_argv(self) -> list[str]:
         return [self.kubectl_bin, f"--kubeconfig={self.kubeconfig}"]
@@ -560,5 +584,10 @@ def make_target(root_factory: Callable[[], Path], binaries: Callable[[], Binarie
                 "KUBETUNE_E2E_TARGET=kind needs a kind cluster: run hack/kind-e2e.sh, which "
                 "creates one and sets KUBETUNE_KIND_KUBECONFIG"
             )
-        return KindTarget(kubeconfig, image, os.environ.get("KIND_CLUSTER_NAME", "kubetune-e2e"))
+        return KindTarget(
+            kubeconfig,
+            image,
+            os.environ.get("KIND_CLUSTER_NAME", "kubetune-e2e"),
+            os.environ.get("KUBETUNE_KIND_SHARED_DIR"),
+        )
     raise LookupError(f"KUBETUNE_E2E_TARGET={which!r}: expected 'local' or 'kind'")
