@@ -42,7 +42,7 @@ test: lint
 	$(VENV)/bin/pytest -m "unit or trainer"
 	$(VENV)/bin/pytest -m integration
 	$(VENV)/bin/pytest -m e2e
-	VENV=$(VENV) hack/kind-e2e.sh --if-cached
+	VENV=$(VENV) hack/kind-e2e.sh --if-cached -m "e2e and kubelet"
 
 crds: setup
 	$(VENV)/bin/kubetune crds --out crds/

@@ -8,12 +8,17 @@ log tails are attached to the report.
 
 from __future__ import annotations
 
+import subprocess
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from support.e2e_targets import REPORT, Target, make_target
+from support.e2e_jobs import delete_job, job_doc
+from support.e2e_targets import NAMESPACE, REPORT, Target, make_target
+from support.waiting import wait_for
 
 
 @pytest.fixture(scope="session")
@@ -28,6 +33,63 @@ def target(
         pytest.skip(str(exc))
     yield t
     t.close()
+
+
+@pytest.fixture(scope="session")
+def baseline(target: Target) -> Iterator[dict[str, Any]]:
+    """An uninterrupted run (also the happy path): its log, statuses and write counts."""
+    name = "baseline"
+    watch = subprocess.Popen(
+        [
+            *target.kubectl_argv(),
+            "get",
+            "finetunejobs",
+            "-n",
+            NAMESPACE,
+            f"--field-selector=metadata.name={name}",
+            "--watch-only",
+            "-o",
+            "jsonpath={.metadata.resourceVersion} {.status.phase}{'\\n'}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    lines: list[str] = []
+
+    def read() -> None:
+        for line in watch.stdout or ():
+            lines.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    snapshots: list[dict[str, Any]] = []
+
+    def finished() -> dict[str, Any] | None:
+        obj = target.get("finetunejob", name) or {}
+        snapshots.append(dict(obj.get("status") or {}))
+        return obj if snapshots[-1].get("phase") in ("Succeeded", "Failed") else None
+
+    try:
+        target.apply(job_doc(name, output={"mergeAdapter": True}))
+        started = time.monotonic()
+        last = wait_for(f"{name} to finish", finished, 300)
+        seconds = time.monotonic() - started
+        # Every write up to the one that finished the job has reached the watch.
+        version = last["metadata"]["resourceVersion"]
+        wait_for(
+            f"the watch to see resourceVersion {version}",
+            lambda: any(line.split(" ")[0] == version for line in list(lines)),
+            30,
+            0.1,
+        )
+    finally:
+        watch.terminate()
+        watch.wait(timeout=10)
+        reader.join(timeout=10)
+    writes = [line.rstrip("\n") for line in lines]
+    yield {"name": name, "snapshots": snapshots, "writes": writes, "seconds": seconds}
+    delete_job(target, name)
 
 
 @pytest.hookimpl(hookwrapper=True)

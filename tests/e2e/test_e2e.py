@@ -12,7 +12,6 @@ scenario's numbers are printed in the "e2e measurements" section at the end of t
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import math
 import os
@@ -20,19 +19,38 @@ import random
 import re
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from support.e2e_jobs import (
+    FAULTS,
+    INTERVAL,
+    LOSS_TOLERANCE,
+    STEPS,
+    active_pods,
+    check_runs_are_contiguous,
+    delete_job,
+    event_reasons,
+    final_loss,
+    job_doc,
+    outcome,
+    patch_spec,
+    pod_summary,
+    progress_step,
+    running_pod,
+    runs_of,
+    status,
+    steps_lost,
+    train_log,
+    wait_phase,
+    wait_step,
+)
 from support.e2e_targets import (
     DATA_CLAIM,
     DATASET_PATH,
-    MODEL_PATH,
     NAMESPACE,
     POOL_B_NAME,
     REPORT,
@@ -43,297 +61,10 @@ from support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
-STEPS = 60
-INTERVAL = 10
-LOSS_TOLERANCE = 1e-3
-"""Final-loss difference allowed between an interrupted and an uninterrupted run. Resume
-is exact on CPU (the trainer tier measures 0.0), so this only absorbs float formatting."""
-
-
-FAULTS = "kubetune.io/test-faults"
-STEP_SECONDS = 0.25
-"""Least time per training step (the trainer waits out the rest). A tiny model trains a step in
-well under that in a real container, and a scenario must catch the run mid-way: looking at
-progress, finding the pod and acting on it takes a few round trips to the API server."""
-
-# ---------------------------------------------------------------------- helpers
-
-
-def job_doc(
-    name: str,
-    *,
-    steps: int = STEPS,
-    interval: int = INTERVAL,
-    annotations: dict[str, str] | None = None,
-    **over: Any,
-) -> dict[str, Any]:
-    spec: dict[str, Any] = {
-        "model": {"uri": f"pvc://{DATA_CLAIM}/{MODEL_PATH}", "architecture": "Qwen/Qwen2.5-0.5B"},
-        "dataset": {
-            "uri": f"pvc://{DATA_CLAIM}/{DATASET_PATH}",
-            "format": "alpaca",
-            "numExamples": 256,
-            "avgTokensPerExample": 64,
-        },
-        "method": "lora",
-        "lora": {"rank": 8, "alpha": 16, "targetModules": ["q_proj", "v_proj"]},
-        "training": {
-            "maxSteps": steps,
-            "sequenceLength": 128,
-            "globalBatchSize": 8,
-            "microBatchSize": 4,
-            "gradientCheckpointing": False,
-        },
-        "resources": {"gpus": 1},
-        "checkpoint": {"intervalSteps": interval, "keep": 2},
-    }
-    for key, value in over.items():
-        if isinstance(value, dict) and isinstance(spec.get(key), dict):
-            spec[key] = {**spec[key], **value}
-        else:
-            spec[key] = value
-    faults = json.loads((annotations or {}).get(FAULTS, "{}"))
-    faults.setdefault("stepSeconds", STEP_SECONDS)
-    metadata: dict[str, Any] = {
-        "name": name,
-        "annotations": {**(annotations or {}), FAULTS: json.dumps(faults)},
-    }
-    return {
-        "apiVersion": "kubetune.io/v1alpha1",
-        "kind": "FineTuneJob",
-        "metadata": metadata,
-        "spec": spec,
-    }
-
-
-def status(target: Target, name: str) -> dict[str, Any]:
-    return dict(((target.get("finetunejob", name) or {}).get("status")) or {})
-
-
-def wait_phase(target: Target, name: str, *phases: str, timeout: float = 300) -> dict[str, Any]:
-    def probe() -> dict[str, Any] | None:
-        s = status(target, name)
-        if s.get("phase") in phases:
-            return s
-        if s.get("phase") == "Failed" and "Failed" not in phases:
-            recoveries = [(r.get("reason"), r.get("attempt"), r.get("message")) for r in
-                          s.get("recoveries") or []]  # fmt: skip
-            raise AssertionError(f"{name} failed: {s.get('message')}; recoveries {recoveries}")
-        return None
-
-    return dict(wait_for(f"{name} in {phases}", probe, timeout))
-
-
-def train_log(target: Target, name: str) -> list[dict[str, Any]]:
-    text = target.read_volume_file(f"{name}-ckpt", "train-log.jsonl") or ""
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
-
-
-def last_step(target: Target, name: str) -> int:
-    steps = [r["step"] for r in train_log(target, name) if r.get("event") == "step"]
-    return max(steps, default=0)
-
-
-def progress_step(target: Target, name: str) -> int:
-    """Steps trained so far: the job's status (the operator reads the trainer's metrics every
-    poll), or the training log where the target reads volumes cheaply and exactly."""
-    step = int((status(target, name).get("progress") or {}).get("step") or 0)
-    if target.cheap_volume_reads:
-        step = max(step, last_step(target, name))
-    return step
-
-
-def wait_step(target: Target, name: str, step: int, timeout: float = 240) -> int:
-    return int(
-        wait_for(
-            f"{name} to train step {step}",
-            lambda: (s := progress_step(target, name)) >= step and s,
-            timeout,
-        )
-    )
-
-
-def active_pods(target: Target, name: str) -> list[dict[str, Any]]:
-    return [
-        p
-        for p in target.list("pods", f"kubetune.io/job={name}")
-        if (p.get("status") or {}).get("phase") in ("Pending", "Running")
-    ]
-
-
-def pod_summary(pod: dict[str, Any]) -> str:
-    """One line on a pod: enough to tell who made it, where it runs and what state it is in."""
-    meta, status = pod["metadata"], pod.get("status") or {}
-    states = [next(iter(c.get("state") or {"?": 0})) for c in status.get("containerStatuses") or []]
-    return (
-        f"{meta['name']} created {meta.get('creationTimestamp')} phase {status.get('phase')} "
-        f"node {(pod.get('spec') or {}).get('nodeName')} deleting {meta.get('deletionTimestamp')} "
-        f"containers {states} owner {[o.get('name') for o in meta.get('ownerReferences') or []]}"
-    )
-
-
-def running_pod(target: Target, name: str) -> str:
-    pods = wait_for(
-        f"a running trainer pod of {name}",
-        lambda: [
-            p
-            for p in active_pods(target, name)
-            if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")
-        ],
-        120,
-    )
-    return str(pods[0]["metadata"]["name"])
-
-
-def event_reasons(target: Target, name: str, kind: str = "FineTuneJob") -> list[str]:
-    out = target.kubectl(
-        "get",
-        "events",
-        "-n",
-        NAMESPACE,
-        "--field-selector",
-        f"involvedObject.name={name},involvedObject.kind={kind}",
-        "-o",
-        "jsonpath={.items[*].reason}",
-    )
-    return out.stdout.split()
-
-
-def patch_spec(target: Target, name: str, spec: dict[str, Any]) -> None:
-    target.kubectl(
-        "patch",
-        "finetunejob",
-        name,
-        "-n",
-        NAMESPACE,
-        "--type=merge",
-        "-p",
-        json.dumps({"spec": spec}),
-    )
-
-
-def delete_job(target: Target, name: str) -> None:
-    """Delete a FineTuneJob and wait until it is gone (no finalizer left behind)."""
-    target.kubectl("delete", "finetunejob", name, "-n", NAMESPACE, "--wait=false", check=False)
-    try:
-        wait_for(f"{name} deleted", lambda: target.get("finetunejob", name) is None, 120, 1.0)
-    except AssertionError as exc:
-        left = (target.get("finetunejob", name) or {}).get("metadata", {}).get("finalizers")
-        raise AssertionError(f"{exc}; finalizers left: {left}") from None
-
-
-@dataclass
-class Run:
-    """One start of the trainer, as its log tells it."""
-
-    resumed_from: int
-    steps: list[int] = field(default_factory=list)
-    end: str | None = None  # finish | preempted | stopped | oom | None (killed)
-    losses: dict[int, float] = field(default_factory=dict)
-
-    @property
-    def last(self) -> int:
-        return max(self.steps, default=self.resumed_from)
-
-
-def runs_of(records: list[dict[str, Any]]) -> list[Run]:
-    runs: list[Run] = []
-    for r in records:
-        kind = r.get("event")
-        if kind == "start":
-            match = re.search(r"step-(\d+)", r.get("resumed_from") or "")
-            runs.append(Run(resumed_from=int(match.group(1)) if match else 0))
-        elif runs and kind == "step":
-            runs[-1].steps.append(int(r["step"]))
-            runs[-1].losses[int(r["step"])] = float(r["loss"])
-        elif runs and kind in ("finish", "preempted", "stopped", "oom"):
-            runs[-1].end = kind
-    return runs
-
-
-def steps_lost(runs: list[Run]) -> list[int]:
-    """Per restart: steps trained before the interruption that the next run trained again."""
-    return [before.last - after.resumed_from for before, after in itertools.pairwise(runs)]
-
-
-def check_runs_are_contiguous(runs: list[Run], total: int) -> None:
-    """Each run trains consecutive steps from where it resumed; the last one ends at total."""
-    for run in runs:
-        expected = list(range(run.resumed_from + 1, run.resumed_from + 1 + len(run.steps)))
-        assert run.steps == expected, f"steps out of order in a run: {run.steps[:5]}…"
-    assert runs and runs[-1].end == "finish" and runs[-1].last == total, runs
-
-
-def final_loss(runs: list[Run], total: int) -> float:
-    return runs[-1].losses[total]
-
-
-def outcome(target: Target, name: str) -> str:
-    s = status(target, name)
-    cond = next((c for c in s.get("conditions", []) if c["type"] == "Failed"), {})
-    return f"{s.get('phase')}/{cond.get('reason')}: {s.get('message')}"
-
-
-@pytest.fixture(scope="session")
-def baseline(target: Target) -> Iterator[dict[str, Any]]:
-    """An uninterrupted run (also the happy path): its log, statuses and write counts."""
-    name = "baseline"
-    watch = subprocess.Popen(
-        [
-            *target.kubectl_argv(),
-            "get",
-            "finetunejobs",
-            "-n",
-            NAMESPACE,
-            f"--field-selector=metadata.name={name}",
-            "--watch-only",
-            "-o",
-            "jsonpath={.metadata.resourceVersion} {.status.phase}{'\\n'}",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    lines: list[str] = []
-
-    def read() -> None:
-        for line in watch.stdout or ():
-            lines.append(line)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    snapshots: list[dict[str, Any]] = []
-
-    def finished() -> dict[str, Any] | None:
-        obj = target.get("finetunejob", name) or {}
-        snapshots.append(dict(obj.get("status") or {}))
-        return obj if snapshots[-1].get("phase") in ("Succeeded", "Failed") else None
-
-    try:
-        target.apply(job_doc(name, output={"mergeAdapter": True}))
-        started = time.monotonic()
-        last = wait_for(f"{name} to finish", finished, 300)
-        seconds = time.monotonic() - started
-        # Every write up to the one that finished the job has reached the watch.
-        version = last["metadata"]["resourceVersion"]
-        wait_for(
-            f"the watch to see resourceVersion {version}",
-            lambda: any(line.split(" ")[0] == version for line in list(lines)),
-            30,
-            0.1,
-        )
-    finally:
-        watch.terminate()
-        watch.wait(timeout=10)
-        reader.join(timeout=10)
-    writes = [line.rstrip("\n") for line in lines]
-    yield {"name": name, "snapshots": snapshots, "writes": writes, "seconds": seconds}
-    delete_job(target, name)
-
-
 # ---------------------------------------------------------------------- scenarios
 
 
+@pytest.mark.kubelet
 def test_happy_path(target: Target, baseline: dict[str, Any]) -> None:
     name = baseline["name"]
     final = baseline["snapshots"][-1]
@@ -458,6 +189,7 @@ def test_the_cli_follows_a_long_named_two_rank_job(target: Target) -> None:
     delete_job(target, name)
 
 
+@pytest.mark.kubelet
 def test_preemption_resumes_at_the_same_step(target: Target, baseline: dict[str, Any]) -> None:
     name = "preempt"
     target.apply(job_doc(name))
@@ -483,6 +215,7 @@ def test_preemption_resumes_at_the_same_step(target: Target, baseline: dict[str,
     delete_job(target, name)
 
 
+@pytest.mark.kubelet
 def test_preempted_without_room_moves_to_another_pool(target: Target) -> None:
     if not target.volumes_follow_pods:
         pytest.skip(
@@ -519,6 +252,7 @@ def test_preempted_without_room_moves_to_another_pool(target: Target) -> None:
     delete_job(target, name)
 
 
+@pytest.mark.kubelet
 def test_hard_kill_resumes_from_the_last_checkpoint(
     target: Target, baseline: dict[str, Any]
 ) -> None:
@@ -714,6 +448,7 @@ def test_a_job_created_again_under_its_old_name_starts_over_unless_told_to_resum
     target.kubectl("delete", "pvc", f"{name}-ckpt", "-n", NAMESPACE, "--wait=false")
 
 
+@pytest.mark.kubelet
 def test_data_from_s3_is_staged_in_once_measured_and_trained_on(
     target: Target, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
@@ -928,6 +663,7 @@ def test_bad_s3_inputs_fail_the_job_before_any_trainer_pod(
         delete_job(target, name)
 
 
+@pytest.mark.kubelet
 def test_a_job_chained_after_another_trains_on_its_merged_model(target: Target) -> None:
     """`ftj://sft` as the model: applied together, the second job waits while the first
     trains, then trains on the first one's merged model; a chain whose upstream fails ends
@@ -1143,6 +879,7 @@ MISSING_IMAGE = "localhost/kubetune-missing:0"
 """An image no node has (hack/kind-e2e.sh allows it as a trainer image)."""
 
 
+@pytest.mark.kubelet
 def test_an_image_that_cannot_be_pulled_is_shown_costs_nothing_and_fails(target: Target) -> None:
     if not target.pulls_images:
         pytest.skip(f"on {target.name}, no kubelet pulls images: the pod runner ignores them")
@@ -1194,6 +931,7 @@ def test_delete_mid_run_collects_children(target: Target, retention: str) -> Non
         target.kubectl("delete", "pvc", pvc, "-n", NAMESPACE, "--wait=false")
 
 
+@pytest.mark.kubelet
 def test_operator_restarts_lose_nothing(target: Target) -> None:
     """Kill the operator at random points while jobs run, suspend and resume."""
     rng = random.Random(7)

@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from support.e2e_targets import DATA_CLAIM, DATASET_PATH, MODEL_PATH, NAMESPACE, REPORT, Target
+from support.e2e_jobs import job_doc, status
+from support.e2e_targets import NAMESPACE, REPORT, Target
 from support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -22,46 +23,25 @@ pytestmark = pytest.mark.e2e
 STEPS, INTERVAL = 60, 5
 
 
-def job_doc(name: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "kubetune.io/v1alpha1",
-        "kind": "FineTuneJob",
-        "metadata": {"name": name},
-        "spec": {
-            "model": {
-                "uri": f"pvc://{DATA_CLAIM}/{MODEL_PATH}",
-                "architecture": "Qwen/Qwen2.5-0.5B",
-            },
-            "dataset": {
-                "uri": f"pvc://{DATA_CLAIM}/{DATASET_PATH}",
-                "format": "alpaca",
-                "numExamples": 256,
-                "avgTokensPerExample": 64,
-                "validationSplit": 0.1,
-            },
-            "method": "lora",
-            "lora": {"rank": 8, "alpha": 16, "targetModules": ["q_proj", "v_proj"]},
-            "training": {
-                "maxSteps": STEPS,
-                "sequenceLength": 128,
-                "globalBatchSize": 8,
-                "microBatchSize": 4,
-                "gradientCheckpointing": False,
-                "earlyStopping": {"patience": 2, "minDelta": 10},
-            },
-            "resources": {"gpus": 1},
-            "checkpoint": {"intervalSteps": INTERVAL, "keep": 1},
-        },
-    }
-
-
-def status(target: Target, name: str) -> dict[str, Any]:
-    return dict(((target.get("finetunejob", name) or {}).get("status")) or {})
-
-
 def test_a_job_whose_validation_loss_stops_improving_ends_early_stopped(target: Target) -> None:
     name = "early-stop"
-    out = target.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=json.dumps(job_doc(name)))
+    out = target.kubectl(
+        "apply",
+        "-n",
+        NAMESPACE,
+        "-f",
+        "-",
+        input=json.dumps(
+            job_doc(
+                name,
+                steps=STEPS,
+                interval=INTERVAL,
+                dataset={"validationSplit": 0.1},
+                training={"earlyStopping": {"patience": 2, "minDelta": 10}},
+                checkpoint={"keep": 1},
+            )
+        ),
+    )
     assert out.returncode == 0, out.stderr
 
     def done() -> dict[str, Any] | None:

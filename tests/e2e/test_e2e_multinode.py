@@ -14,7 +14,6 @@ data claims on the ReadWriteMany class kubetune-shared (hack/kind-e2e.sh).
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from collections.abc import Iterator
@@ -23,10 +22,8 @@ from typing import Any
 import pytest
 import yaml
 
+from support.e2e_jobs import delete_job, job_doc, status, train_log, wait_phase
 from support.e2e_targets import (
-    DATA_CLAIM,
-    DATASET_PATH,
-    MODEL_PATH,
     NAMESPACE,
     POOL,
     POOL_NAME,
@@ -52,7 +49,6 @@ POOL_2N: dict[str, Any] = {
 }
 NODES_2N = {"local-2": "127.0.102.", "local-3": "127.0.103."}
 STEPS, INTERVAL = 40, 10
-FAULTS = "kubetune.io/test-faults"
 CROSS_LAYOUT_TOLERANCE = 2e-3
 """fp32, 40 steps: four ranks sum gradients in another order than two ranks accumulating two
 micro-batches each. The difference starts at rounding (7e-7 at step 2) and grows while Adam
@@ -97,55 +93,14 @@ def two_node_pool(target: Target) -> Iterator[list[str]]:
             target.kubectl("label", "node", node, f"{POOL_2N_LABEL}-", check=False)
 
 
-def job_doc(name: str, pool: str, gpus: int) -> dict[str, Any]:
-    return {
-        "apiVersion": "kubetune.io/v1alpha1",
-        "kind": "FineTuneJob",
-        "metadata": {"name": name, "annotations": {FAULTS: json.dumps({"stepSeconds": 0.25})}},
-        "spec": {
-            "model": {
-                "uri": f"pvc://{DATA_CLAIM}/{MODEL_PATH}",
-                "architecture": "Qwen/Qwen2.5-0.5B",
-            },
-            "dataset": {
-                "uri": f"pvc://{DATA_CLAIM}/{DATASET_PATH}",
-                "format": "alpaca",
-                "numExamples": 256,
-                "avgTokensPerExample": 64,
-            },
-            "method": "lora",
-            "lora": {"rank": 8, "alpha": 16, "targetModules": ["q_proj", "v_proj"]},
-            "training": {
-                "maxSteps": STEPS,
-                "sequenceLength": 128,
-                "globalBatchSize": 8,
-                "microBatchSize": 2,
-                "gradientCheckpointing": False,
-                "precision": "fp32",
-            },
-            "resources": {"gpus": gpus, "pools": [pool]},
-            "checkpoint": {"intervalSteps": INTERVAL, "keep": 2},
-        },
-    }
-
-
-def status(target: Target, name: str) -> dict[str, Any]:
-    return dict(((target.get("finetunejob", name) or {}).get("status")) or {})
-
-
-def wait_phase(target: Target, name: str, phase: str, timeout: float) -> dict[str, Any]:
-    def probe() -> dict[str, Any] | None:
-        s = status(target, name)
-        if s.get("phase") == "Failed" and phase != "Failed":
-            raise AssertionError(f"{name} failed: {s.get('message')}; {s.get('recoveries')}")
-        return s if s.get("phase") == phase else None
-
-    return dict(wait_for(f"{name} {phase}", probe, timeout))
-
-
-def train_log(target: Target, name: str) -> list[dict[str, Any]]:
-    text = target.read_volume_file(f"{name}-ckpt", "train-log.jsonl") or ""
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+def two_node_job(name: str, pool: str, gpus: int) -> dict[str, Any]:
+    return job_doc(
+        name,
+        steps=STEPS,
+        interval=INTERVAL,
+        training={"microBatchSize": 2, "precision": "fp32"},
+        resources={"gpus": gpus, "pools": [pool]},
+    )
 
 
 def losses(records: list[dict[str, Any]]) -> dict[int, float]:
@@ -161,17 +116,13 @@ def trainer_pods(target: Target, name: str) -> list[dict[str, Any]]:
     ]
 
 
-def delete_job(target: Target, name: str) -> None:
-    target.kubectl("delete", "finetunejob", name, "-n", NAMESPACE, "--wait=false", check=False)
-    wait_for(f"{name} deleted", lambda: target.get("finetunejob", name) is None, 120, 1.0)
-
-
+@pytest.mark.kubelet
 def test_two_nodes_train_as_one_and_survive_a_preempted_pod(
     target: Target, two_node_pool: list[str]
 ) -> None:
     two, one = "two-nodes", "one-node"
     started = time.monotonic()
-    target.apply(job_doc(two, POOL_2N_NAME, 4))
+    target.apply(two_node_job(two, POOL_2N_NAME, 4))
     plan = wait_for("the two-node plan", lambda: status(target, two).get("plan"), 60)
     assert (plan["pool"], plan["nodes"], plan["gpusPerNode"]) == (POOL_2N_NAME, 2, 2), plan
     claim = target.get("persistentvolumeclaim", f"{two}-ckpt") or {}
@@ -195,7 +146,7 @@ def test_two_nodes_train_as_one_and_survive_a_preempted_pod(
         "delete", "pod", victim["metadata"]["name"], "-n", NAMESPACE, "--grace-period=60",
         "--wait=false",
     )  # fmt: skip
-    s = wait_phase(target, two, "Succeeded", 600)
+    s = wait_phase(target, two, "Succeeded", timeout=600)
     seconds = time.monotonic() - started
     records = train_log(target, two)
     starts = [r for r in records if r.get("event") == "start"]
@@ -220,8 +171,8 @@ def test_two_nodes_train_as_one_and_survive_a_preempted_pod(
     ]
 
     # The same job on one node; after the first, as on kind the pools share the workers.
-    target.apply(job_doc(one, POOL_NAME, 2))
-    wait_phase(target, one, "Succeeded", 600)
+    target.apply(two_node_job(one, POOL_NAME, 2))
+    wait_phase(target, one, "Succeeded", timeout=600)
     curve_two, curve_one = losses(records), losses(train_log(target, one))
     assert sorted(curve_two) == sorted(curve_one) == list(range(1, STEPS + 1))
     diff = max(abs(curve_two[k] - curve_one[k]) for k in curve_one)
@@ -237,6 +188,7 @@ def test_two_nodes_train_as_one_and_survive_a_preempted_pod(
     delete_job(target, one)
 
 
+@pytest.mark.kubelet
 def test_a_lost_node_is_reported_and_the_job_resumes_on_another_once_it_is_removed(
     target: Target, two_node_pool: list[str]
 ) -> None:
@@ -252,7 +204,7 @@ def test_a_lost_node_is_reported_and_the_job_resumes_on_another_once_it_is_remov
     import signal
 
     name = "node-lost"
-    target.apply(job_doc(name, POOL_2N_NAME, 2))
+    target.apply(two_node_job(name, POOL_2N_NAME, 2))
     pod = wait_for("a running trainer pod", lambda: trainer_pods(target, name), 120)[0]
     node = pod["spec"]["nodeName"]
     wait_for(
@@ -276,7 +228,7 @@ def test_a_lost_node_is_reported_and_the_job_resumes_on_another_once_it_is_remov
     assert "To fix: if the machine is lost, delete the Node object" in s["message"]
     target.kubectl("delete", "node", node)
     deleted = time.monotonic()
-    s = wait_phase(target, name, "Succeeded", 600)
+    s = wait_phase(target, name, "Succeeded", timeout=600)
     recovered = time.monotonic() - deleted
     records = train_log(target, name)
     starts = [r for r in records if r.get("event") == "start"]
