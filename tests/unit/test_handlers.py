@@ -669,6 +669,7 @@ def test_capacity_counts_ready_nodes_and_gpus_held_by_live_pods(
         "allocatableGPUs": 16,
         "freeGPUs": 9,
         "freeGPUsPerNode": [2, 7],  # h100-0: 8 - 4 - 2; h100-1: 8 - 1
+        "nodeMemoryGiB": 1024.0,
     }
 
 
@@ -680,6 +681,7 @@ def test_capacity_of_a_pool_without_nodes(apiserver: ApiServerEmulator) -> None:
         "allocatableGPUs": 0,
         "freeGPUs": 0,
         "freeGPUsPerNode": [],
+        "nodeMemoryGiB": None,
     }
 
 
@@ -1208,6 +1210,7 @@ async def test_pool_capacity_is_written_only_when_it_changed(
         "allocatableGPUs": 16,
         "freeGPUs": 9,
         "freeGPUsPerNode": [2, 7],
+        "nodeMemoryGiB": 1024.0,
         "observedGeneration": 3,
         "gpuMemoryGiB": 80.0,
     }

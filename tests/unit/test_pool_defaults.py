@@ -85,11 +85,16 @@ def test_the_crd_has_no_default_for_the_selector_and_says_what_it_is() -> None:
 # --------------------------------------------------------------------------- capacity
 
 
-def node(name: str, labels: dict[str, str], gpus: int, *, ready: bool = True) -> dict[str, Any]:
+def node(
+    name: str, labels: dict[str, str], gpus: int, *, ready: bool = True, memory: str = ""
+) -> dict[str, Any]:
+    allocatable = {"nvidia.com/gpu": str(gpus)} if gpus else {}
+    if memory:
+        allocatable["memory"] = memory
     return {
         "metadata": {"name": name, "labels": labels},
         "status": {
-            "allocatable": {"nvidia.com/gpu": str(gpus)} if gpus else {},
+            "allocatable": allocatable,
             "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
         },
     }
@@ -98,8 +103,9 @@ def node(name: str, labels: dict[str, str], gpus: int, *, ready: bool = True) ->
 NODES = [
     node("g5-a", {GPU_PRODUCT_LABEL: A10G, "kubetune.io/pool": "g5-spot"}, 4),
     node("g5-b", {GPU_PRODUCT_LABEL: A10G}, 4),
-    node("g5-down", {GPU_PRODUCT_LABEL: A10G}, 4, ready=False),
-    node("l4-a", {GPU_PRODUCT_LABEL: "NVIDIA-L4"}, 8),
+    node("g5-down", {GPU_PRODUCT_LABEL: A10G}, 4, ready=False, memory="1Ti"),
+    node("l4-a", {GPU_PRODUCT_LABEL: "NVIDIA-L4"}, 8, memory="195998420Ki"),
+    node("l4-b", {GPU_PRODUCT_LABEL: "NVIDIA-L4"}, 8, memory="64Gi"),
     node("cpu-a", {}, 0),
 ]
 
@@ -118,17 +124,36 @@ def capacity(pool: GPUPool, used: dict[str, int] | None = None) -> dict[str, Any
 
 def test_a_default_pool_counts_the_ready_nodes_of_its_product() -> None:
     got = capacity(read(pool_body()), used={"g5-a": 3, "l4-a": 2})
-    assert got == {"nodes": 2, "allocatableGPUs": 8, "freeGPUs": 5, "freeGPUsPerNode": [1, 4]}
+    assert got == {
+        "nodes": 2,
+        "allocatableGPUs": 8,
+        "freeGPUs": 5,
+        "freeGPUsPerNode": [1, 4],
+        "nodeMemoryGiB": None,  # these nodes do not say
+    }
 
 
 def test_an_empty_selector_still_counts_every_ready_node() -> None:
     got = capacity(read(pool_body({})))
-    assert got["nodes"] == 4 and got["allocatableGPUs"] == 16
+    assert got["nodes"] == 5 and got["allocatableGPUs"] == 24
 
 
 def test_an_explicit_selector_counts_only_its_nodes() -> None:
     got = capacity(read(pool_body({"kubetune.io/pool": "g5-spot"})))
-    assert got == {"nodes": 1, "allocatableGPUs": 4, "freeGPUs": 4, "freeGPUsPerNode": [4]}
+    assert got == {
+        "nodes": 1,
+        "allocatableGPUs": 4,
+        "freeGPUs": 4,
+        "freeGPUsPerNode": [4],
+        "nodeMemoryGiB": None,
+    }
+
+
+def test_a_pool_shows_the_memory_of_its_largest_ready_node() -> None:
+    # What a trainer pod may ask for at most; a node that is not Ready does not count.
+    got = capacity(read(pool_body({GPU_PRODUCT_LABEL: "NVIDIA-L4"})))
+    assert got["nodes"] == 2 and got["nodeMemoryGiB"] == 186.92
+    assert capacity(read(pool_body({GPU_PRODUCT_LABEL: A10G})))["nodeMemoryGiB"] is None
 
 
 # --------------------------------------------------------------------------- trainer pods

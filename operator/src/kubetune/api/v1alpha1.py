@@ -1272,6 +1272,12 @@ class GPUPoolStatus(_Model):
     free_gpus_per_node: list[int] = Field(
         default_factory=list, alias="freeGPUsPerNode", description="Free GPUs on each node."
     )
+    node_memory_gib: float | None = Field(
+        default=None,
+        alias="nodeMemoryGiB",
+        description="Allocatable memory of the pool's largest ready node (GiB; unset: not "
+        "known): a trainer pod asking for more can never be scheduled.",
+    )
     gpu_memory_gib: float | None = Field(
         default=None,
         alias="gpuMemoryGiB",

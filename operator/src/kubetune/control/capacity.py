@@ -1,7 +1,7 @@
 """Free GPUs per pool, from what the operator's caches hold about nodes and pods (pure).
 
 The operator watches Nodes and pods (controller/cache.py) and keeps, per node, its
-allocatable GPUs and whether it takes pods, and per pod the GPUs it holds on its node.
+allocatable GPUs and memory and whether it takes pods, and per pod the GPUs it holds on its node.
 `pool_capacity` turns those into a GPUPool's status numbers; it runs once per change of
 the caches, never per job.
 """
@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kubetune.control.builders import GPU_RESOURCE
+from kubetune.control.builders import GPU_RESOURCE, quantity_value
 from kubetune.control.pods import POD_DONE
 
 
@@ -29,6 +29,8 @@ class NodeInfo:
     not_ready_since: str | None = None
     """When its Ready condition last left True (RFC 3339; "" when not known); None while the
     node is Ready."""
+    memory_gib: float = 0.0
+    """Allocatable memory (0: not known)."""
 
 
 def node_info(node: Mapping[str, Any]) -> NodeInfo:
@@ -44,7 +46,16 @@ def node_info(node: Mapping[str, Any]) -> NodeInfo:
         gpus=int(allocatable.get(GPU_RESOURCE, 0) or 0),
         schedulable=ready and not cordoned,
         not_ready_since=None if ready else str((condition or {}).get("lastTransitionTime") or ""),
+        memory_gib=_gib(str(allocatable.get("memory") or "0")),
     )
+
+
+def _gib(quantity: str) -> float:
+    """A memory quantity in GiB; 0 for one this module cannot read (`1e9`)."""
+    try:
+        return round(float(quantity_value(quantity)) / 2**30, 2)
+    except ValueError:
+        return 0.0
 
 
 def gpus_held(pod: Mapping[str, Any]) -> tuple[str, int] | None:
@@ -72,15 +83,18 @@ def pool_capacity(
     selector: Mapping[str, str], nodes: Iterable[NodeInfo], used: Mapping[str, int]
 ) -> dict[str, Any]:
     """A GPUPool's live numbers: ready nodes matching `selector`, their allocatable GPUs,
-    and the GPUs no pod holds (in total and per node, nodes sorted by name)."""
+    and the GPUs no pod holds (in total and per node, nodes sorted by name), and the
+    allocatable memory of the largest node (None when no node reports it)."""
     mine = sorted(
         (n for n in nodes if n.schedulable and matches(selector, n.labels)),
         key=lambda n: n.name,
     )
     free = [max(0, n.gpus - used.get(n.name, 0)) for n in mine]
+    memory = max((n.memory_gib for n in mine), default=0.0)
     return {
         "nodes": len(mine),
         "allocatableGPUs": sum(n.gpus for n in mine),
         "freeGPUs": sum(free),
         "freeGPUsPerNode": free,
+        "nodeMemoryGiB": memory or None,
     }
