@@ -124,6 +124,7 @@ ALL_ON = {
         "defaultObjective": "time",
         "trainerCPUPerGPU": "1500m",
         "trainerMemoryPerGPU": "2Gi",
+        "trainerMemoryLimit": False,
         "logLevel": "verbose",
         "extraEnv": [{"name": "EXTRA", "value": "1"}],
     },
@@ -218,6 +219,7 @@ def test_non_default_values(helm: Helm, tmp_path: Path) -> None:
     assert env["KUBETUNE_DEFAULT_OBJECTIVE"] == "time"
     assert env["KUBETUNE_TRAINER_CPU_PER_GPU"] == "1500m"
     assert env["KUBETUNE_TRAINER_MEMORY_PER_GPU"] == "2Gi"
+    assert env["KUBETUNE_TRAINER_MEMORY_LIMIT"] == "false"
     assert env["EXTRA"] == "1"
     # Namespaced RBAC: a Role + RoleBinding per watched namespace, a small ClusterRole,
     # and the leader election's Role in the release namespace.
@@ -390,6 +392,7 @@ def test_gpu_pool_catalog_example_in_values_is_valid(helm: Helm, tmp_path: Path)
         (["operator.trainerCPUPerGPU=four"], "trainerCPUPerGPU"),
         (["operator.trainerCPUPerGPU=0"], "trainerCPUPerGPU"),
         (["operator.trainerMemoryPerGPU=16GB"], "trainerMemoryPerGPU"),
+        (["operator.trainerMemoryLimit=maybe"], "trainerMemoryLimit"),
         (["watch.namespaces[0]=Not_A_Namespace"], "namespaces"),
         (["metrics.port=70000"], "port"),
         (["metrics.serviceMonitor.interval=soon"], "interval"),

@@ -45,6 +45,7 @@ from kubetune.control.builders import (
     build_trainer_config,
     checkpoint_size,
     child_names,
+    host_memory_gib,
     labels,
     owner_reference,
     single_node,
@@ -737,6 +738,38 @@ def test_resource_requests_scale_with_gpus() -> None:
     settings = BuildSettings(cpu_per_gpu="1500m", memory_per_gpu="1.5Gi")
     built = build_indexed_job(full_8b_job(), full_8b_plan(), h100_pool(), settings, 1)
     assert _trainer(built)["resources"]["requests"] == {"cpu": "12000m", "memory": "12Gi"}
+
+
+def test_trainer_memory_limit_equals_its_request_unless_turned_off() -> None:
+    # Within its own limit the kernel kills the trainer (OOMKilled, which the operator
+    # answers with more memory) rather than the kubelet evicting pods under node pressure.
+    settings = BuildSettings(memory_per_gpu="1.5Gi")
+    built = build_indexed_job(full_8b_job(), full_8b_plan(), h100_pool(), settings, 1)
+    resources = _trainer(built)["resources"]
+    assert resources["limits"]["memory"] == resources["requests"]["memory"] == "12Gi"
+    off = replace(settings, memory_limit=False)
+    resources = _trainer(build_indexed_job(full_8b_job(), full_8b_plan(), h100_pool(), off, 1))[
+        "resources"
+    ]
+    assert resources["requests"]["memory"] == "12Gi"
+    assert resources["limits"] == {"nvidia.com/gpu": "8"}
+
+
+def test_trainer_memory_grows_with_offloaded_activations_and_the_host_memory_scale() -> None:
+    offloading = full_8b_plan().model_copy(
+        update={"activation_offloading": True, "host_offload_gib": 5.5}
+    )
+    assert host_memory_gib(full_8b_plan(), SETTINGS) == 128.0  # 16Gi x 8 GPUs
+    assert host_memory_gib(offloading, SETTINGS) == 133.5
+    scaled = offloading.model_copy(update={"host_memory_scale": 1.5})
+    assert host_memory_gib(scaled, SETTINGS) == 200.25
+    built = build_indexed_job(full_8b_job(), scaled, h100_pool(), SETTINGS, 1)
+    resources = _trainer(built)["resources"]
+    assert resources["requests"]["memory"] == resources["limits"]["memory"] == "205056Mi"
+    # What the plan recorded when it was made wins over the settings of today.
+    recorded = scaled.model_copy(update={"host_memory_gib": 24.0})
+    built = build_indexed_job(full_8b_job(), recorded, h100_pool(), SETTINGS, 1)
+    assert _trainer(built)["resources"]["limits"]["memory"] == "24Gi"
 
 
 def test_torchrun_single_node_is_standalone() -> None:

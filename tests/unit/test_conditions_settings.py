@@ -96,6 +96,13 @@ def test_trainer_pod_requests_per_gpu() -> None:
     assert (s.build.cpu_per_gpu, s.build.memory_per_gpu) == ("500m", "1.5Gi")
 
 
+def test_trainer_memory_limit_is_on_unless_turned_off() -> None:
+    assert settings_from_env({}).build.memory_limit is True
+    assert settings_from_env({"KUBETUNE_TRAINER_MEMORY_LIMIT": "false"}).build.memory_limit is False
+    with pytest.raises(ValueError, match=r"KUBETUNE_TRAINER_MEMORY_LIMIT='maybe' .* to fix"):
+        settings_from_env({"KUBETUNE_TRAINER_MEMORY_LIMIT": "maybe"})
+
+
 @pytest.mark.parametrize(
     ("name", "value"),
     [

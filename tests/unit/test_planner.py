@@ -540,6 +540,9 @@ def test_activation_offloading_is_the_last_resort_and_is_priced() -> None:
     assert chosen.estimate.setup.activation_offload and chosen.grad_ckpt
     assert chosen.estimate.per_gpu_bytes * NO_LIVE.safety_factor <= 48 * GIB
     assert plan.to_status(l40s).activation_offloading is True
+    # The layer inputs wait in the trainer pod's host memory: the plan says how much.
+    host_gib = offloaded_bytes(arch, chosen.estimate.setup) * chosen.gpus_per_node / GIB
+    assert plan.to_status(l40s).host_offload_gib == round(host_gib, 2) > 1
     # Priced: a GPU with room for it runs without the copies; on the L40S each step pays
     # for every layer input going to host memory and back.
     roomy = plan_job(job(None), pools("a100-80gb"), arch, NO_LIVE).chosen
@@ -558,6 +561,7 @@ def test_activation_offloading_is_the_last_resort_and_is_priced() -> None:
     short = plan_job(job(None, seq=8192), l40s, arch, NO_LIVE)
     assert not short.chosen.estimate.setup.activation_offload
     assert short.to_status(l40s).activation_offloading is None
+    assert short.to_status(l40s).host_offload_gib is None
 
 
 def test_each_candidate_is_sized_with_its_gradient_accumulation() -> None:

@@ -1,5 +1,6 @@
 """How the operator reads a trainer's end: a pod the kernel killed for host memory (OOMKilled)
-is told apart from other failures, and the phase of a GPU out-of-memory reaches the recovery."""
+is told apart from other failures and relaunched with more host memory, and the phase of a
+GPU out-of-memory reaches the recovery."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ from datetime import timedelta
 
 import pytest
 
+from kubetune.api.v1alpha1 import GPUPoolStatus
 from kubetune.control import pods as p
+from kubetune.control.conditions import get_condition
+from kubetune.control.reconcile import Decision, Observed
+from kubetune.planning.catalog import default_pools
 from kubetune_trainer.contract import EXIT_CONFIG_ERROR, EXIT_OOM
 from support.reconcile import T0, batch_job, make_job, observed, pod, run
 
@@ -31,29 +36,127 @@ def test_the_pod_killed_for_memory_is_the_one_reported_but_contract_exits_come_f
     assert p.trainer_exit([killed, config]).code == EXIT_CONFIG_ERROR
 
 
-def test_a_pod_killed_for_host_memory_is_recorded_with_the_fix() -> None:
-    job, _ = run(make_job())
-    killed = observed(batch_job(active=0), [pod("demo-a1-0", 137, reason="OOMKilled")])
-    job, d = run(job, killed)
+def memory(decision: Decision) -> tuple[str, str]:
+    """(request, limit) of host memory of the trainer container the decision creates."""
+    (batch,) = [m for m in decision.create if m["kind"] == "Job"]
+    (container,) = batch["spec"]["template"]["spec"]["containers"]
+    resources = container["resources"]
+    return resources["requests"]["memory"], resources["limits"]["memory"]
+
+
+def killed_for_memory(attempt: int = 1, failed: bool = False) -> Observed:
+    state = batch_job("Failed") if failed else batch_job(active=0)
+    return observed(state, [pod(f"demo-a{attempt}-0", 137, reason="OOMKilled")])
+
+
+def test_a_pod_killed_for_host_memory_relaunches_with_half_again_the_memory() -> None:
+    job, d = run(make_job())
+    assert job.status is not None and job.status.plan is not None
+    assert job.status.plan.host_memory_gib == 16.0 and memory(d) == ("16Gi", "16Gi")
+    job, d = run(job, killed_for_memory(), now=T0 + timedelta(minutes=3))
     s = job.status
-    assert s is not None and s.phase == "Running" and s.restarts == 1
+    assert s is not None and s.plan is not None
+    assert (s.phase, s.attempt, s.restarts) == ("Running", 2, 0)
+    assert (s.plan.revision, s.plan.reason) == (2, "HostOutOfMemory")
+    assert (s.plan.host_memory_scale, s.plan.host_memory_gib) == (1.5, 24.0)
+    assert memory(d) == ("24Gi", "24Gi")
+    assert d.delete_jobs == ["demo-a1"]
     (rec,) = s.recoveries
-    assert rec.reason == "PodFailure"
-    assert rec.message.startswith(
-        "pod demo-a1-0 failed (out of host memory (OOMKilled, exit code 137): the node ran out"
+    assert (rec.reason, rec.pod, rec.attempt) == ("HostOutOfMemory", "demo-a1-0", 1)
+    assert s.recovery_counts == {"HostOutOfMemory": 1}
+    said = "pod demo-a1-0 ran out of host memory (OOMKilled); relaunched from the latest "
+    said += "checkpoint with 16Gi → 24Gi of host memory per trainer pod. To fix for good: "
+    assert rec.message.startswith(said) and "operator.trainerMemoryPerGPU" in rec.message
+    assert s.message == f"launched attempt 2: {rec.message}"
+    assert s.plan.message == (
+        "pod demo-a1-0 ran out of host memory (OOMKilled); 16Gi → 24Gi of host memory per "
+        "trainer pod"
     )
-    assert "To fix: raise the trainer's memory request per GPU" in rec.message
-    assert any("out of host memory" in e.message for e in d.events)
+    (event,) = [e for e in d.events if e.reason == "HostOutOfMemory"]
+    assert event.type == "Warning" and event.message == rec.message
+    # Again: 1.5 × 1.5, counted.
+    job, d = run(job, killed_for_memory(2), now=T0 + timedelta(minutes=6))
+    s = job.status
+    assert s is not None and s.plan is not None and s.attempt == 3
+    assert (s.plan.host_memory_scale, s.plan.host_memory_gib) == (2.25, 36.0)
+    assert memory(d) == ("36Gi", "36Gi") and s.recovery_counts == {"HostOutOfMemory": 2}
 
 
-def test_a_job_failed_by_host_memory_relaunches_and_says_why() -> None:
+def test_a_job_failed_by_host_memory_relaunches_with_more_memory() -> None:
+    # The batch Job gave up on the pod (its backoffLimit) before a look saw it end.
     job, _ = run(make_job(recovery={"maxRestarts": 0}))
-    failed = observed(batch_job("Failed"), [pod("demo-a1-0", 137, reason="OOMKilled")])
-    job, _ = run(job, failed)
+    job, d = run(job, killed_for_memory(failed=True))
+    s = job.status
+    assert s is not None and s.plan is not None and s.phase == "Running" and s.attempt == 2
+    (rec,) = s.recoveries
+    assert rec.reason == "HostOutOfMemory" and rec.pod is None
+    assert rec.message.startswith("a trainer ran out of host memory (OOMKilled); relaunched")
+    assert memory(d) == ("24Gi", "24Gi")
+
+
+def test_host_and_gpu_out_of_memory_share_the_budget() -> None:
+    job, _ = run(make_job(recovery={"maxOOMReplans": 2}))
+    msg = "oom peak_gib=70.2 step=120 rank=0 out of GPU memory"
+    gpu = observed(batch_job("Failed"), [pod("demo-a1-0", EXIT_OOM, msg=msg)])
+    job, _ = run(job, gpu, now=T0 + timedelta(minutes=3))
+    job, _ = run(job, killed_for_memory(2), now=T0 + timedelta(minutes=6))
+    assert job.status is not None and job.status.phase == "Running"
+    assert job.status.recovery_counts == {"OOM": 1, "HostOutOfMemory": 1}
+    plan = job.status.plan
+    assert plan is not None and plan.host_memory_gib is not None
+    job, d = run(job, killed_for_memory(3), now=T0 + timedelta(minutes=9))
     s = job.status
     assert s is not None and s.phase == "Failed"
-    assert "trainer failed (out of host memory (OOMKilled, exit code 137): " in (s.message or "")
-    assert "Error" not in (s.message or "")
+    failed = get_condition(s.conditions, "Failed")
+    assert failed is not None and failed.reason == "OutOfMemoryLimitReached"
+    assert s.message is not None and s.message.startswith(
+        f"pod demo-a3-0 ran out of host memory (OOMKilled) with {plan.host_memory_gib:g}Gi per "
+        "trainer pod: out of memory 3 times, GPU and host together "
+        "(spec.recovery.maxOOMReplans=2). To fix: raise"
+    )
+    assert not [m for m in d.create if m["kind"] == "Job"]
+
+
+def test_a_gpu_out_of_memory_re_plan_keeps_the_host_memory_learned() -> None:
+    job, _ = run(make_job())
+    job, _ = run(job, killed_for_memory(), now=T0 + timedelta(minutes=3))
+    msg = "oom peak_gib=70.2 step=120 rank=0 out of GPU memory"
+    gpu = observed(batch_job("Failed"), [pod("demo-a2-0", EXIT_OOM, msg=msg)])
+    job, d = run(job, gpu, now=T0 + timedelta(minutes=6))
+    s = job.status
+    assert s is not None and s.plan is not None
+    assert (s.plan.reason, s.plan.revision) == ("OutOfMemory", 3)
+    assert s.plan.memory_scale > 1 and s.plan.host_memory_scale == 1.5
+    request, limit = memory(d)
+    assert request == limit == f"{s.plan.host_memory_gib:g}Gi"
+    assert s.plan.host_memory_gib == 1.5 * 16 * s.plan.gpus_per_node
+
+
+def test_no_relaunch_with_more_memory_than_the_pool_nodes_have() -> None:
+    job, _ = run(make_job())
+    pools = [
+        pool.model_copy(update={"status": GPUPoolStatus.model_validate({"nodeMemoryGiB": 20})})
+        for pool in default_pools()
+    ]
+    killed = Observed(
+        pools=pools,
+        batch_job=batch_job(active=0),
+        pods=[pod("demo-a1-0", 137, reason="OOMKilled")],
+    )
+    job, d = run(job, killed)
+    s = job.status
+    assert s is not None and s.phase == "Failed"
+    failed = get_condition(s.conditions, "Failed")
+    assert failed is not None and failed.reason == "HostMemoryUnavailable"
+    assert s.message == (
+        "pod demo-a1-0 ran out of host memory (OOMKilled); the next attempt would need 16Gi → "
+        "24Gi of host memory per trainer pod, and the largest node of pool h100-spot has 20 "
+        "GiB allocatable: its pods could never be scheduled. To fix: raise the trainer's "
+        "memory per GPU (Helm value operator.trainerMemoryPerGPU, "
+        "KUBETUNE_TRAINER_MEMORY_PER_GPU) or allow a pool whose nodes have more memory "
+        "(spec.resources.pools)"
+    )
+    assert not [m for m in d.create if m["kind"] == "Job"]
 
 
 def test_a_crash_message_reaches_the_status() -> None:

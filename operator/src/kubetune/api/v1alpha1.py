@@ -534,7 +534,9 @@ class RecoverySettings(_Model):
         alias="maxOOMReplans",
         ge=0,
         le=20,
-        description="Re-plans after out-of-memory before failing.",
+        description="Re-plans after running out of memory before failing: of GPU memory "
+        "(a safer layout) and of host memory (the kernel killed a trainer, OOMKilled: 1.5× "
+        "the host memory), counted together.",
     )
     max_restarts: int = Field(
         default=10,
@@ -774,6 +776,11 @@ class PlanStatus(_Model):
     memory_scale: float = Field(
         default=1.0, description="Factor applied to memory estimates (raised after an OOM)."
     )
+    host_memory_scale: float = Field(
+        default=1.0,
+        description="Factor applied to the trainer pods' host memory (×1.5 after each time "
+        "the kernel killed a trainer for memory, OOMKilled).",
+    )
     reason: PlanReason = Field(default=PlanReason.INITIAL, description="Why this plan was made.")
     message: str | None = Field(
         default=None,
@@ -808,6 +815,20 @@ class PlanStatus(_Model):
         alias="memoryBreakdownGiB",
         default_factory=dict,
         description="Estimated peak memory per GPU by component (GiB).",
+    )
+    host_offload_gib: float | None = Field(
+        default=None,
+        alias="hostOffloadGiB",
+        description="Host memory per trainer pod that the plan itself fills: the activations "
+        "offloaded from its GPUs (GiB; unset: none).",
+    )
+    host_memory_gib: float | None = Field(
+        default=None,
+        alias="hostMemoryGiB",
+        description="Host memory of each trainer pod, requested and (unless the operator "
+        "runs with KUBETUNE_TRAINER_MEMORY_LIMIT=false) its limit: the operator's memory "
+        "per GPU × gpusPerNode, plus hostOffloadGiB, times hostMemoryScale (GiB; unset in "
+        "plans made before it existed).",
     )
     trainable_params: int = Field(description="Parameters updated by training.")
     model_params: int = Field(description="Parameters of the base model.")

@@ -129,6 +129,8 @@ class Reason(StrEnum):
     PREEMPTED = "Preempted"
     TRAINER_FAILED = "TrainerFailed"
     OUT_OF_MEMORY = "OutOfMemory"
+    HOST_OUT_OF_MEMORY = "HostOutOfMemory"
+    """The kernel killed a trainer for host memory (OOMKilled): the next attempt gets more."""
     RESCHEDULED = "Rescheduled"
     CHECKPOINT_VOLUME_EXPANDED = "CheckpointVolumeExpanded"
     """A re-plan needs a larger checkpoint volume than the claim asks for, and its
@@ -146,6 +148,8 @@ class Reason(StrEnum):
     """The trainer could not write a checkpoint (no room on the volume, a write error), or
     none on the volume can be loaded (exit 45): a relaunch would fail the same way."""
     OOM_LIMIT = "OutOfMemoryLimitReached"
+    HOST_MEMORY_UNAVAILABLE = "HostMemoryUnavailable"
+    """A trainer ran out of host memory and the pool's nodes have no room for more."""
     RESTART_LIMIT = "RestartLimitReached"
     PREEMPTION_LIMIT = "PreemptionLimitReached"
     """Preempted again and again without a new checkpoint in between."""
@@ -183,6 +187,8 @@ class RecoveryReason(StrEnum):
 
     OOM = "OOM"
     """The trainer ran out of GPU memory: re-planned with a safer layout."""
+    HOST_OOM = "HostOutOfMemory"
+    """The kernel killed a trainer for host memory (OOMKilled): relaunched with more."""
     PREEMPTION = "Preemption"
     """A trainer pod was preempted or evicted: replaced, resumed from the checkpoint."""
     POD_FAILURE = "PodFailure"
@@ -200,6 +206,8 @@ class PlanReason(StrEnum):
     INITIAL = "Initial"
     OUT_OF_MEMORY = "OutOfMemory"
     """The previous layout ran out of GPU memory."""
+    HOST_OUT_OF_MEMORY = "HostOutOfMemory"
+    """A trainer pod ran out of host memory: the same layout with more."""
     UNSCHEDULABLE = "Unschedulable"
     """A trainer pod found no room in the previous pool."""
 

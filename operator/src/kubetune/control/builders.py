@@ -142,7 +142,9 @@ class BuildSettings:
     cpu_per_gpu: str = "4"
     """CPU request per GPU of the pod."""
     memory_per_gpu: str = "16Gi"
-    """Memory request per GPU of the pod (no limit is set: loading shards peaks briefly)."""
+    """Host memory per GPU of the pod, before what the plan adds (`host_memory_gib`)."""
+    memory_limit: bool = True
+    """Give the trainer container a memory limit equal to its request; off: a request only."""
     launcher: tuple[str, ...] = ("python", "-m", "kubetune_trainer.launch")
     """Container command; it receives torchrun's arguments. The trainer's launcher runs
     torchrun in-process and exits with the workers' contract code (torchrun alone exits 1
@@ -778,6 +780,21 @@ def _scale_quantity(quantity: str, factor: int) -> str:
     return f"{text}{match.group(2) or ''}"
 
 
+def host_memory_gib(plan: PlanStatus, settings: BuildSettings) -> float:
+    """Host memory of one trainer pod: the per-GPU amount for each of its GPUs, plus what the
+    plan keeps in host memory (offloaded activations), times the plan's host-memory scale
+    (raised each time the kernel killed a trainer for memory)."""
+    base = float(quantity_value(settings.memory_per_gpu)) * plan.gpus_per_node / 2**30
+    return round((base + (plan.host_offload_gib or 0.0)) * plan.host_memory_scale, 2)
+
+
+def memory_quantity(gib: float) -> str:
+    """`gib` as a memory quantity: whole GiB as `128Gi`, else MiB rounded up."""
+    if gib == int(gib):
+        return f"{int(gib)}Gi"
+    return f"{math.ceil(gib * 1024)}Mi"
+
+
 def _torchrun_args(
     job: FineTuneJob, plan: PlanStatus, settings: BuildSettings, attempt: int
 ) -> list[str]:
@@ -922,6 +939,23 @@ def _pod_failure_policy() -> dict[str, Any]:
     }
 
 
+def _trainer_resources(plan: PlanStatus, settings: BuildSettings) -> dict[str, Any]:
+    gpus = plan.gpus_per_node
+    # Plans made before they carried their host memory get it from the settings.
+    gib = plan.host_memory_gib
+    memory = memory_quantity(host_memory_gib(plan, settings) if gib is None else gib)
+    limits: dict[str, str] = {GPU_RESOURCE: str(gpus)}
+    if settings.memory_limit:
+        # Within a limit of its own, a trainer that grows is killed by the kernel (OOMKilled,
+        # which the operator reads and answers with more memory) instead of pressing its
+        # node until the kubelet evicts it or its neighbours.
+        limits["memory"] = memory
+    return {
+        "requests": {"cpu": _scale_quantity(settings.cpu_per_gpu, gpus), "memory": memory},
+        "limits": limits,
+    }
+
+
 def build_indexed_job(
     job: FineTuneJob,
     plan: PlanStatus,
@@ -932,7 +966,6 @@ def build_indexed_job(
     """The Indexed batch Job: one pod per node, `torchrun` inside."""
     name, _, _ = _metadata(job)
     names = child_names(name, attempt)
-    gpus = plan.gpus_per_node
 
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": names.config_map}},
@@ -966,13 +999,7 @@ def build_indexed_job(
             {"name": "metrics", "containerPort": settings.metrics_port, "protocol": "TCP"},
             {"name": "rendezvous", "containerPort": settings.rendezvous_port, "protocol": "TCP"},
         ],
-        "resources": {
-            "requests": {
-                "cpu": _scale_quantity(settings.cpu_per_gpu, gpus),
-                "memory": _scale_quantity(settings.memory_per_gpu, gpus),
-            },
-            "limits": {GPU_RESOURCE: str(gpus)},
-        },
+        "resources": _trainer_resources(plan, settings),
         "volumeMounts": mounts,
         # The trainer writes why it ended to /dev/termination-log; when it could not (killed,
         # or the launcher itself failed), the kubelet uses the tail of the log instead.

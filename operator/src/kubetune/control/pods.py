@@ -37,10 +37,10 @@ HOST_OOM_REASON = "OOMKilled"
 """The container runtime's reason for a container whose processes the kernel killed for
 memory (the node's RAM, not the GPU's)."""
 HOST_OOM_ADVICE = (
-    "the node ran out of host memory and the kernel killed the trainer. To fix: raise the "
-    "trainer's memory request per GPU (Helm value operator.trainerMemoryPerGPU, "
-    "KUBETUNE_TRAINER_MEMORY_PER_GPU) so it lands on a node with room, or use a pool whose "
-    "nodes have more memory"
+    "the trainer ran out of host memory (its pod's memory limit, or the node's) and the "
+    "kernel killed it; the operator relaunches it with 1.5× the memory. To fix for good: "
+    "raise the trainer's memory per GPU (Helm value operator.trainerMemoryPerGPU, "
+    "KUBETUNE_TRAINER_MEMORY_PER_GPU), or use a pool whose nodes have more memory"
 )
 
 
@@ -378,6 +378,8 @@ class PodEnd:
     pod: str
     reason: RecoveryReason
     message: str
+    host_oom: bool = False
+    """The kernel killed its trainer for host memory (OOMKilled)."""
 
 
 @dataclass(frozen=True)
@@ -409,7 +411,9 @@ def ended_pods(
     recorded = {
         r.pod
         for r in mine
-        if r.pod and r.reason in (RecoveryReason.PREEMPTION, RecoveryReason.POD_FAILURE)
+        if r.pod
+        and r.reason
+        in (RecoveryReason.PREEMPTION, RecoveryReason.POD_FAILURE, RecoveryReason.HOST_OOM)
     }
     failures = sum(1 for r in mine if r.reason == RecoveryReason.POD_FAILURE)
     ends: list[PodEnd] = []
@@ -424,9 +428,8 @@ def ended_pods(
             ends.append(PodEnd(name, RecoveryReason.PREEMPTION, f"pod {name} preempted"))
         else:
             why = end.describe() if end.code is not None else "failed"
-            ends.append(
-                PodEnd(name, RecoveryReason.POD_FAILURE, f"pod {name} failed ({why}: {end.detail})")
-            )
+            message = f"pod {name} failed ({why}: {end.detail})"
+            ends.append(PodEnd(name, RecoveryReason.POD_FAILURE, message, host_oom=end.host_oom))
     for name in last_seen:
         if name in current or name in recorded:
             continue

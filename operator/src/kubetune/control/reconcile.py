@@ -77,7 +77,9 @@ from kubetune.control.builders import (
     child_names,
     fetched_sources,
     gguf_uri,
+    host_memory_gib,
     input_refs,
+    memory_quantity,
     needs_export,
     needs_stage_in,
     needs_stage_out,
@@ -103,6 +105,14 @@ from kubetune_trainer.contract import (
     ExportResult,
     StageInResult,
     StageOutResult,
+)
+
+HOST_MEMORY_GROWTH = 1.5
+"""Host memory of the next attempt after the kernel killed a trainer for memory."""
+HOST_MEMORY_FIX = (
+    "raise the trainer's memory per GPU (Helm value operator.trainerMemoryPerGPU, "
+    "KUBETUNE_TRAINER_MEMORY_PER_GPU) or allow a pool whose nodes have more memory "
+    "(spec.resources.pools)"
 )
 
 Manifest = dict[str, Any]
@@ -896,6 +906,7 @@ class _Reconciler:
             )
             return None
         status.memory_scale = round(planner.memory_scale, 4)
+        self.set_host_memory(status, self.s.plan)
         # A plan that waits for capacity is a plan all the same. A queued job is planned
         # again on every look; it tells of a plan only when the plan changed.
         summary = (
@@ -910,6 +921,12 @@ class _Reconciler:
         if new:
             self.d.event(Reason.PLAN_READY, f"Plan r{revision}: {summary}")
         return NewPlan(status, plan.queued)
+
+    def set_host_memory(self, status: PlanStatus, previous: PlanStatus | None) -> None:
+        """The trainer pods' host memory of a new plan, with what host out-of-memory kills
+        of the job taught (`previous` plan's scale)."""
+        status.host_memory_scale = previous.host_memory_scale if previous is not None else 1.0
+        status.host_memory_gib = host_memory_gib(status, self.settings.build)
 
     def _unplannable(self, reason: Reason, message: str) -> None:
         self.go.condition(ConditionType.PLANNED, False, reason, message)
@@ -1186,6 +1203,11 @@ class _Reconciler:
             self.s.attempt,
             int(job_status.get("failed") or 0),
         )
+        killed = next((end for end in look.ended if end.host_oom), None)
+        if killed is not None:
+            # Its peers' ends are the same failure: the next attempt replaces them all.
+            self.recover_host_oom(f"pod {killed.pod} ran out of host memory", pod=killed.pod)
+            return True
         for end in look.ended:
             self.s.restarts += 1
             self.add_recovery(end.reason, end.message, pod=end.pod)
@@ -1250,6 +1272,7 @@ class _Reconciler:
             message=why,
         )
         new.memory_scale = plan.memory_scale
+        self.set_host_memory(new, plan)
         self.s.restarts += 1
         message = (
             f"{PlanReason.UNSCHEDULABLE}: {why}; moved to pool {new.pool} ({new.total_gpus} GPU(s))"
@@ -1279,6 +1302,8 @@ class _Reconciler:
             )
         elif end.code == EXIT_STOPPED:
             self.fail(Reason.TRAINER_FAILED, f"the trainer stopped on request: {end.detail}")
+        elif end.host_oom:
+            self.recover_host_oom("a trainer ran out of host memory")
         else:
             self.relaunch(end)
 
@@ -1330,13 +1355,71 @@ class _Reconciler:
         self.stop_trainer()
         self.launch()
 
+    def memory_replans(self) -> int:
+        """Re-plans after running out of memory so far, GPU and host together (what
+        spec.recovery.maxOOMReplans limits)."""
+        kinds = (RecoveryReason.OOM, RecoveryReason.HOST_OOM)
+        return max(
+            sum(self.s.recovery_counts.get(kind, 0) for kind in kinds),
+            sum(1 for r in self.s.recoveries if r.reason in kinds),
+        )
+
+    def recover_host_oom(self, what: str, pod: str | None = None) -> None:
+        """The kernel killed a trainer for host memory (OOMKilled; `what` says which): relaunch
+        the same layout with HOST_MEMORY_GROWTH times the host memory, from the checkpoint.
+        Fail when the out-of-memory budget is spent, or when the pool's nodes could not hold
+        that much (its pods would never be scheduled)."""
+        plan = self.s.plan
+        assert plan is not None
+        what = f"{what} ({p.HOST_OOM_REASON})"
+        build = self.settings.build
+        old = memory_quantity(plan.host_memory_gib or host_memory_gib(plan, build))
+        replans, limit = self.memory_replans(), self.spec.recovery.max_oom_replans
+        if replans >= limit:
+            self.fail(
+                Reason.OOM_LIMIT,
+                f"{what} with {old} per trainer pod: out of memory {replans + 1} times, GPU and "
+                f"host together (spec.recovery.maxOOMReplans={limit}). To fix: "
+                f"{HOST_MEMORY_FIX}, or raise spec.recovery.maxOOMReplans",
+            )
+            return
+        new = plan.model_copy(
+            update={
+                "revision": plan.revision + 1,
+                "reason": PlanReason.HOST_OUT_OF_MEMORY,
+                "host_memory_scale": round(plan.host_memory_scale * HOST_MEMORY_GROWTH, 4),
+            }
+        )
+        new.host_memory_gib = host_memory_gib(new, build)
+        more = f"{old} → {memory_quantity(new.host_memory_gib)} of host memory per trainer pod"
+        pool = self.pool(plan.pool)
+        room = pool.status.node_memory_gib if pool is not None and pool.status else None
+        if room is not None and room < new.host_memory_gib:
+            self.fail(
+                Reason.HOST_MEMORY_UNAVAILABLE,
+                f"{what}; the next attempt would need {more}, and the largest node of pool "
+                f"{plan.pool} has {room:g} GiB allocatable: its pods could never be scheduled. "
+                f"To fix: {HOST_MEMORY_FIX}",
+            )
+            return
+        new.message = f"{what}; {more}"
+        message = (
+            f"{what}; relaunched from the latest checkpoint with {more}. To fix for good: "
+            f"{HOST_MEMORY_FIX}"
+        )
+        self.s.plan = new
+        self.add_recovery(RecoveryReason.HOST_OOM, message, pod=pod)
+        self.d.event(Reason.HOST_OUT_OF_MEMORY, message, warning=True)
+        self.stop_trainer()
+        attempt = self.s.attempt
+        self.launch()
+        if self.s.attempt > attempt:
+            self.s.message = f"launched attempt {self.s.attempt}: {message}"
+
     def recover_oom(self, detail: str) -> None:
         plan = self.s.plan
         assert plan is not None
-        ooms = max(
-            self.s.recovery_counts.get(RecoveryReason.OOM, 0),
-            sum(1 for r in self.s.recoveries if r.reason == RecoveryReason.OOM),
-        )
+        ooms = self.memory_replans()
         limit = self.spec.recovery.max_oom_replans
         if ooms >= limit:
             self.fail(

@@ -9,7 +9,9 @@ KUBETUNE_SAFETY_FACTOR              estimate × this must fit in GPU memory (1.1
 KUBETUNE_DEFAULT_OBJECTIVE          objective of jobs without spec.resources.objective (cost)
 KUBETUNE_TERMINATION_GRACE_SECONDS  time the trainer gets to checkpoint on stop (120)
 KUBETUNE_TRAINER_CPU_PER_GPU        CPU request of trainer pods per GPU (4)
-KUBETUNE_TRAINER_MEMORY_PER_GPU     memory request of trainer pods per GPU (16Gi)
+KUBETUNE_TRAINER_MEMORY_PER_GPU     host memory of trainer pods per GPU, before what the plan
+                                    adds (16Gi)
+KUBETUNE_TRAINER_MEMORY_LIMIT       trainer pods get a memory limit equal to their request (true)
 KUBETUNE_CACHE_SIZE                 size of a namespace's model and data cache claim (200Gi)
 KUBETUNE_CACHE_STORAGE_CLASS        its StorageClass, ReadWriteMany (the checkpoints' class)
 KUBETUNE_STAGE_IN_NODE_SELECTOR     JSON object: node labels stage-in pods need ({})
@@ -249,6 +251,7 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> ControllerSetting
         memory_per_gpu=_quantity(
             env, "KUBETUNE_TRAINER_MEMORY_PER_GPU", BuildSettings.memory_per_gpu
         ),
+        memory_limit=_bool(env, "KUBETUNE_TRAINER_MEMORY_LIMIT", BuildSettings.memory_limit),
         network_policy=_bool(env, "KUBETUNE_NETWORK_POLICIES", BuildSettings.network_policy),
         cache_size=_quantity(env, "KUBETUNE_CACHE_SIZE", BuildSettings.cache_size),
         cache_storage_class=env.get("KUBETUNE_CACHE_STORAGE_CLASS") or None,

@@ -180,6 +180,9 @@ class Candidate:
     cost: float
     queued: bool = False
     """True when the pool has the capacity in principle but not free right now."""
+    host_bytes_per_gpu: int = 0
+    """Host memory each GPU's trainer process fills because of the layout (activations
+    offloaded); the trainer pod's own needs come on top."""
 
     @property
     def total_gpus(self) -> int:
@@ -238,6 +241,11 @@ class Plan:
             memory_breakdown_gib={
                 k: round(v / GIB, 3) for k, v in c.estimate.breakdown.items() if v
             },
+            host_offload_gib=(
+                round(c.host_bytes_per_gpu * c.gpus_per_node / GIB, 2)
+                if c.host_bytes_per_gpu
+                else None
+            ),
             trainable_params=c.estimate.trainable_params,
             model_params=c.estimate.total_params,
             total_steps=self.total_steps,
@@ -521,6 +529,7 @@ class _Context:
             duration_s=duration,
             cost=cost_usd(duration, total, pool.spec.price_per_gpu_hour),
             queued=queued,
+            host_bytes_per_gpu=offloaded_bytes(self.arch, estimate.setup),
         )
 
     def fits(self, c: Candidate) -> bool:
