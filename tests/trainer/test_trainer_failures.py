@@ -20,7 +20,7 @@ import torch
 from kubetune_trainer import hub
 from kubetune_trainer import recipe as recipe_module
 from kubetune_trainer.__main__ import main
-from kubetune_trainer.contract import EXIT_CONFIG_ERROR, EXIT_OOM
+from kubetune_trainer.contract import EXIT_CHECKPOINT_FAILED, EXIT_CONFIG_ERROR, EXIT_OOM
 from kubetune_trainer.data import read_records
 from kubetune_trainer.errors import ConfigError, HubUnavailable
 from kubetune_trainer.recipe import FineTuneRecipe, is_out_of_memory
@@ -109,6 +109,47 @@ def test_out_of_memory_in_any_phase_exits_43_naming_it(
     if phase != "load":  # metrics start after the model is built
         (event,) = read_log(tmp_path / "metrics.jsonl", "oom")
         assert event["phase"] == phase
+
+
+@pytest.mark.parametrize("phase", ["load", "eval", "save", "export"])
+def test_the_phase_fault_runs_out_of_memory_where_it_says(
+    tmp_path: Path,
+    tiny_llama: Path,
+    alpaca_data: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    phase: str,
+) -> None:
+    """`faults.oom_in_phase` (the e2e tier's fault matrix) fails as a real OOM there would."""
+    cfg = trainer_config(
+        tmp_path,
+        tiny_llama,
+        alpaca_data,
+        "lora",
+        training={"max_steps": 2, "total_steps": 2},
+        dataset={"validation_split": 0.2},
+        faults={"oom_in_phase": phase},
+    )
+    assert run_main(tmp_path, cfg, monkeypatch) == EXIT_OOM
+    message = termination_message(tmp_path)
+    assert f"phase={phase} " in message and f"faults.oom_in_phase={phase}" in message
+
+
+def test_the_disk_full_fault_fails_that_save_and_keeps_the_one_before(
+    tmp_path: Path, tiny_llama: Path, alpaca_data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = trainer_config(
+        tmp_path,
+        tiny_llama,
+        alpaca_data,
+        "lora",
+        training={"max_steps": 4, "total_steps": 4},
+        checkpoint={"interval_steps": 2, "keep": 2},
+        faults={"disk_full_at_step": 4},
+    )
+    assert run_main(tmp_path, cfg, monkeypatch) == EXIT_CHECKPOINT_FAILED
+    assert "not enough space for checkpoint step-4" in termination_message(tmp_path)
+    folders = sorted(p.name for p in Path(cfg["checkpoint"]["dir"]).iterdir() if p.is_dir())
+    assert "step-2" in folders and "step-4" not in folders
 
 
 def test_out_of_memory_is_found_inside_other_errors() -> None:

@@ -56,6 +56,7 @@ from kubetune_trainer.contract import (
     EXIT_OOM,
     EXIT_PREEMPTED,
     EXIT_STOPPED,
+    FaultInjection,
     TrainerConfig,
 )
 from support.podsecurity import restricted_violations
@@ -571,6 +572,9 @@ def test_step_seconds_annotation_slows_every_attempt() -> None:
         '{"stepSeconds": 0}',
         '{"stepSeconds": 61}',
         '{"stepSeconds": "1"}',
+        '{"oomInPhase": "train"}',
+        '{"killAtStep": 3, "killRank": -1}',
+        '{"diskFullAtStep": 0}',
     ],
 )
 def test_bad_fault_annotation_is_a_spec_error(annotation: str) -> None:
@@ -587,8 +591,20 @@ def test_hang_annotation_reaches_the_listed_attempts() -> None:
     assert build_trainer_config(job, tiny_lora_plan(), FAULTS_ON, 1).faults.hang_at_step == 8
     assert build_trainer_config(job, tiny_lora_plan(), FAULTS_ON, 2).faults.hang_at_step is None
     job.metadata["annotations"] = {"kubetune.io/test-faults": '{"hangAtStep": 0}'}
-    with pytest.raises(SpecError, match="hangAtStep a step >= 1"):
+    with pytest.raises(SpecError, match=r"hangAtStep, killAtStep .* a step >= 1"):
         build_trainer_config(job, tiny_lora_plan(), FAULTS_ON, 1)
+
+
+def test_phase_kill_and_disk_faults_reach_the_trainer_config() -> None:
+    job = tiny_lora_job()
+    job.metadata["annotations"] = {
+        "kubetune.io/test-faults": '{"oomInPhase": "eval", "killAtStep": 7, "killRank": 1, '
+        '"diskFullAtStep": 10, "attempts": [2]}'
+    }
+    faults = build_trainer_config(job, tiny_lora_plan(), FAULTS_ON, 2).faults
+    assert (faults.oom_in_phase, faults.kill_at_step, faults.kill_rank) == ("eval", 7, 1)
+    assert faults.disk_full_at_step == 10
+    assert build_trainer_config(job, tiny_lora_plan(), FAULTS_ON, 1).faults == FaultInjection()
 
 
 def test_fault_annotation_is_ignored_without_the_setting() -> None:

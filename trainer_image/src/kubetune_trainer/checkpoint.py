@@ -252,6 +252,8 @@ class Checkpointer:
         its checkpoint, since the run's output is made from it."""
         self.last_hash_seconds = 0.0
         self.last_bytes = 0
+        self.full_at_step: int | None = None
+        """Test fault: the free-space check before this step's save reads 0 bytes free."""
 
     def _options(self) -> StateDictOptions:
         # Frozen base weights are never saved for LoRA/QLoRA: they are the input model.
@@ -564,6 +566,9 @@ class Checkpointer:
                     shutil.rmtree(q, ignore_errors=True)
                     log.warning("removed quarantined checkpoint %s to make room", q.name)
                     free = shutil.disk_usage(self.root).free
+                if step == self.full_at_step:
+                    log.warning("the volume reads as full (simulated by faults.disk_full_at_step)")
+                    free = 0
             except OSError as e:
                 log.error("cannot prepare %s for a checkpoint: %s", self.root, e)
                 broken = 1

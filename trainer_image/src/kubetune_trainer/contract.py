@@ -236,6 +236,26 @@ class FaultInjection(_Strict):
         "stop requests, as a rank stuck in a collective does: the operator's stall detection "
         "must notice.",
     )
+    oom_in_phase: Literal["load", "eval", "save", "export"] | None = Field(
+        default=None,
+        description="The first time the trainer enters this phase it runs out of GPU memory "
+        "(a simulated torch.OutOfMemoryError), as a model too large to load, an evaluation "
+        "batch, a checkpoint gather or a merge for export would.",
+    )
+    kill_at_step: int | None = Field(
+        default=None,
+        ge=1,
+        description="Before this step one rank (kill_rank) SIGKILLs itself, as the kernel or "
+        "a crashing CUDA driver would: no checkpoint, no message. Once per job (a marker under "
+        "the checkpoint folder's .faults/), so the pod that replaces it trains on.",
+    )
+    kill_rank: int = Field(default=0, ge=0, description="The rank kill_at_step kills.")
+    disk_full_at_step: int | None = Field(
+        default=None,
+        ge=1,
+        description="The checkpoint of this step finds no free space on the volume (the "
+        "free-space check reads 0 bytes free), as a full volume would.",
+    )
     min_step_seconds: float | None = Field(
         default=None,
         gt=0,

@@ -246,6 +246,7 @@ class FineTuneRecipe:
         self.phase = "load"
         """What the run is doing (a key of `contract.OOM_PHASES`): an out-of-memory error
         names it."""
+        self._faults_fired: set[str] = set()
 
     @contextlib.contextmanager
     def _in_phase(self, phase: str) -> Iterator[None]:
@@ -253,6 +254,11 @@ class FineTuneRecipe:
         `finally`), so `run` can say where the run was when it failed."""
         before = self.phase
         self.phase = phase
+        if phase == self.cfg.faults.oom_in_phase and phase not in self._faults_fired:
+            self._faults_fired.add(phase)
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory (simulated by faults.oom_in_phase={phase})"
+            )
         yield
         self.phase = before
 
@@ -350,6 +356,7 @@ class FineTuneRecipe:
             env=env,
             adapter_only=self.built.adapter_only,
         )
+        self.checkpointer.full_at_step = cfg.faults.disk_full_at_step
         self.metrics = TrainerMetrics(
             enabled=env.is_main,
             # Port 0 picks a free port (tests); a negative port turns the endpoint off.
@@ -627,6 +634,8 @@ class FineTuneRecipe:
             t0 = time.monotonic()
             if cfg.faults.hang_at_step is not None and self.step + 1 == cfg.faults.hang_at_step:
                 _hang(self.step + 1)
+            if self.step + 1 == cfg.faults.kill_at_step and self.env.rank == cfg.faults.kill_rank:
+                _kill_once(Path(cfg.checkpoint.dir), self.step + 1, self.env.rank)
             with self._in_phase("train"):
                 if cfg.faults.oom_at_step is not None and self.step + 1 == cfg.faults.oom_at_step:
                     raise torch.OutOfMemoryError(
@@ -1348,6 +1357,21 @@ def run(cfg: TrainerConfig) -> TrainResult:
 
 
 __all__ = ["ConfigError", "FineTuneRecipe", "TrainResult", "run"]
+
+
+def _kill_once(checkpoints: Path, step: int, rank: int) -> None:
+    """SIGKILL this rank before `step` (test-only, `faults.kill_at_step`), once per job: a
+    marker on the checkpoint volume keeps the pod that replaces it (same config) alive."""
+    marker = checkpoints / ".faults" / f"killed-before-step-{step}"
+    if marker.exists():
+        return
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    with open(marker, "w") as f:
+        f.write(f"rank {rank}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    log.warning("rank %d SIGKILLs itself before step %d (faults.kill_at_step)", rank, step)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _hang(step: int) -> None:

@@ -614,6 +614,15 @@ def build_trainer_config(
     )
 
 
+_STEP_FAULTS = {
+    "oomAtStep": "oom_at_step",
+    "hangAtStep": "hang_at_step",
+    "killAtStep": "kill_at_step",
+    "diskFullAtStep": "disk_full_at_step",
+}
+_OOM_PHASES = ("load", "eval", "save", "export")
+
+
 def fault_injection(job: FineTuneJob, attempt: int) -> FaultInjection:
     """The fault injection the `kubetune.io/test-faults` annotation asks of this attempt."""
     annotations = job.metadata.get("annotations") or {}
@@ -622,35 +631,37 @@ def fault_injection(job: FineTuneJob, attempt: int) -> FaultInjection:
         return FaultInjection()
     how = (
         'expected a JSON object such as {"oomAtStep": 6, "attempts": [1]} or '
-        '{"stepSeconds": 0.3}: oomAtStep or hangAtStep a step >= 1, attempts a list of '
-        "attempt numbers (default: every attempt), stepSeconds a least time per step in (0, 60]"
+        '{"stepSeconds": 0.3}: oomAtStep, hangAtStep, killAtStep (with killRank, default 0) '
+        f"or diskFullAtStep a step >= 1, oomInPhase one of {', '.join(_OOM_PHASES)}, attempts "
+        "a list of attempt numbers (default: every attempt), stepSeconds a least time per "
+        "step in (0, 60]"
     )
     try:
         spec = json.loads(raw)
     except ValueError as exc:
         raise SpecError(f"annotation {ANNOTATION_TEST_FAULTS} is not JSON ({exc})", how) from None
-    if not isinstance(spec, dict) or set(spec) - {
-        "oomAtStep",
-        "hangAtStep",
-        "attempts",
-        "stepSeconds",
-    }:
+    known = {*_STEP_FAULTS, "oomInPhase", "killRank", "attempts", "stepSeconds"}
+    if not isinstance(spec, dict) or set(spec) - known:
         raise SpecError(f"annotation {ANNOTATION_TEST_FAULTS}={raw!r} is not understood", how)
-    step, attempts, seconds = spec.get("oomAtStep"), spec.get("attempts"), spec.get("stepSeconds")
-    hang = spec.get("hangAtStep")
+    steps = {field: spec.get(key) for key, field in _STEP_FAULTS.items()}
+    attempts, seconds = spec.get("attempts"), spec.get("stepSeconds")
+    phase, rank = spec.get("oomInPhase"), spec.get("killRank", 0)
     # JSON numbers arrive as int or float; true/false are bools, which isinstance calls ints.
-    step_ok = all(s is None or (type(s) is int and s >= 1) for s in (step, hang))
+    step_ok = all(s is None or (type(s) is int and s >= 1) for s in steps.values())
     seconds_ok = seconds is None or (type(seconds) in (int, float) and 0 < seconds <= 60)
     attempts_ok = attempts is None or (
         isinstance(attempts, list) and all(isinstance(a, int) for a in attempts)
     )
-    if not (step_ok and seconds_ok and attempts_ok) or (step, hang, seconds) == (None,) * 3:
+    other_ok = (phase is None or phase in _OOM_PHASES) and type(rank) is int and rank >= 0
+    asks = [*steps.values(), seconds, phase]
+    if not (step_ok and seconds_ok and attempts_ok and other_ok) or all(a is None for a in asks):
         raise SpecError(f"annotation {ANNOTATION_TEST_FAULTS}={raw!r} is not understood", how)
     if attempts is not None and attempt not in attempts:
         return FaultInjection()
     return FaultInjection(
-        oom_at_step=step,
-        hang_at_step=hang,
+        **steps,
+        oom_in_phase=phase,
+        kill_rank=rank,
         min_step_seconds=None if seconds is None else float(seconds),
     )
 
