@@ -205,7 +205,9 @@ kubectl create namespace kubetune-system
 kubectl label namespace kubetune-system pod-security.kubernetes.io/enforce=restricted
 # The cache and checkpoint claims (ReadWriteMany) on kubetune-shared: a checkpoint volume
 # follows its job to any node, and the pods of a two-node plan share it. Stage-in pods run the trainer image, which
-# only the workers hold: they go to the first pool's node and tolerate its taint.
+# only the workers hold: they go to the first pool's node and tolerate its taint. Trainer
+# pods ask for 1Gi per GPU with no memory limit: a CPU worker of the tiny model takes about
+# that much, and a limit that small would have the kernel kill it.
 helm install kubetune charts/kubetune --namespace kubetune-system --wait \
   --set image.repository="${OPERATOR_IMAGE%:*}" --set image.tag="${OPERATOR_IMAGE##*:}" \
   --set image.pullPolicy=Never \
@@ -214,6 +216,7 @@ helm install kubetune charts/kubetune --namespace kubetune-system --wait \
   --set operator.progressWriteSeconds=1 \
   --set operator.terminationGraceSeconds=60 --set operator.rescheduleSeconds=5 \
   --set operator.trainerCPUPerGPU=250m --set operator.trainerMemoryPerGPU=1Gi \
+  --set operator.trainerMemoryLimit=false \
   --set operator.allowTestFaults=true --set operator.startupTimeoutSeconds=90 \
   --set operator.cacheStorageClass=kubetune-shared \
   --set operator.checkpointStorageClass=kubetune-shared --set operator.checkpointReadWriteMany=true \
