@@ -115,6 +115,9 @@ class Target:
     """Whether reading a file of a volume is quick (a local folder), not a pod per read."""
     pulls_images = False
     """Whether a kubelet pulls the pods' images (the local pod runner ignores them)."""
+    enforces_memory_limits = False
+    """Whether a container's memory limit is enforced (a cgroup the kernel kills in); the
+    local pod runner has no cgroups."""
     host_address = "127.0.0.1"
     """The IPv4 address of this machine that the target's pods reach: where a server the
     suite starts here (the S3 server) listens, and the endpoint the pods are given."""
@@ -152,6 +155,15 @@ class Target:
     def hard_kill(self, pod: str) -> None:
         """SIGKILL a trainer pod's training mid-step, as when its node dies: no checkpoint."""
         raise NotImplementedError
+
+    def lose_node(self, node: str) -> str:
+        """The machine behind a node dies with everything on it: its kubelet stops reporting
+        and nothing reports its pods' end. Returns how it was done, in words."""
+        raise NotImplementedError
+
+    def restore_node(self, node: str) -> None:
+        """After its Node object was deleted: bring a lost node back where the target can,
+        ready for pods as before."""
 
     def start_operator(self) -> None:
         raise NotImplementedError
@@ -218,6 +230,14 @@ class LocalTarget(Target):
     def hard_kill(self, pod: str) -> None:
         # The local pod runner kills a force-deleted pod's processes at once.
         self.kubectl("delete", "pod", pod, "-n", NAMESPACE, "--grace-period=0", "--force")
+
+    def lose_node(self, node: str) -> str:
+        # A node's pod runner is its kubelet: SIGKILLed, its process group (the pods'
+        # processes) dies with it, and nothing reports either any more.
+        pid = self.cluster.state.pids.pop(f"podrunner-{node}")
+        self.cluster.state.save()
+        os.killpg(pid, signal.SIGKILL)
+        return "its pod runner SIGKILLed"
 
     def kubectl_argv(self) -> list[str]:
         return [str(self.cluster.binaries.kubectl), f"--kubeconfig={self.cluster.kubeconfig}"]
@@ -305,6 +325,7 @@ class KindTarget(Target):
     SHARED_MOUNT = "/var/kubetune-shared"
     """Where kubetune-shared's folder is mounted inside the nodes."""
     pulls_images = True
+    enforces_memory_limits = True
     OPERATOR_NAMESPACE = "kubetune-system"
     OPERATOR_SELECTOR = "app.kubernetes.io/name=kubetune"
 
@@ -494,6 +515,29 @@ class KindTarget(Target):
             "        os.kill(int(pid), signal.SIGKILL)\n"
         )
         self.kubectl("exec", "-n", NAMESPACE, pod, "-c", "trainer", "--", "python", "-c", script)
+
+    def lose_node(self, node: str) -> str:
+        # The node container SIGKILLed: kubelet, containerd and the trainer die at once.
+        out = subprocess.run(["docker", "kill", node], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, f"docker kill {node}: {out.stderr.strip()}"
+        return "its node container killed (docker kill)"
+
+    def restore_node(self, node: str) -> None:
+        """Start the node container again: its kubelet registers the Node anew (with the
+        labels of the cluster config); the GPU taint and the advertised GPUs are put back as
+        hack/kind-e2e.sh first set them."""
+        out = subprocess.run(["docker", "start", node], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, f"docker start {node}: {out.stderr.strip()}"
+
+        def ready() -> bool:
+            conds = ((self.get("node", node) or {}).get("status") or {}).get("conditions") or []
+            return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
+
+        wait_for(f"node {node} Ready again", ready, 180)
+        self.kubectl("taint", "node", node, "nvidia.com/gpu=true:NoSchedule", "--overwrite")
+        patch = [{"op": "add", "path": "/status/capacity/nvidia.com~1gpu", "value": "2"}]
+        self.kubectl("patch", "node", node, "--subresource=status", "--type=json",
+                     "-p", json.dumps(patch))  # fmt: skip
 
     def _scale(self, replicas: int) -> None:
         self.kubectl(
