@@ -332,3 +332,19 @@ def test_a_crash_writes_its_error_into_the_termination_message(
     message = termination_message(tmp_path)
     assert message.startswith("crash rank=0 KeyError: 'model.layers.0.mlp.up_proj xxx")
     assert message.rstrip().endswith("...") and len(message) < 400
+
+
+def test_the_host_memory_fault_never_allocates_without_a_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`faults.host_memory_at_step` must not take a shared machine's memory: without a cgroup
+    limit to reach (the local pod runner, this test) it does nothing, and it fires once."""
+    memory_max = tmp_path / "memory.max"
+    monkeypatch.setattr(recipe_module, "CGROUP_MEMORY_MAX", memory_max)
+    memory_max.write_text("max\n")
+    recipe_module._exhaust_host_memory_once(tmp_path, 5)
+    assert not (tmp_path / ".faults").exists()
+    memory_max.write_text(f"{64 << 20}\n")  # small: twice that is allocated, then let go
+    recipe_module._exhaust_host_memory_once(tmp_path, 5)
+    assert (tmp_path / ".faults" / "host-memory-before-step-5").exists()
+    recipe_module._exhaust_host_memory_once(tmp_path, 5)  # fired already: returns at once

@@ -250,6 +250,14 @@ class FaultInjection(_Strict):
         "the checkpoint folder's .faults/), so the pod that replaces it trains on.",
     )
     kill_rank: int = Field(default=0, ge=0, description="The rank kill_at_step kills.")
+    host_memory_at_step: int | None = Field(
+        default=None,
+        ge=1,
+        description="Before this step rank 0 allocates host memory until the kernel kills the "
+        "container for its memory limit (OOMKilled), as a dataset or an offload buffer too "
+        "large for the pod would. Once per job (a marker under .faults/); without a memory "
+        "limit (no cgroup limit to reach) it does nothing but say so.",
+    )
     disk_full_at_step: int | None = Field(
         default=None,
         ge=1,

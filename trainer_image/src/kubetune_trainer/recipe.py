@@ -636,6 +636,8 @@ class FineTuneRecipe:
                 _hang(self.step + 1)
             if self.step + 1 == cfg.faults.kill_at_step and self.env.rank == cfg.faults.kill_rank:
                 _kill_once(Path(cfg.checkpoint.dir), self.step + 1, self.env.rank)
+            if self.step + 1 == cfg.faults.host_memory_at_step and self.env.is_main:
+                _exhaust_host_memory_once(Path(cfg.checkpoint.dir), self.step + 1)
             with self._in_phase("train"):
                 if cfg.faults.oom_at_step is not None and self.step + 1 == cfg.faults.oom_at_step:
                     raise torch.OutOfMemoryError(
@@ -1359,19 +1361,50 @@ def run(cfg: TrainerConfig) -> TrainResult:
 __all__ = ["ConfigError", "FineTuneRecipe", "TrainResult", "run"]
 
 
-def _kill_once(checkpoints: Path, step: int, rank: int) -> None:
-    """SIGKILL this rank before `step` (test-only, `faults.kill_at_step`), once per job: a
-    marker on the checkpoint volume keeps the pod that replaces it (same config) alive."""
-    marker = checkpoints / ".faults" / f"killed-before-step-{step}"
+def _first_time(checkpoints: Path, fault: str) -> bool:
+    """Whether a test fault fires for the first time in this job; marks it fired. The marker
+    lives on the checkpoint volume, so the pod that replaces a killed one (same config) does
+    not fire it again."""
+    marker = checkpoints / ".faults" / fault
     if marker.exists():
-        return
+        return False
     marker.parent.mkdir(parents=True, exist_ok=True)
     with open(marker, "w") as f:
-        f.write(f"rank {rank}\n")
+        f.write(f"{time.time():.0f}\n")
         f.flush()
         os.fsync(f.fileno())
-    log.warning("rank %d SIGKILLs itself before step %d (faults.kill_at_step)", rank, step)
-    os.kill(os.getpid(), signal.SIGKILL)
+    return True
+
+
+def _kill_once(checkpoints: Path, step: int, rank: int) -> None:
+    """SIGKILL this rank before `step` (test-only, `faults.kill_at_step`), once per job."""
+    if _first_time(checkpoints, f"killed-before-step-{step}"):
+        log.warning("rank %d SIGKILLs itself before step %d (faults.kill_at_step)", rank, step)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+CGROUP_MEMORY_MAX = Path("/sys/fs/cgroup/memory.max")
+
+
+def _exhaust_host_memory_once(checkpoints: Path, step: int) -> None:
+    """Allocate host memory until the kernel kills the container for its memory limit
+    (test-only, `faults.host_memory_at_step`), once per job. Without a limit to reach it
+    allocates nothing: it must never take a shared machine's memory."""
+    try:
+        limit = CGROUP_MEMORY_MAX.read_text().strip()
+    except OSError:
+        limit = "max"
+    if not limit.isdigit():
+        log.warning("faults.host_memory_at_step: no cgroup memory limit here, nothing done")
+        return
+    if not _first_time(checkpoints, f"host-memory-before-step-{step}"):
+        return
+    log.warning("allocating host memory past the limit of %s bytes before step %d "
+                "(faults.host_memory_at_step)", limit, step)  # fmt: skip
+    hoard, chunk = [], 64 << 20
+    for _ in range(2 * int(limit) // chunk + 1):
+        hoard.append(bytearray(chunk))  # zero-filled: every page touched
+    log.warning("faults.host_memory_at_step: twice the limit allocated and not killed")
 
 
 def _hang(step: int) -> None:

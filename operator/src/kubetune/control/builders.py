@@ -619,6 +619,7 @@ _STEP_FAULTS = {
     "hangAtStep": "hang_at_step",
     "killAtStep": "kill_at_step",
     "diskFullAtStep": "disk_full_at_step",
+    "hostMemoryAtStep": "host_memory_at_step",
 }
 _OOM_PHASES = ("load", "eval", "save", "export")
 
@@ -631,10 +632,10 @@ def fault_injection(job: FineTuneJob, attempt: int) -> FaultInjection:
         return FaultInjection()
     how = (
         'expected a JSON object such as {"oomAtStep": 6, "attempts": [1]} or '
-        '{"stepSeconds": 0.3}: oomAtStep, hangAtStep, killAtStep (with killRank, default 0) '
-        f"or diskFullAtStep a step >= 1, oomInPhase one of {', '.join(_OOM_PHASES)}, attempts "
-        "a list of attempt numbers (default: every attempt), stepSeconds a least time per "
-        "step in (0, 60]"
+        '{"stepSeconds": 0.3}: oomAtStep, hangAtStep, killAtStep (with killRank, default 0), '
+        "diskFullAtStep or hostMemoryAtStep a step >= 1, oomInPhase one of "
+        f"{', '.join(_OOM_PHASES)}, attempts a list of attempt numbers (default: every "
+        "attempt), stepSeconds a least time per step in (0, 60]"
     )
     try:
         spec = json.loads(raw)
