@@ -73,10 +73,10 @@ SAYS = {
         "capacity, allow more pools (spec.resources.pools) or lower spec.resources.gpus.",
     ),
     "KubetuneRepeatedOOMRecoveries": (
-        "FineTuneJob keeps running out of GPU memory",
-        "a/o recovered from 2 out-of-memory failures within 1h. The memory estimate is too "
-        "low for this model or data; check kubetune_finetunejob_estimated_gpu_memory_bytes "
-        "against the trainer's peak.",
+        "FineTuneJob keeps running out of memory",
+        "a/o recovered from 2 out-of-memory failures (GPU or host) within 1h. The memory "
+        "estimate is too low for this model or data; check the job's recoveries, and "
+        "kubetune_finetunejob_estimated_gpu_memory_bytes against the trainer's peak.",
     ),
     "KubetuneBudgetNearlySpent": (
         "FineTuneJob has nearly spent its budget",
@@ -161,10 +161,16 @@ def test_promtool_checks_and_tests_the_alert_rules(tmp_path: Path, binaries: Bin
         # Queued for 40 minutes; another job queued only from minute 20.
         (f"kubetune_finetunejob_info{{{INFO.format(job='q', phase='Queued')}}}", "1x40"),
         (f"kubetune_finetunejob_info{{{INFO.format(job='q2', phase='Queued')}}}", "_x20 1x20"),
-        # Two OOM recoveries within the hour; another job has one.
+        # Two out-of-memory recoveries within the hour, one GPU and one host; another job
+        # has one.
         (
             'kubetune_finetunejob_recoveries_total{namespace="a",finetunejob="o",reason="OOM"}',
-            "0 0 1 1 2 2 2 2 2 2 2",
+            "0 0 1 1 1 1 1 1 1 1 1",
+        ),
+        (
+            'kubetune_finetunejob_recoveries_total{namespace="a",finetunejob="o",'
+            'reason="HostOutOfMemory"}',
+            "0 0 0 0 1 1 1 1 1 1 1",
         ),
         (
             'kubetune_finetunejob_recoveries_total{namespace="a",finetunejob="o1",reason="OOM"}',
@@ -217,7 +223,7 @@ def test_promtool_checks_and_tests_the_alert_rules(tmp_path: Path, binaries: Bin
                 "alert_rule_test": [
                     alert("KubetuneJobStuckQueued", "20m", None),
                     alert("KubetuneJobStuckQueued", "35m", job("q")),
-                    alert("KubetuneRepeatedOOMRecoveries", "6m", {**job("o"), "reason": "OOM"}),
+                    alert("KubetuneRepeatedOOMRecoveries", "6m", job("o")),
                     alert("KubetuneBudgetNearlySpent", "5m", job("b")),
                     alert("KubetuneNoProgress", "10m", None),
                     alert("KubetuneNoProgress", "20m", job("s")),
