@@ -339,10 +339,14 @@ def test_the_host_memory_fault_never_allocates_without_a_limit(
 ) -> None:
     """`faults.host_memory_at_step` must not take a shared machine's memory: without a cgroup
     limit to reach (the local pod runner, this test) it does nothing, and it fires once."""
-    memory_max = tmp_path / "memory.max"
-    monkeypatch.setattr(recipe_module, "CGROUP_MEMORY_MAX", memory_max)
-    memory_max.write_text("max\n")
-    recipe_module._exhaust_host_memory_once(tmp_path, 5)
+    memory_max, v1_limit = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
+    monkeypatch.setattr(recipe_module, "CGROUP_MEMORY_LIMITS", (memory_max, v1_limit))
+    for path, unlimited in ((memory_max, "max"), (v1_limit, str(2**63 - 4096))):
+        path.write_text(f"{unlimited}\n")
+        recipe_module._exhaust_host_memory_once(tmp_path, 5)
+        assert not (tmp_path / ".faults").exists()
+        path.unlink()
+    recipe_module._exhaust_host_memory_once(tmp_path, 5)  # no cgroup files at all
     assert not (tmp_path / ".faults").exists()
     memory_max.write_text(f"{64 << 20}\n")  # small: twice that is allocated, then let go
     recipe_module._exhaust_host_memory_once(tmp_path, 5)

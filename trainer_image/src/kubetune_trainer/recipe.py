@@ -1383,18 +1383,27 @@ def _kill_once(checkpoints: Path, step: int, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-CGROUP_MEMORY_MAX = Path("/sys/fs/cgroup/memory.max")
+CGROUP_MEMORY_LIMITS = (
+    Path("/sys/fs/cgroup/memory.max"),  # cgroup v2: a number, or "max"
+    Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),  # v1: a number near 2**63 if none
+)
+
+
+def _memory_limit() -> int | None:
+    """This container's memory limit in bytes, if it has one."""
+    for path in CGROUP_MEMORY_LIMITS:
+        with contextlib.suppress(OSError):
+            text = path.read_text().strip()
+            return int(text) if text.isdigit() and int(text) < 1 << 60 else None
+    return None
 
 
 def _exhaust_host_memory_once(checkpoints: Path, step: int) -> None:
     """Allocate host memory until the kernel kills the container for its memory limit
     (test-only, `faults.host_memory_at_step`), once per job. Without a limit to reach it
     allocates nothing: it must never take a shared machine's memory."""
-    try:
-        limit = CGROUP_MEMORY_MAX.read_text().strip()
-    except OSError:
-        limit = "max"
-    if not limit.isdigit():
+    limit = _memory_limit()
+    if limit is None:
         log.warning("faults.host_memory_at_step: no cgroup memory limit here, nothing done")
         return
     if not _first_time(checkpoints, f"host-memory-before-step-{step}"):
@@ -1402,7 +1411,7 @@ def _exhaust_host_memory_once(checkpoints: Path, step: int) -> None:
     log.warning("allocating host memory past the limit of %s bytes before step %d "
                 "(faults.host_memory_at_step)", limit, step)  # fmt: skip
     hoard, chunk = [], 64 << 20
-    for _ in range(2 * int(limit) // chunk + 1):
+    for _ in range(2 * limit // chunk + 1):
         hoard.append(bytearray(chunk))  # zero-filled: every page touched
     log.warning("faults.host_memory_at_step: twice the limit allocated and not killed")
 
