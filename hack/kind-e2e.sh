@@ -206,8 +206,8 @@ kubectl label namespace kubetune-system pod-security.kubernetes.io/enforce=restr
 # The cache and checkpoint claims (ReadWriteMany) on kubetune-shared: a checkpoint volume
 # follows its job to any node, and the pods of a two-node plan share it. Stage-in pods run the trainer image, which
 # only the workers hold: they go to the first pool's node and tolerate its taint. Trainer
-# pods ask for 1Gi per GPU with no memory limit: a CPU worker of the tiny model takes about
-# that much, and a limit that small would have the kernel kill it.
+# pods get 2Gi of host memory per GPU, request = limit as in production (a CPU worker of the
+# tiny model takes about 1Gi): the host-memory fault reaches that limit for real.
 helm install kubetune charts/kubetune --namespace kubetune-system --wait \
   --set image.repository="${OPERATOR_IMAGE%:*}" --set image.tag="${OPERATOR_IMAGE##*:}" \
   --set image.pullPolicy=Never \
@@ -215,8 +215,7 @@ helm install kubetune charts/kubetune --namespace kubetune-system --wait \
   --set operator.pollSeconds=1 --set operator.queueRetrySeconds=2 \
   --set operator.progressWriteSeconds=1 \
   --set operator.terminationGraceSeconds=60 --set operator.rescheduleSeconds=5 \
-  --set operator.trainerCPUPerGPU=250m --set operator.trainerMemoryPerGPU=1Gi \
-  --set operator.trainerMemoryLimit=false \
+  --set operator.trainerCPUPerGPU=250m --set operator.trainerMemoryPerGPU=2Gi \
   --set operator.allowTestFaults=true --set operator.startupTimeoutSeconds=90 \
   --set operator.cacheStorageClass=kubetune-shared \
   --set operator.checkpointStorageClass=kubetune-shared --set operator.checkpointReadWriteMany=true \

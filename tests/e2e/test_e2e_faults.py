@@ -33,6 +33,7 @@ from support.e2e_jobs import (
     job_doc,
     running_pod,
     runs_of,
+    status,
     steps_lost,
     train_log,
     wait_phase,
@@ -177,6 +178,40 @@ def test_out_of_memory_while_loading_or_evaluating_replans_and_resumes(
         f"OOM while {'loading the model' if phase == 'load' else 'evaluating'}: "
         f"{rec['message'][:120]}; steps lost {lost[0]}"
     )
+    delete_job(target, name)
+
+
+@pytest.mark.kubelet
+def test_a_trainer_killed_for_host_memory_is_relaunched_with_more(target: Target) -> None:
+    """Rank 0 allocates host memory past the pod's limit (request = limit, from the plan): the
+    kernel kills the container (OOMKilled), and the operator relaunches the same layout with
+    1.5 times the host memory, from the last checkpoint."""
+    if not target.enforces_memory_limits:
+        pytest.skip(f"the {target.name} target enforces no memory limits (no cgroups)")
+    name = "host-oom"
+    target.apply(job_doc(name, steps=30, annotations=faults(hostMemoryAtStep=14)))
+    first = wait_for("the first plan", lambda: status(target, name).get("plan"), 60)
+    s = wait_phase(target, name, "Succeeded")
+    runs = runs_of(train_log(target, name))
+    check_runs_are_contiguous(runs, 30)
+    assert len(runs) == 2 and runs[0].end is None and runs[0].last == 13, runs
+    assert runs[1].resumed_from == 10, runs
+    (rec,) = s["recoveries"]
+    assert rec["reason"] == "HostOutOfMemory" and "OOMKilled" in rec["message"], rec
+    plan = s["plan"]
+    assert plan["revision"] == 2 and plan["hostMemoryScale"] == 1.5, plan
+    assert plan["hostMemoryGiB"] == pytest.approx(1.5 * first["hostMemoryGiB"], rel=0.05), (
+        first,
+        plan,
+    )
+    assert "HostOutOfMemory" in event_reasons(target, name)
+    retrained = retrained_difference(runs)
+    REPORT.append(
+        f"host memory exhausted before step 14: OOMKilled at {first['hostMemoryGiB']:g} GiB, "
+        f"relaunched with {plan['hostMemoryGiB']:g} GiB, resumed at 10, steps lost "
+        f"{steps_lost(runs)[0]}, re-trained steps differ by {retrained:.1e}"
+    )
+    assert retrained <= RETRAINED_TOLERANCE
     delete_job(target, name)
 
 
