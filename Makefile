@@ -41,8 +41,8 @@ e2e: setup
 test: lint
 	$(VENV)/bin/pytest -m "unit or trainer"
 	$(VENV)/bin/pytest -m integration
-	$(VENV)/bin/pytest -m e2e
-	VENV=$(VENV) hack/kind-e2e.sh --if-cached -m "e2e and kubelet"
+	$(VENV)/bin/pytest -m e2e --durations=12
+	VENV=$(VENV) hack/kind-e2e.sh --if-cached -m "e2e and kubelet" --durations=12
 
 crds: setup
 	$(VENV)/bin/kubetune crds --out crds/

@@ -215,7 +215,6 @@ def test_preemption_resumes_at_the_same_step(target: Target, baseline: dict[str,
     delete_job(target, name)
 
 
-@pytest.mark.kubelet
 def test_preempted_without_room_moves_to_another_pool(target: Target) -> None:
     if not target.volumes_follow_pods:
         pytest.skip(
@@ -663,7 +662,6 @@ def test_bad_s3_inputs_fail_the_job_before_any_trainer_pod(
         delete_job(target, name)
 
 
-@pytest.mark.kubelet
 def test_a_job_chained_after_another_trains_on_its_merged_model(target: Target) -> None:
     """`ftj://sft` as the model: applied together, the second job waits while the first
     trains, then trains on the first one's merged model; a chain whose upstream fails ends
@@ -931,7 +929,6 @@ def test_delete_mid_run_collects_children(target: Target, retention: str) -> Non
         target.kubectl("delete", "pvc", pvc, "-n", NAMESPACE, "--wait=false")
 
 
-@pytest.mark.kubelet
 def test_operator_restarts_lose_nothing(target: Target) -> None:
     """Kill the operator at random points while jobs run, suspend and resume."""
     rng = random.Random(7)
