@@ -840,6 +840,19 @@ def load_average() -> str:
 # ============================================================================ the run
 
 
+OPERATOR_DEFAULTS = {
+    # The jobs name hub models; with the stage-in step on, each would first run a CPU pod
+    # that fetches its model into the namespace's cache, which kwok's nodes (GPU-tainted,
+    # pods that never complete) cannot run: the trainer fetches instead, as a job whose
+    # model the stage-in step leaves alone does.
+    "KUBETUNE_STAGE_IN_HUB": "false",
+    # The 16-GPU jobs span two nodes, which the planner offers only with ReadWriteMany
+    # checkpoint volumes; the local provisioner serves them.
+    "KUBETUNE_CHECKPOINT_READ_WRITE_MANY": "true",
+}
+"""The operator's environment unless --operator-env says otherwise."""
+
+
 @dataclass
 class Options:
     jobs: int
@@ -1533,7 +1546,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="environment of the operator process, e.g. KUBETUNE_POLL_SECONDS=5 (repeatable)",
+        help="environment of the operator process, e.g. KUBETUNE_POLL_SECONDS=5 (repeatable; "
+        "over OPERATOR_DEFAULTS: no hub stage-in, ReadWriteMany checkpoint volumes)",
     )
     p.add_argument(
         "--apiserver-arg",
@@ -1579,7 +1593,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     )
     a = p.parse_args(argv)
     quick = bool(a.quick)
-    env = {}
+    env = dict(OPERATOR_DEFAULTS)
     for item in a.operator_env:
         name, sep, value = item.partition("=")
         if not sep or not name:
