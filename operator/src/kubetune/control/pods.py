@@ -36,11 +36,17 @@ _TELLING_EXITS = (EXIT_OOM, EXIT_CONFIG_ERROR, EXIT_CHECKPOINT_FAILED, EXIT_STOP
 HOST_OOM_REASON = "OOMKilled"
 """The container runtime's reason for a container whose processes the kernel killed for
 memory (the node's RAM, not the GPU's)."""
+HOST_MEMORY_GROWTH = 1.5
+"""Host memory of the next attempt after the kernel killed a trainer for memory."""
+HOST_MEMORY_FIX = (
+    "raise the trainer's memory per GPU (Helm value operator.trainerMemoryPerGPU, "
+    "KUBETUNE_TRAINER_MEMORY_PER_GPU) or allow a pool whose nodes have more memory "
+    "(spec.resources.pools)"
+)
 HOST_OOM_ADVICE = (
     "the trainer ran out of host memory (its pod's memory limit, or the node's) and the "
-    "kernel killed it; the operator relaunches it with 1.5× the memory. To fix for good: "
-    "raise the trainer's memory per GPU (Helm value operator.trainerMemoryPerGPU, "
-    "KUBETUNE_TRAINER_MEMORY_PER_GPU), or use a pool whose nodes have more memory"
+    f"kernel killed it; the operator relaunches it with {HOST_MEMORY_GROWTH:g}× the memory. "
+    f"To fix for good: {HOST_MEMORY_FIX}"
 )
 
 

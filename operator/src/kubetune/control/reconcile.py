@@ -107,14 +107,6 @@ from kubetune_trainer.contract import (
     StageOutResult,
 )
 
-HOST_MEMORY_GROWTH = 1.5
-"""Host memory of the next attempt after the kernel killed a trainer for memory."""
-HOST_MEMORY_FIX = (
-    "raise the trainer's memory per GPU (Helm value operator.trainerMemoryPerGPU, "
-    "KUBETUNE_TRAINER_MEMORY_PER_GPU) or allow a pool whose nodes have more memory "
-    "(spec.resources.pools)"
-)
-
 Manifest = dict[str, Any]
 ArchLoader = Callable[[str], ModelArch]
 PlanFn = Callable[[FineTuneJobSpec, Sequence[GPUPool], ModelArch, PlannerSettings], Plan]
@@ -1366,7 +1358,7 @@ class _Reconciler:
 
     def recover_host_oom(self, what: str, pod: str | None = None) -> None:
         """The kernel killed a trainer for host memory (OOMKilled; `what` says which): relaunch
-        the same layout with HOST_MEMORY_GROWTH times the host memory, from the checkpoint.
+        the same layout with `pods.HOST_MEMORY_GROWTH` times the host memory, from the checkpoint.
         Fail when the out-of-memory budget is spent, or when the pool's nodes could not hold
         that much (its pods would never be scheduled)."""
         plan = self.s.plan
@@ -1380,14 +1372,14 @@ class _Reconciler:
                 Reason.OOM_LIMIT,
                 f"{what} with {old} per trainer pod: out of memory {replans + 1} times, GPU and "
                 f"host together (spec.recovery.maxOOMReplans={limit}). To fix: "
-                f"{HOST_MEMORY_FIX}, or raise spec.recovery.maxOOMReplans",
+                f"{p.HOST_MEMORY_FIX}, or raise spec.recovery.maxOOMReplans",
             )
             return
         new = plan.model_copy(
             update={
                 "revision": plan.revision + 1,
                 "reason": PlanReason.HOST_OUT_OF_MEMORY,
-                "host_memory_scale": round(plan.host_memory_scale * HOST_MEMORY_GROWTH, 4),
+                "host_memory_scale": round(plan.host_memory_scale * p.HOST_MEMORY_GROWTH, 4),
             }
         )
         new.host_memory_gib = host_memory_gib(new, build)
@@ -1399,13 +1391,13 @@ class _Reconciler:
                 Reason.HOST_MEMORY_UNAVAILABLE,
                 f"{what}; the next attempt would need {more}, and the largest node of pool "
                 f"{plan.pool} has {room:g} GiB allocatable: its pods could never be scheduled. "
-                f"To fix: {HOST_MEMORY_FIX}",
+                f"To fix: {p.HOST_MEMORY_FIX}",
             )
             return
         new.message = f"{what}; {more}"
         message = (
             f"{what}; relaunched from the latest checkpoint with {more}. To fix for good: "
-            f"{HOST_MEMORY_FIX}"
+            f"{p.HOST_MEMORY_FIX}"
         )
         self.s.plan = new
         self.add_recovery(RecoveryReason.HOST_OOM, message, pod=pod)
