@@ -225,6 +225,10 @@ class MetricsConfig(_Strict):
     log_path: str | None = Field(default=None, description="JSON-lines metrics log.")
 
 
+InjectableOomPhase = Literal["load", "eval", "save", "export"]
+"""The phases (keys of OOM_PHASES) where `FaultInjection.oom_in_phase` can run out of memory."""
+
+
 class FaultInjection(_Strict):
     """Test-only switches to force failure paths; never set by the planner."""
 
@@ -236,7 +240,7 @@ class FaultInjection(_Strict):
         "stop requests, as a rank stuck in a collective does: the operator's stall detection "
         "must notice.",
     )
-    oom_in_phase: Literal["load", "eval", "save", "export"] | None = Field(
+    oom_in_phase: InjectableOomPhase | None = Field(
         default=None,
         description="The first time the trainer enters this phase it runs out of GPU memory "
         "(a simulated torch.OutOfMemoryError), as a model too large to load, an evaluation "

@@ -28,7 +28,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from kubetune.api.errors import SpecError
 from kubetune.api.v1alpha1 import API_VERSION, FineTuneJob, GPUPool, PlanStatus, StageInStatus
@@ -47,6 +47,7 @@ from kubetune_trainer.contract import (
     EarlyStoppingConfig,
     ExportConfig,
     FaultInjection,
+    InjectableOomPhase,
     JobRef,
     LoraConfig,
     MetricsConfig,
@@ -621,7 +622,7 @@ _STEP_FAULTS = {
     "diskFullAtStep": "disk_full_at_step",
     "hostMemoryAtStep": "host_memory_at_step",
 }
-_OOM_PHASES = ("load", "eval", "save", "export")
+_OOM_PHASES: tuple[str, ...] = get_args(InjectableOomPhase)
 
 
 def fault_injection(job: FineTuneJob, attempt: int) -> FaultInjection:
