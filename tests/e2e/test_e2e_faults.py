@@ -63,22 +63,10 @@ def retrained_difference(runs: list[Run]) -> float:
     return max(diffs, default=0.0)
 
 
-def baseline_difference(runs: list[Run]) -> float:
-    return abs(final_loss(runs, STEPS) - final_loss(runs_of_baseline(), STEPS))
-
-
-_BASELINE: list[Run] = []
-
-
-def runs_of_baseline() -> list[Run]:
-    assert _BASELINE, "the baseline fixture has not run"
-    return _BASELINE
-
-
-@pytest.fixture(autouse=True)
-def _baseline_runs(target: Target, baseline: dict[str, Any]) -> None:
-    if not _BASELINE:
-        _BASELINE.extend(runs_of(train_log(target, baseline["name"])))
+def baseline_difference(target: Target, baseline: dict[str, Any], runs: list[Run]) -> float:
+    """Final-loss difference against the uninterrupted run of the same job."""
+    uninterrupted = runs_of(train_log(target, baseline["name"]))
+    return abs(final_loss(runs, STEPS) - final_loss(uninterrupted, STEPS))
 
 
 def test_one_rank_of_two_killed_resumes_both_from_the_last_checkpoint(target: Target) -> None:
@@ -107,7 +95,7 @@ def test_one_rank_of_two_killed_resumes_both_from_the_last_checkpoint(target: Ta
 
 
 def test_a_damaged_newest_checkpoint_is_quarantined_and_the_one_before_resumes(
-    target: Target,
+    target: Target, baseline: dict[str, Any]
 ) -> None:
     """Bytes of the newest checkpoint flipped on the volume, then the trainer killed: the
     replacement finds the damage against the checkpoint's manifest (sha256), renames it
@@ -131,7 +119,8 @@ def test_a_damaged_newest_checkpoint_is_quarantined_and_the_one_before_resumes(
     assert event["checkpoint"] == "step-20" and "step-20.corrupt-" in event["moved_to"], event
     assert (folder / event["moved_to"]).is_dir()
     lost = steps_lost(runs)
-    retrained, diff = retrained_difference(runs), baseline_difference(runs)
+    retrained = retrained_difference(runs)
+    diff = baseline_difference(target, baseline, runs)
     REPORT.append(
         f"newest checkpoint damaged ({shard.name}), trainer killed at step {runs[0].last}: "
         f"step-20 quarantined as {event['moved_to']}, resumed at 10, steps lost {lost[0]}, "
@@ -235,7 +224,9 @@ def test_a_full_volume_at_a_save_fails_the_job_and_keeps_the_checkpoint_before(
     delete_job(target, name)
 
 
-def test_three_preemptions_in_one_run_lose_nothing(target: Target) -> None:
+def test_three_preemptions_in_one_run_lose_nothing(
+    target: Target, baseline: dict[str, Any]
+) -> None:
     name = "preempted-thrice"
     target.apply(job_doc(name))
     for step in (8, 25, 42):
@@ -249,7 +240,7 @@ def test_three_preemptions_in_one_run_lose_nothing(target: Target) -> None:
     assert len(runs) == 4 and all(r.end == "preempted" for r in runs[:3]), runs
     assert steps_lost(runs) == [0, 0, 0]
     assert [r["reason"] for r in s["recoveries"]] == ["Preemption"] * 3, s["recoveries"]
-    diff = baseline_difference(runs)
+    diff = baseline_difference(target, baseline, runs)
     REPORT.append(
         f"three preemptions (at steps {[r.last for r in runs[:3]]}): steps lost 0, 0, 0, "
         f"final loss vs uninterrupted {diff:.1e}"
