@@ -18,6 +18,7 @@ import json
 import logging
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta, tzinfo
 from functools import partial
 from pathlib import Path
@@ -35,9 +36,9 @@ from lightkube.core.exceptions import ApiError, ConfigError
 from lightkube.resources.core_v1 import Node
 
 from kubetune.api.tenancy import Tenant
-from kubetune.api.v1alpha1 import FineTuneJob, GPUPool
+from kubetune.api.v1alpha1 import FineTuneJob, GPUPool, StageInStatus
 from kubetune.api.vocabulary import ConditionType, EventType, Reason
-from kubetune.control.builders import child_names, labels, owner_reference
+from kubetune.control.builders import BuildSettings, child_names, labels, owner_reference
 from kubetune.control.capacity import node_info
 from kubetune.control.reconcile import ControllerSettings
 from kubetune.controller import handlers
@@ -55,6 +56,7 @@ from kubetune.controller.kube import Fenced, FineTuneJobResource, Kube, StatusRe
 from kubetune.controller.runtime import Runtime, _JobState
 from kubetune.sources import load_arch
 from support.kmock_apiserver import ApiServerEmulator, declare_resources
+from support.reconcile import make_job
 
 pytestmark = [
     pytest.mark.unit,
@@ -1168,6 +1170,29 @@ async def test_the_latest_written_status_wins_over_a_stale_cache(
 
 
 # ---------------------------------------------------------------------- health
+
+
+def test_a_stage_in_keeps_what_other_unfinished_jobs_read_from_the_cache(kube: Kube) -> None:
+    def job(model: str, phase: str = "Running") -> FineTuneJob:
+        staged = StageInStatus(model_path=model).model_dump()
+        body = make_job().model_dump(by_alias=True)
+        return FineTuneJob.model_validate({**body, "status": {"phase": phase, "stageIn": staged}})
+
+    runtime = Runtime(ControllerSettings(), kube, load_arch, lambda *_: None)
+    runtime.note_cache_use(("a", "x"), job("/cache/models/x"))
+    runtime.note_cache_use(("a", "y"), job("/cache/models/y"))
+    runtime.note_cache_use(("b", "z"), job("/cache/models/z"))
+    runtime.note_cache_use(("a", "done"), job("/cache/models/old", phase="Succeeded"))
+    # the namespace's cache: only its own unfinished jobs count, never the asking job
+    assert runtime.cache_in_use(("a", "x")) == ("/cache/models/y",)
+    assert runtime.cache_in_use(("a", "new")) == ("/cache/models/x", "/cache/models/y")
+    # a job that finished stops holding its entries
+    runtime.note_cache_use(("a", "y"), job("/cache/models/y", phase="Failed"))
+    assert runtime.cache_in_use(("a", "new")) == ("/cache/models/x",)
+    # one cache for the cluster: every namespace's jobs read it
+    shared = BuildSettings(cache_volume={"persistentVolumeClaim": {"claimName": "cache"}})
+    runtime.settings = replace(runtime.settings, build=shared)
+    assert runtime.cache_in_use(("a", "new")) == ("/cache/models/x", "/cache/models/z")
 
 
 def test_liveness_fails_only_when_every_due_job_stalled(kube: Kube) -> None:

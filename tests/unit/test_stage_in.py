@@ -21,7 +21,7 @@ from kubetune.control.builders import (
     fetched_sources,
     needs_stage_in,
 )
-from kubetune.control.reconcile import Observed
+from kubetune.control.reconcile import Observed, may_create_stage_in
 from kubetune.controller.settings import settings_from_env
 from kubetune.planning.catalog import default_pools
 from kubetune_trainer.contract import EXIT_CONFIG_ERROR, StageInConfig, StageInResult
@@ -75,6 +75,19 @@ def test_what_needs_a_stage_in() -> None:
     assert needs_stage_in(no_arch, build) and fetched_sources(no_arch, build) == []
     # Everything on claims and described: nothing to do before the plan.
     assert not needs_stage_in(make_job(), build)
+
+
+def test_only_a_look_that_may_create_the_stage_in_asks_what_other_jobs_read() -> None:
+    # What other jobs read from the cache (kept by the step's eviction) is linear in the
+    # jobs; the operator looks it up only for a look that may create the step.
+    fresh = make_job(**S3_JOB)
+    assert may_create_stage_in(fresh, seen(), SETTINGS)
+    assert not may_create_stage_in(fresh, seen(stage_in_job()), SETTINGS)  # already created
+    assert not may_create_stage_in(make_job(), seen(), SETTINGS)  # nothing to stage in
+    done = seen(stage_in_job("Complete"), stage_in_pod(0, RESULT.model_dump_json()))
+    staged, _ = run(run(fresh)[0], done, now=T0 + timedelta(seconds=60))
+    assert staged.status is not None and staged.status.stage_in is not None
+    assert not may_create_stage_in(staged, seen(), SETTINGS)  # its step's child went away
 
 
 def test_the_stage_in_pod_asks_for_no_gpu_and_reads_the_store_with_the_jobs_credentials() -> None:

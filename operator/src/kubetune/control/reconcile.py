@@ -199,7 +199,8 @@ class Observed:
     stage_in_metrics: Mapping[str, float] | None = None
     """The running stage-in pod's progress gauges (`kubetune_trainer_stagein_` removed)."""
     cache_in_use: Sequence[str] = ()
-    """Cache entries (status.stageIn paths) that unfinished jobs of the namespace read."""
+    """Cache entries (status.stageIn paths) that other unfinished jobs sharing the cache read;
+    looked up only when this look may create the stage-in step (`may_create_stage_in`)."""
     export_job: Mapping[str, Any] | None = None
     """The export step's batch Job, if it exists (jobs with spec.output.gguf)."""
     export_pods: Sequence[Mapping[str, Any]] = field(default_factory=list)
@@ -255,6 +256,14 @@ class NewPlan:
 def claim_access_modes(claim: Mapping[str, Any]) -> list[str]:
     """The access modes a PersistentVolumeClaim asked for."""
     return [str(mode) for mode in (claim.get("spec") or {}).get("accessModes") or []]
+
+
+def may_create_stage_in(job: FineTuneJob, observed: Observed, settings: ControllerSettings) -> bool:
+    """Whether a reconcile of `job` may create its stage-in step: only then does it need
+    `Observed.cache_in_use` (what the step's cache eviction must keep)."""
+    if observed.stage_in_job is not None or not needs_stage_in(job, settings.build):
+        return False
+    return job.status is None or not staged_in(job.status)
 
 
 def needs_preflight(job: FineTuneJob) -> bool:

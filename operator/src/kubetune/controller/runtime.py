@@ -55,6 +55,7 @@ from kubetune.control.reconcile import (
     ControllerSettings,
     Decision,
     chained,
+    may_create_stage_in,
     needs_preflight,
     reconcile,
 )
@@ -540,7 +541,9 @@ class Runtime:
         version = self.view_version
         pools, capacity = self.live_pools()
         observed = self.caches.observe(job, pools)
-        observed = replace(observed, cache_in_use=self.cache_in_use(key, job))
+        self.note_cache_use(key, job)
+        if may_create_stage_in(job, observed, self.settings):
+            observed = replace(observed, cache_in_use=self.cache_in_use(key))
         upstream = job.status.upstream if job.status is not None else None
         chain = job.spec.model.uri
         finished = job.status is not None and is_finished(job.status)
@@ -902,13 +905,21 @@ class Runtime:
             if state.due_at is not None and now - state.due_at > limit
         )
 
-    def cache_in_use(self, key: JobKey, job: FineTuneJob) -> tuple[str, ...]:
-        """Note what this job reads from its cache; return what the other unfinished jobs
-        with the same cache (its namespace's, or the cluster's) read."""
+    def note_cache_use(self, key: JobKey, job: FineTuneJob) -> None:
+        """Note what this job reads from its cache (nothing once it finished)."""
         staged = job.status.stage_in if job.status is not None else None
         finished = job.status is not None and job.status.phase in TERMINAL_PHASES
         paths = () if staged is None or finished else (staged.model_path, staged.dataset_path)
-        self.cache_users[key] = tuple(path for path in paths if path)
+        used = tuple(path for path in paths if path)
+        if used:
+            self.cache_users[key] = used
+        else:
+            self.cache_users.pop(key, None)
+
+    def cache_in_use(self, key: JobKey) -> tuple[str, ...]:
+        """What the other unfinished jobs with the same cache (this job's namespace's, or
+        the cluster's) read. Linear in the jobs that read a cache, so asked only when a
+        stage-in step is about to be created."""
         # One cache for the cluster (`cache_volume`): every namespace's jobs read it.
         shared = self.settings.build.cache_volume is not None
         return tuple(
