@@ -4,8 +4,18 @@ operator's shared queue (controller/runtime.GpuQueue)."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kubetune.control.queue import Ticket, ahead_of, fits, free_after, why_wait
+from kubetune.control.queue import (
+    Ticket,
+    Waiting,
+    ahead_of,
+    count_ahead,
+    fits,
+    free_after,
+    why_wait,
+)
 from kubetune.controller.runtime import GpuQueue
 
 pytestmark = pytest.mark.unit
@@ -114,3 +124,41 @@ def test_positions_are_kept_for_the_waiting_only() -> None:
     assert [queue.position(("team-a", f"w{i}")) for i in range(3)] == [1, 2, 3]
     queue.stop_waiting(("team-a", "w2"))
     assert queue.position(("team-a", "w2")) is None
+
+
+# A put of (name, priority, second, pool), or a drop of a name.
+OPS = st.lists(
+    st.one_of(
+        st.tuples(
+            st.sampled_from("abcdefgh"),
+            st.integers(0, 2),
+            st.integers(0, 9),
+            st.sampled_from(["a100", "h100"]),
+        ),
+        st.sampled_from("abcdefgh"),
+    ),
+    max_size=40,
+)
+
+
+@given(OPS)
+@settings(max_examples=300, deadline=None)
+def test_the_sorted_waiting_list_counts_as_the_scan_does(ops: list[object]) -> None:
+    waiting, scanned = Waiting(), {}
+    for op in ops:
+        if isinstance(op, str):
+            waiting.drop(("team-a", op))
+            scanned.pop(op, None)
+        else:
+            name, priority, second, pool = op  # type: ignore[misc]
+            t = ticket(name, priority=priority, created=f"2026-11-24T00:00:0{second}Z", pool=pool)
+            waiting.put(t)
+            scanned[name] = t
+        assert len(waiting) == len(scanned) and set(waiting) == {("team-a", n) for n in scanned}
+        for probe in [*scanned.values(), ticket("a", priority=1, pool="h100")]:
+            assert waiting.ahead(probe) == count_ahead(probe, scanned.values())
+        for pool in ("a100", "h100"):
+            front = sorted((t for t in scanned.values() if t.pool == pool), key=Ticket.order)
+            assert {k for k in waiting.heads(2) if scanned[k[1]].pool == pool} == {
+                t.key for t in front[:2]
+            }

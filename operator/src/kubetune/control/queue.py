@@ -10,7 +10,8 @@ reservation is what keeps two jobs from launching into the same free GPUs.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from bisect import bisect_left, insort
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 
@@ -37,6 +38,62 @@ class Ticket:
     @property
     def gpus(self) -> int:
         return self.nodes * self.gpus_per_node
+
+
+class Waiting:
+    """The jobs that wait, each pool's in queue order, so that how many go before a job is
+    a bisection (`ahead`) and the front of a queue a slice (`heads`), not a scan of every
+    waiting job: a burst of N jobs asks both N times. Same answers as `count_ahead`."""
+
+    def __init__(self) -> None:
+        self._tickets: dict[tuple[str, str], Ticket] = {}
+        self._orders: dict[str, list[tuple[int, str, str, str]]] = {}
+        """Per pool, the waiting tickets' `Ticket.order()`, sorted (unique: it ends with the
+        namespace and name)."""
+
+    def put(self, ticket: Ticket) -> None:
+        """The job waits with this ticket (replacing the one it had)."""
+        self.drop(ticket.key)
+        self._tickets[ticket.key] = ticket
+        insort(self._orders.setdefault(ticket.pool, []), ticket.order())
+
+    def drop(self, key: tuple[str, str]) -> None:
+        ticket = self._tickets.pop(key, None)
+        if ticket is None:
+            return
+        orders = self._orders[ticket.pool]
+        del orders[bisect_left(orders, ticket.order())]
+        if not orders:
+            del self._orders[ticket.pool]
+
+    def ahead(self, ticket: Ticket) -> int:
+        """How many waiting jobs of the ticket's pool go before it (itself never counted)."""
+        mine = ticket.order()
+        count = bisect_left(self._orders.get(ticket.pool, []), mine)
+        own = self._tickets.get(ticket.key)
+        if own is not None and own.pool == ticket.pool and own.order() < mine:
+            count -= 1  # its own older ticket (e.g. before its priority was raised)
+        return count
+
+    def heads(self, per_pool: int) -> set[tuple[str, str]]:
+        """The first `per_pool` waiting jobs of each pool's queue."""
+        return {
+            (namespace, name)
+            for orders in self._orders.values()
+            for _, _, namespace, name in orders[:per_pool]
+        }
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._tickets
+
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        return iter(self._tickets)
+
+    def __len__(self) -> int:
+        return len(self._tickets)
+
+    def tickets(self) -> list[Ticket]:
+        return list(self._tickets.values())
 
 
 def free_after(per_node_free: Sequence[int], reserved: Iterable[Ticket]) -> list[int]:

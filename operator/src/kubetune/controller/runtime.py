@@ -50,7 +50,7 @@ from kubetune.api.vocabulary import TERMINAL_PHASES, EventType, Phase, PoolCondi
 from kubetune.control.builders import input_refs
 from kubetune.control.conditions import now_rfc3339
 from kubetune.control.lifecycle import failed, is_finished
-from kubetune.control.queue import Ticket, count_ahead, free_after, wait_reason
+from kubetune.control.queue import Ticket, Waiting, free_after, wait_reason
 from kubetune.control.reconcile import (
     ControllerSettings,
     Decision,
@@ -246,7 +246,7 @@ class GpuQueue:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.waiting: dict[JobKey, Ticket] = {}
+        self.waiting = Waiting()
         self.reserved: dict[JobKey, tuple[Ticket, float]] = {}
         self.positions: dict[JobKey, int] = {}
         """Each waiting job's place in its pool's queue, as of its last look."""
@@ -259,8 +259,8 @@ class GpuQueue:
         """None: launch now (GPUs reserved); otherwise the job waits, and why."""
         with self._lock:
             if queued:
-                self.waiting[key] = ticket
-                position = self.positions[key] = count_ahead(ticket, self.waiting.values()) + 1
+                self.waiting.put(ticket)
+                position = self.positions[key] = self.waiting.ahead(ticket) + 1
                 return (
                     f"position {position} in the queue of pool {ticket.pool}: waiting for "
                     f"{ticket.gpus} free GPU(s); re-planning as capacity changes"
@@ -268,15 +268,15 @@ class GpuQueue:
             others = [
                 t for k, (t, _) in self.reserved.items() if k != key and t.pool == ticket.pool
             ]
-            ahead = count_ahead(ticket, self.waiting.values())
+            ahead = self.waiting.ahead(ticket)
             why = wait_reason(ticket, ahead, free_after(free_per_node, others))
             if why is None:
-                self.waiting.pop(key, None)
+                self.waiting.drop(key)
                 self.positions.pop(key, None)
                 self.reserved[key] = (ticket, time.monotonic())
                 self.version += 1
             else:
-                self.waiting[key] = ticket
+                self.waiting.put(ticket)
                 self.positions[key] = ahead + 1
             return why
 
@@ -288,10 +288,7 @@ class GpuQueue:
         """The first `per_pool` waiting jobs of each pool's queue: the only ones a change of
         capacity can let in (nobody overtakes them)."""
         with self._lock:
-            by_pool: dict[str, list[tuple[Any, JobKey]]] = {}
-            for key, ticket in self.waiting.items():
-                by_pool.setdefault(ticket.pool, []).append((ticket.order(), key))
-        return {key for queue in by_pool.values() for _, key in sorted(queue)[:per_pool]}
+            return self.waiting.heads(per_pool)
 
     def waiting_keys(self) -> set[JobKey]:
         with self._lock:
@@ -314,7 +311,7 @@ class GpuQueue:
 
     def stop_waiting(self, key: JobKey) -> None:
         with self._lock:
-            self.waiting.pop(key, None)
+            self.waiting.drop(key)
             self.positions.pop(key, None)
 
 
