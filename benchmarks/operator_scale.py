@@ -195,6 +195,88 @@ def parse_request_totals(text: str) -> dict[RequestKey, float]:
     return totals
 
 
+HISTOGRAMS: dict[str, tuple[str, ...]] = {
+    "apiserver_request_duration_seconds": ("verb", "resource", "subresource"),
+    "apiserver_flowcontrol_request_wait_duration_seconds": ("priority_level", "execute"),
+}
+"""The API server's latency histograms the benchmark reads, and the labels it keeps: how
+long requests took to serve, and how long API Priority and Fairness queued them first."""
+
+_SERVED = "apiserver_request_duration_seconds"
+LATENCIES = {
+    "PATCH finetunejobs/status": (_SERVED, ("PATCH", "finetunejobs", "status")),
+    "POST finetunejobs": (_SERVED, ("POST", "finetunejobs", "")),
+    "POST jobs": (_SERVED, ("POST", "jobs", "")),
+    "POST pods": (_SERVED, ("POST", "pods", "")),
+}
+"""Request latencies shown per run: the operator's status writes and batch Job creates, the
+benchmark's creates and the Job controller's pod creates."""
+
+Histograms = dict[tuple[str, tuple[str, ...]], dict[float, float]]
+
+
+def parse_histograms(text: str) -> Histograms:
+    """The `HISTOGRAMS` buckets of a Prometheus text exposition, cumulative counts by upper
+    bound, summed over the labels not kept."""
+    out: Histograms = {}
+    for line in text.splitlines():
+        name, brace, rest = line.partition("_bucket{")
+        if not brace or name not in HISTOGRAMS:
+            continue
+        labels_text, _, value = rest.rpartition("} ")
+        labels = {k: _unescape(v) for k, v in _LABEL.findall(labels_text)}
+        key = (name, tuple(labels.get(k, "") for k in HISTOGRAMS[name]))
+        le = float(labels.get("le", "+Inf"))
+        buckets = out.setdefault(key, {})
+        buckets[le] = buckets.get(le, 0.0) + float(value)
+    return out
+
+
+def histogram_quantile(buckets: Mapping[float, float], q: float) -> float | None:
+    """Prometheus' `histogram_quantile` over cumulative buckets: linear inside the bucket
+    that holds the rank; the largest finite bound when it falls in +Inf. None: no samples."""
+    bounds = sorted(buckets)
+    total = buckets.get(math.inf, buckets[bounds[-1]] if bounds else 0.0)
+    if total <= 0:
+        return None
+    rank, lower, below = q * total, 0.0, 0.0
+    for bound in bounds:
+        count = buckets[bound]
+        if count >= rank:
+            if math.isinf(bound):
+                return lower
+            inside = count - below
+            return lower + (bound - lower) * ((rank - below) / inside if inside else 1.0)
+        lower, below = bound, count
+    return lower
+
+
+def latency_summary(before: Histograms, after: Histograms) -> dict[str, dict[str, Any]]:
+    """p50/p99 and count between two scrapes: the `LATENCIES` requests, and the wait in API
+    Priority and Fairness' queues of every priority level that served requests."""
+
+    def delta(key: tuple[str, tuple[str, ...]]) -> dict[float, float]:
+        old = before.get(key, {})
+        return {le: n - old.get(le, 0.0) for le, n in after.get(key, {}).items()}
+
+    def summary(buckets: Mapping[float, float]) -> dict[str, Any]:
+        p50, p99 = histogram_quantile(buckets, 0.5), histogram_quantile(buckets, 0.99)
+        return {
+            "n": int(buckets.get(math.inf, 0.0)),
+            "p50_s": None if p50 is None else round(p50, 3),
+            "p99_s": None if p99 is None else round(p99, 3),
+        }
+
+    out = {name: summary(delta(key)) for name, key in LATENCIES.items()}
+    for key in sorted(after):
+        metric, (level, execute) = key[0], key[1][:2]
+        if metric == "apiserver_flowcontrol_request_wait_duration_seconds" and execute == "true":
+            waited = summary(delta(key))
+            if waited["n"]:
+                out[f"APF wait {level}"] = waited
+    return out
+
+
 def counter_delta(
     after: Mapping[RequestKey, float], before: Mapping[RequestKey, float]
 ) -> dict[RequestKey, float]:
@@ -550,12 +632,15 @@ class Api:
             raise RuntimeError(f"GET {path}: HTTP {status}: {data[:300]!r}")
         return dict(json.loads(data))
 
-    def request_totals(self) -> dict[RequestKey, float]:
+    def metrics_text(self) -> str:
         # /metrics itself is not counted in apiserver_request_total: no own key.
         status, data = self.request("GET", "/metrics", None, accept="text/plain")
         if status != 200:
             raise RuntimeError(f"GET /metrics: HTTP {status}: {data[:300]!r}")
-        text = data.decode(errors="replace")
+        return data.decode(errors="replace")
+
+    def request_totals(self, text: str | None = None) -> dict[RequestKey, float]:
+        text = self.metrics_text() if text is None else text
         wanted = "\n".join(x for x in text.splitlines() if x.startswith("apiserver_request_total{"))
         return parse_request_totals(wanted)
 
@@ -982,6 +1067,7 @@ class Bench:
         self.pools = pool_docs(opts.nodes_per_pool)
         self.jobs: list[JobPlan] = []
         self.marks: dict[str, Mark] = {}
+        self.histograms: dict[str, Histograms] = {}
         self.facts: dict[str, Any] = {"load_start": load_average()}
 
     # ------------------------------------------------------------------ the whole run
@@ -1060,7 +1146,9 @@ class Bench:
         return reschedule + 2 * poll + 15
 
     def mark(self, name: str) -> Mark:
-        totals = self.api.request_totals()
+        text = self.api.metrics_text()
+        totals = self.api.request_totals(text)
+        self.histograms[name] = parse_histograms(text)
         pid = self.cluster.state.pids.get("operator")
         proc = proc_sample(pid) if pid is not None else None
         self.marks[name] = Mark(totals, self.own.snapshot(), time.monotonic(), proc)
@@ -1308,6 +1396,9 @@ class Bench:
             "job_post_201": batch_job_posts(whole, "201"),
             "job_post_409": batch_job_posts(whole, "409"),
             "load_end": load_average(),
+            "latency_create_to_steady": latency_summary(
+                self.histograms["start"], self.histograms["steady"]
+            ),
             "requests_create_to_steady": breakdown(create.delta),
             "requests_steady_window": breakdown(window.delta),
             "requests_background_window": breakdown(background.delta),
@@ -1498,6 +1589,11 @@ def report(r: Mapping[str, Any]) -> str:
         f"writes/running job/min; batch Job POSTs 201: {r['job_post_201']}, 409: "
         f"{r['job_post_409']}",
         f"  load average {r['load_start']} → {r['load_end']}",
+        "  API server latency creation → steady, p50 / p99 s (requests): "
+        + ", ".join(
+            f"{name} {fmt(v['p50_s'], 3)} / {fmt(v['p99_s'], 3)} ({v['n']})"
+            for name, v in (r.get("latency_create_to_steady") or {}).items()
+        ),
         "  steady-window requests (all clients): "
         + ", ".join(f"{k} {v}" for k, v in list(r["requests_steady_window"].items())[:12]),
     ]

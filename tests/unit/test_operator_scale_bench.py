@@ -391,3 +391,48 @@ def test_rescore_rewrites_the_rows_and_keeps_what_is_above_the_table(tmp_path: P
     text = md.read_text()
     assert text.startswith("# title\n\nA note.\n\n" + bench.table_header())
     assert "stale row" not in text and "| 30.0 |" in text
+
+
+def _buckets(name: str, counts: dict[str, int], **labels: str) -> list[str]:
+    """A histogram's bucket samples, one per upper bound."""
+    out = []
+    for le, n in counts.items():
+        text = ",".join(f'{k}="{v}"' for k, v in {**labels, "le": le}.items())
+        out.append(f"{name}_bucket{{{text}}} {n}")
+    return out
+
+
+def test_api_server_latency_between_two_scrapes() -> None:
+    served = "apiserver_request_duration_seconds"
+    status = {"verb": "PATCH", "resource": "finetunejobs", "subresource": "status"}
+    before = bench.parse_histograms(
+        "\n".join(
+            [
+                *_buckets(served, {"0.1": 10, "1": 10, "5": 10, "+Inf": 10}, **status, scope="a"),
+                'apiserver_request_total{verb="GET"} 3',
+                "# HELP x",
+            ]
+        )
+    )
+    # 100 more writes: 50 under 0.1 s, 40 more under 1 s, 9 under 5 s, 1 beyond; counted
+    # under two scopes that the summary adds up
+    after = bench.parse_histograms(
+        "\n".join(
+            _buckets(served, {"0.1": 40, "1": 70, "5": 79, "+Inf": 80}, **status, scope="a")
+            + _buckets(served, {"0.1": 20, "1": 30, "5": 30, "+Inf": 30}, **status, scope="b")
+            + _buckets(
+                "apiserver_flowcontrol_request_wait_duration_seconds",
+                {"0.5": 1, "2": 3, "+Inf": 4},
+                priority_level="workload-low",
+                execute="true",
+            )
+        )
+    )
+    summary = bench.latency_summary(before, after)
+    patch = summary["PATCH finetunejobs/status"]
+    assert patch["n"] == 100
+    assert patch["p50_s"] == 0.1  # rank 50 is the last of the first bucket
+    assert patch["p99_s"] == 5.0  # rank 99 ends the 5 s bucket
+    assert summary["POST jobs"] == {"n": 0, "p50_s": None, "p99_s": None}
+    assert summary["APF wait workload-low"] == {"n": 4, "p50_s": 1.25, "p99_s": 2.0}
+    assert bench.histogram_quantile({1.0: 1, math.inf: 2}, 0.99) == 1.0  # falls in +Inf
