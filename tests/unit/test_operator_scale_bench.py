@@ -191,12 +191,22 @@ def test_job_mix_falls_back_to_what_the_planner_can_place() -> None:
         bench.job_mix(1, 1, lambda j: False)
 
 
-def _ftj(name: str, created: str, phase: str = "", planned: str | None = None) -> dict[str, Any]:
+def _ftj(
+    name: str, created: str, phase: str = "", planned: str | None = None, written: str = ""
+) -> dict[str, Any]:
     conditions = []
     if planned is not None:
         conditions.append({"type": "Planned", "status": "True", "lastTransitionTime": planned})
+    fields = [{"manager": "benchmark", "operation": "Update", "time": created}]
+    if written:
+        fields.append({"manager": "kopf", "subresource": "status", "time": written})
     return {
-        "metadata": {"namespace": "ns", "name": name, "creationTimestamp": created},
+        "metadata": {
+            "namespace": "ns",
+            "name": name,
+            "creationTimestamp": created,
+            "managedFields": fields,
+        },
         "status": {"phase": phase, "conditions": conditions} if phase else {},
     }
 
@@ -217,8 +227,9 @@ def test_tracker_times_planned_and_first_pod_and_knows_when_settled() -> None:
     t0 = bench.rfc3339_seconds("2026-01-01T00:00:00Z")
     t = bench.Tracker(clock=lambda: t0 + 7)
     t.on_job("ADDED", _ftj("a", "2026-01-01T00:00:00Z"))
-    t.on_job("ADDED", _ftj("b", "2026-01-01T00:00:01Z", "Queued", "2026-01-01T00:00:03Z"))
-    t.on_job("MODIFIED", _ftj("a", "2026-01-01T00:00:00Z", "Running", "2026-01-01T00:00:02Z"))
+    at = "2026-01-01T00:00:0{}Z".format
+    t.on_job("ADDED", _ftj("b", at(1), "Queued", at(3), written=at(5)))
+    t.on_job("MODIFIED", _ftj("a", at(0), "Running", at(2), written=at(6)))
     # A later write keeps the first transition time.
     t.on_job("MODIFIED", _ftj("a", "2026-01-01T00:00:00Z", "Running", "2026-01-01T00:09:00Z"))
     snap = t.snapshot(t0 + 10, patience=100)
@@ -242,8 +253,9 @@ def test_tracker_times_planned_and_first_pod_and_knows_when_settled() -> None:
     t.on_batch_job("ADDED", batch_job)
     later = {"metadata": {**_pod("a-a2", "a", "2026-01-01T00:05:00Z", "")["metadata"]}}
     t.on_batch_job("ADDED", later)
-    created, planned, first_batch_job, first_pod, queued, seen = t.timings()
+    created, planned, first_batch_job, first_pod, queued, seen, written = t.timings()
     assert bench.latencies(created, seen) == [7.0, 6.0], "seen when the watch delivered it"
+    assert bench.latencies(created, written) == [6.0, 4.0], "the status write that carried it"
     assert queued == {("ns", "b")}, "b was seen Queued; a never was"
     assert t.first_queued() == {"": 1}
     assert bench.latencies(created, planned) == [2.0, 2.0]
