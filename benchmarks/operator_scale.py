@@ -1499,6 +1499,11 @@ def row_values(r: Mapping[str, Any]) -> dict[str, str]:
         "not_planned": str(r["not_planned"]),
         "plan": f"{fmt(r['plan_p50_s'], 0)} / {fmt(r['plan_p99_s'], 0)}"
         + (
+            f" (written {fmt(r['plan_written_p50_s'], 0)} / {fmt(r['plan_written_p99_s'], 0)})"
+            if r.get("plan_written_p50_s") is not None
+            else ""
+        )
+        + (
             f" (seen {fmt(r['plan_seen_p50_s'], 0)} / {fmt(r['plan_seen_p99_s'], 0)})"
             if "plan_seen_p50_s" in r
             else ""
