@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 import urllib.request
 from typing import Any
 
@@ -10,7 +12,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kubetune.api.v1alpha1 import FineTuneJobStatus
-from kubetune.controller.metrics import GIB, PHASES, OperatorMetrics
+from kubetune.controller.metrics import GIB, PHASES, OperatorMetrics, sample_loop_lag
 from support.statuses import plan
 
 pytestmark = pytest.mark.unit
@@ -231,3 +233,16 @@ def test_server_serves_the_registry(m: OperatorMetrics) -> None:
         assert 'kubetune_finetunejobs{phase="Queued"} 1.0' in text
     finally:
         m.stop_server()
+
+
+async def test_event_loop_lag_is_how_late_a_due_timer_ran(m: OperatorMetrics) -> None:
+    sampler = asyncio.create_task(sample_loop_lag(0.05, m))
+    await asyncio.sleep(0.12)  # two or so samples on an idle loop
+    time.sleep(0.3)  # the loop is blocked: the sleep due meanwhile wakes about 0.25 s late
+    await asyncio.sleep(0.12)
+    sampler.cancel()
+    samples = value(m, "kubetune_event_loop_lag_seconds_count")
+    assert samples is not None and samples >= 3
+    on_time = value(m, "kubetune_event_loop_lag_seconds_bucket", le="0.1") or 0.0
+    assert 1 <= samples - on_time < samples, "the sample that waited for the blocked loop"
+    assert (value(m, "kubetune_event_loop_lag_seconds_sum") or 0.0) >= 0.2

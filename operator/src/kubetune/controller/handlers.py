@@ -18,6 +18,7 @@ operator runs (docs/configuration.md says how to remove it when the operator is 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping
 from functools import partial
@@ -63,6 +64,7 @@ CHILD = {LABEL_JOB: kopf.PRESENT}
 
 class _State:
     runtime: Runtime | None = None
+    loop_lag: asyncio.Task[None] | None = None
     nodes: dict[str, NodeInfo] = {}  # noqa: RUF012 - the operator's one process-wide view
     gpu_pods: dict[str, Any] = {}  # noqa: RUF012
 
@@ -126,6 +128,7 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     )
     loader = partial(load_arch, allow_network=controller.allow_network, local_files=False)
     _State.runtime = Runtime(controller, kube, loader, _post_event)
+    _State.loop_lag = asyncio.get_running_loop().create_task(metrics.sample_loop_lag())
     try:
         port = metrics.start_server()
     except OSError as exc:  # a taken port must not stop the operator
@@ -143,6 +146,9 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 
 @kopf.on.cleanup()
 async def close_client(**_: Any) -> None:
+    if _State.loop_lag is not None:
+        _State.loop_lag.cancel()
+        _State.loop_lag = None
     if _State.runtime is not None:
         _State.runtime.executor.shutdown(wait=False, cancel_futures=True)
         await _State.runtime.kube.client.close()

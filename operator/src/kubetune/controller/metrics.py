@@ -23,6 +23,7 @@ wire format of the CRDs (camelCase), so the handlers can pass `status.to_wire()`
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 import os
 import threading
@@ -81,6 +82,7 @@ PORT_ENV = "KUBETUNE_METRICS_PORT"
 # Planning takes seconds; launching takes seconds (pods present) to hours (queued for GPUs).
 _PLAN_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _WAIT_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400, 43200, 86400)
+LOOP_LAG_EVERY_S = 0.5
 _RECONCILE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
@@ -419,6 +421,14 @@ class OperatorMetrics:
             buckets=_RECONCILE_BUCKETS,
             registry=r,
         )
+        self.loop_lag = Histogram(
+            "kubetune_event_loop_lag_seconds",
+            "How late the operator's event loop ran a timer that was due (sampled every "
+            f"{LOOP_LAG_EVERY_S} s): the time every watch event, job look and API call waits "
+            "for the operator itself",
+            buckets=_RECONCILE_BUCKETS,
+            registry=r,
+        )
         self.status_writes = Counter(
             "kubetune_status_writes",
             "Status writes of FineTuneJobs and GPUPools, by result: ok, rejected (HTTP 422, "
@@ -651,6 +661,19 @@ def reconciled(namespace: str, name: str, when: float | None) -> None:
 
 def reconcile_waited(seconds: float) -> None:
     METRICS.reconcile_wait.observe(seconds)
+
+
+async def sample_loop_lag(
+    every: float = LOOP_LAG_EVERY_S, metrics: OperatorMetrics | None = None
+) -> None:
+    """Observe, until cancelled, how late the running event loop wakes a sleep that is due:
+    the wait of everything else on the loop at that moment."""
+    histogram = (metrics or METRICS).loop_lag
+    loop = asyncio.get_running_loop()
+    while True:
+        due = loop.time() + every
+        await asyncio.sleep(every)
+        histogram.observe(max(0.0, loop.time() - due))
 
 
 def status_write(result: str) -> None:
