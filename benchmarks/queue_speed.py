@@ -25,7 +25,7 @@ import platform
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kubetune.control.queue import Ticket, count_ahead
@@ -71,32 +71,41 @@ def burst(n: int) -> list[Ticket]:
     ]
 
 
-def run_gpu_queue(tickets: list[Ticket]) -> tuple[float, list[int]]:
-    queue = GpuQueue()
+def timed_burst(
+    tickets: list[Ticket],
+    look: Callable[[Ticket, bool], int | None],
+    heads: Callable[[int], set[tuple[str, str]]],
+) -> tuple[float, list[int]]:
+    """Seconds for the burst, and each job's position at its second look."""
     positions = []
     start = time.perf_counter()
-    for look, queued in enumerate([True, False]):
+    for round_, queued in enumerate([True, False]):
         for i, ticket in enumerate(tickets):
-            queue.admit(ticket.key, ticket, [0], queued)
-            if look == 1:
-                positions.append(queue.position(ticket.key) or 0)
+            position = look(ticket, queued)
+            if round_ == 1:
+                positions.append(position or 0)
             if i % HEADS_EVERY == 0:
-                queue.heads(PER_POOL)
+                heads(PER_POOL)
     return time.perf_counter() - start, positions
+
+
+def run_gpu_queue(tickets: list[Ticket]) -> tuple[float, list[int]]:
+    queue = GpuQueue()
+
+    def look(ticket: Ticket, queued: bool) -> int | None:
+        queue.admit(ticket.key, ticket, [0], queued)
+        return queue.position(ticket.key)
+
+    return timed_burst(tickets, look, queue.heads)
 
 
 def run_scan_queue(tickets: list[Ticket]) -> tuple[float, list[int]]:
     queue = ScanQueue()
-    positions = []
-    start = time.perf_counter()
-    for look, queued in enumerate([True, False]):
-        for i, ticket in enumerate(tickets):
-            position = queue.admit(ticket.key, ticket, [0], queued)
-            if look == 1:
-                positions.append(position)
-            if i % HEADS_EVERY == 0:
-                queue.heads(PER_POOL)
-    return time.perf_counter() - start, positions
+
+    def look(ticket: Ticket, queued: bool) -> int | None:
+        return queue.admit(ticket.key, ticket, [0], queued)
+
+    return timed_burst(tickets, look, queue.heads)
 
 
 def main(argv: list[str] | None = None) -> int:
