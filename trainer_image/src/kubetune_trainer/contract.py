@@ -40,6 +40,12 @@ EarlyStoppingMetric = Literal["eval_loss", "eval_reward_accuracy"]
 """What early stopping watches: the validation loss (lower is better), or, with objective
 `dpo`, the share of validation pairs whose chosen response out-rewards the rejected one
 (higher is better)."""
+PackedAttention = Literal["auto", "mask", "varlen"]
+"""How packed rows keep their examples apart in attention (`kubetune_trainer.attention`):
+`mask`: a block-diagonal causal mask given to SDPA; `varlen`: the examples' boundaries as
+cumulative lengths to PyTorch's variable-length flash attention (CUDA, bf16/fp16; elsewhere
+the same attention one example at a time); `auto`: `varlen` where that kernel runs and the
+model's attention allows it, else `mask`."""
 DatasetFormat = Literal["alpaca", "sharegpt", "chat", "instruction-response", "text"]
 SourceKind = Literal["path", "hub", "s3", "https"]
 
@@ -182,6 +188,11 @@ class TrainingConfig(_Strict):
     )
     activation_offloading: bool = Field(
         default=False, description="Tensors saved for backward kept in host memory."
+    )
+    packed_attention: PackedAttention = Field(
+        default="auto",
+        description="How packed rows keep their examples apart in attention (no effect "
+        "without packing): `mask`, `varlen` or `auto` (kubetune_trainer.attention).",
     )
     seed: int = 42
     objective: Objective = Field(

@@ -6,7 +6,8 @@ seconds with the file, the line and what is wrong, not an hour into training.
 Records become `Example`s (token ids plus labels with the prompt masked to -100), then rows:
 with packing, examples are laid end to end into rows of exactly `sequence_length` tokens whose
 `position_ids` restart at every example, which transformers turns into a block-diagonal
-attention mask, so packed examples never attend to each other. Without packing, each example
+attention mask (or `kubetune_trainer.attention` into document bounds for a variable-length
+kernel), so packed examples never attend to each other. Without packing, each example
 is a row and a micro-batch is padded to its longest row.
 
 The batch order is a pure function of (seed, epoch, rows consumed in the epoch), so the
@@ -27,6 +28,7 @@ from typing import Any, TypeVar, overload
 import numpy as np
 import torch
 
+from kubetune_trainer.attention import DocumentBounds, document_bounds
 from kubetune_trainer.contract import DATA_SUFFIXES
 from kubetune_trainer.errors import ConfigError, DataError, TrainerExit
 from kubetune_trainer.hub import hub_call
@@ -634,6 +636,8 @@ class Batch:
     tokens: int  # non-padding input tokens
     ref_logps: torch.Tensor | None = None
     """DPO: the reference model's log-probabilities of the rows (fp32), when precomputed."""
+    documents: DocumentBounds | None = None
+    """Packed rows: where each example starts (`kubetune_trainer.attention`)."""
 
     def to(self, device: torch.device) -> Batch:
         def mv(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -646,6 +650,7 @@ class Batch:
             position_ids=mv(self.position_ids),
             tokens=self.tokens,
             ref_logps=mv(self.ref_logps),
+            documents=None if self.documents is None else self.documents.to(device),
         )
 
 
@@ -666,7 +671,7 @@ def collate(rows: Rows | PairRows, indices: Sequence[int], pad_id: int) -> Batch
         labels = _stack([rows.labels[i] for i in indices])
         pos = _stack([rows.position_ids[i] for i in indices])
         real = int(sum(int(rows.lengths[i]) for i in indices))
-        return Batch(ids, labels, None, pos, tokens=real)
+        return Batch(ids, labels, None, pos, tokens=real, documents=document_bounds(pos.numpy()))
     width = max(len(rows.input_ids[i]) for i in indices)
     ids = torch.full((len(indices), width), pad_id, dtype=torch.long)
     labels = torch.full((len(indices), width), IGNORE_INDEX, dtype=torch.long)

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kubetune_trainer.attention import DocumentBounds
 from kubetune_trainer.contract import loss_chunk_tokens
 from kubetune_trainer.data import IGNORE_INDEX
 
@@ -196,10 +197,12 @@ def loss_sum(
     autocast_dtype: torch.dtype | None = None,
     chunked: ChunkedLoss | None = None,
     offload: OffloadActivations | None = None,
+    documents: DocumentBounds | None = None,
 ) -> torch.Tensor:
     """Summed cross-entropy of the next-token predictions over the positions whose label is
     not `IGNORE_INDEX` (fp32, a 0-dim tensor); `chunked` and `offload` are the memory savers
-    above."""
+    above; `documents`, a packed batch's example bounds for a model whose attention takes
+    them (`kubetune_trainer.attention`)."""
     return _cross_entropy(
         model,
         input_ids=input_ids,
@@ -210,6 +213,7 @@ def loss_sum(
         chunked=chunked,
         offload=offload,
         per_row=False,
+        documents=documents,
     )
 
 
@@ -224,6 +228,7 @@ def _cross_entropy(
     chunked: ChunkedLoss | None = None,
     offload: OffloadActivations | None,
     per_row: bool,
+    documents: DocumentBounds | None = None,
 ) -> torch.Tensor:
     ctx: contextlib.AbstractContextManager[Any] = (
         torch.autocast(input_ids.device.type, dtype=autocast_dtype)
@@ -244,6 +249,7 @@ def _cross_entropy(
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=False,
+            **(documents.model_kwargs() if documents is not None else {}),
         )
     if chunked is not None:
         return out.logits.float()  # type: ignore[no-any-return]

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kubetune_trainer import attention
 from kubetune_trainer.contract import TrainerConfig
 from kubetune_trainer.distributed import DistEnv, barrier
 from kubetune_trainer.errors import ConfigError
@@ -73,6 +74,7 @@ class BuiltModel:
     hf_config: Any
     chunked_loss: ChunkedLoss | None = None  # training.chunked_cross_entropy
     offload: OffloadActivations | None = None  # training.activation_offloading
+    varlen_attention: bool = False  # packed rows by document bounds (kubetune_trainer.attention)
 
 
 def model_source(cfg: TrainerConfig) -> tuple[str, dict[str, Any]]:
@@ -330,6 +332,15 @@ def build_model(cfg: TrainerConfig, env: DistEnv) -> BuiltModel:
         model = _add_lora(model, cfg)
     n_params, n_trainable = _count_params(model)
     chunked = prepare_for_training(model, cfg)
+    packed = cfg.training.packing and cfg.training.objective == "sft"
+    varlen = attention.use_varlen(cfg.training.packed_attention, packed, hf_config, env.device)
+    if varlen:
+        attention.install(model)
+    elif packed and cfg.training.packed_attention == "varlen":
+        log.warning(
+            "training.packed_attention varlen: %s; packed rows use the mask",
+            attention.supports(hf_config),
+        )
 
     autocast: torch.dtype | None = None
     wrap = "none"
@@ -366,6 +377,7 @@ def build_model(cfg: TrainerConfig, env: DistEnv) -> BuiltModel:
         hf_config=hf_config,
         chunked_loss=chunked,
         offload=OffloadActivations() if cfg.training.activation_offloading else None,
+        varlen_attention=varlen,
     )
 
 

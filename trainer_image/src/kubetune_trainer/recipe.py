@@ -390,6 +390,8 @@ class FineTuneRecipe:
             wrap=self.built.wrap,
             params=self.built.n_params,
             trainable_params=self.built.n_trainable,
+            flops_per_token=self.built.flops_per_token,
+            varlen_attention=self.built.varlen_attention,
             train_rows=st.train_rows,
             validation_rows=st.validation_rows,
             data_cache=self.data_cache.source,
@@ -817,6 +819,7 @@ class FineTuneRecipe:
             autocast_dtype=self.built.autocast_dtype,
             chunked=self.built.chunked_loss,
             offload=self.built.offload if self.model.training else None,
+            documents=b.documents if self.built.varlen_attention else None,
         )
 
     def _train_step(self, rng_at_start: dict[str, Any]) -> tuple[float, float, float]:
