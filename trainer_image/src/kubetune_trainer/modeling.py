@@ -289,12 +289,30 @@ def _count_params(model: nn.Module) -> tuple[int, int]:
     return total, trainable
 
 
-def _flops_per_token(config: Any, n_params: int, seq_len: int, full: bool) -> float:
-    """6N (+ attention) for full fine-tuning; 4N for adapters (no weight grads of the base)."""
+def _head_is_tied(model: nn.Module) -> bool:
+    """Whether the output projection shares the input embedding's weight."""
+    get_base = getattr(model, "get_base_model", None)
+    hf: Any = get_base() if callable(get_base) else model
+    try:
+        head, embed = hf.get_output_embeddings(), hf.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return False
+    weight = getattr(head, "weight", None)
+    return weight is not None and weight is getattr(embed, "weight", None)
+
+
+def _flops_per_token(
+    config: Any, n_params: int, seq_len: int, full: bool, tied: bool = False
+) -> float:
+    """6N (+ attention) for full fine-tuning; 4N for adapters (no weight grads of the base).
+
+    N counts the weights that take part in a matmul: the input embedding is a lookup, so its
+    table is left out, except where the output projection shares it (`tied`): `n_params`
+    counts a shared table once, and the output projection multiplies by it."""
     layers = int(getattr(config, "num_hidden_layers", 0) or 0)
     hidden = int(getattr(config, "hidden_size", 0) or 0)
     vocab = int(getattr(config, "vocab_size", 0) or 0)
-    dense = max(n_params - vocab * hidden, 1)  # input embeddings do no matmul FLOPs
+    dense = n_params if tied else max(n_params - vocab * hidden, 1)
     attention = 2 * layers * hidden * seq_len  # QK^T and AV, forward, per token
     if full:
         return 6 * dense + 3 * attention
@@ -331,6 +349,7 @@ def build_model(cfg: TrainerConfig, env: DistEnv) -> BuiltModel:
     if adapters:
         model = _add_lora(model, cfg)
     n_params, n_trainable = _count_params(model)
+    tied_head = _head_is_tied(model)
     chunked = prepare_for_training(model, cfg)
     packed = cfg.training.packing and cfg.training.objective == "sft"
     varlen = attention.use_varlen(cfg.training.packed_attention, packed, hf_config, env.device)
@@ -371,7 +390,7 @@ def build_model(cfg: TrainerConfig, env: DistEnv) -> BuiltModel:
         n_params=n_params,
         n_trainable=n_trainable,
         flops_per_token=_flops_per_token(
-            hf_config, n_params, cfg.training.sequence_length, full=not adapters
+            hf_config, n_params, cfg.training.sequence_length, full=not adapters, tied=tied_head
         ),
         autocast_dtype=autocast,
         hf_config=hf_config,
