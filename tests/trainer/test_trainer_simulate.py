@@ -26,6 +26,7 @@ from kubetune_trainer.simulate import (
     PHASES,
     SimulationError,
     SimulationSetup,
+    _dropout_as_on_cuda,
     _run_once,
     simulate,
 )
@@ -221,6 +222,41 @@ def test_chunked_loss_lowers_the_logits_term() -> None:
     chunked = simulate(fields, SimulationSetup(method="lora", seq_len=1536, chunked_ce=True))
     assert chunked.breakdown["logits"] < 0.6 * plain.breakdown["logits"]
     assert chunked.peak_bytes < plain.peak_bytes
+
+
+def test_dropout_keeps_a_one_byte_mask_as_on_cuda() -> None:
+    """CUDA's fused dropout keeps a bool mask for backward; CPU's keeps a noise tensor of the
+    input's dtype. The simulation runs dropout the CUDA way (LoRA dropout on every adapted
+    layer's input: gigabytes at 1B and 2,048 tokens), with the same result and gradient."""
+    import torch
+
+    x = torch.randn(64, 32, requires_grad=True)
+    saved: list[torch.Tensor] = []
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    def run() -> torch.Tensor:
+        saved.clear()
+        torch.manual_seed(0)
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            return torch.nn.functional.dropout(x, 0.25, training=True)
+
+    run()
+    assert {t.dtype for t in saved} == {torch.float32}  # CPU: the noise, as the input
+    with _dropout_as_on_cuda():
+        out = run()
+        assert torch.nn.functional.dropout(x, 0.25, training=False) is x  # eval: untouched
+    assert [t.dtype for t in saved] == [torch.bool]
+    kept = out != 0
+    torch.testing.assert_close(out[kept], x[kept] / 0.75)
+    out.sum().backward()
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad, kept.float() / 0.75)
+    # put back afterwards
+    run()
+    assert {t.dtype for t in saved} == {torch.float32}
 
 
 @pytest.mark.parametrize(

@@ -477,6 +477,29 @@ class _AssumeTrainedTokens(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return func(*args, **(kwargs or {}))
 
 
+@contextlib.contextmanager
+def _dropout_as_on_cuda() -> Iterator[None]:
+    """Dropout as CUDA runs it: one fused kernel (`native_dropout`) that keeps a 1-byte mask
+    for backward. On CPU, `F.dropout` multiplies by a noise tensor of the input's dtype and
+    keeps that instead (2 or 4 bytes per element), which for LoRA's dropout on every adapted
+    layer's input overstates a step's peak by gigabytes (docs/simulate.md). Swapped in for
+    the step, recomputation under activation checkpointing included, then put back."""
+    plain = torch.nn.functional.dropout
+
+    def fused(
+        input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
+    ) -> torch.Tensor:
+        if training and 0.0 < p < 1.0 and not inplace:
+            return torch.native_dropout(input, p, True)[0]
+        return plain(input, p, training, inplace)
+
+    torch.nn.functional.dropout = fused
+    try:
+        yield
+    finally:
+        torch.nn.functional.dropout = plain
+
+
 # --------------------------------------------------------------------------- one run
 
 
@@ -628,7 +651,7 @@ def _step(
     # MemTracker already knows them from track_external.
     if not sharded:
         take("weights")
-    with fake_mode, assume, tracker:
+    with fake_mode, assume, tracker, _dropout_as_on_cuda():
         if sharded:
             take("weights")
         tracker.stage = "forward"
