@@ -302,8 +302,9 @@ def test_a_blocks_backward_peaks_at_the_first_or_the_last_block() -> None:
     """Without checkpointing, backward frees each block's saved activations as it leaves its
     gradients: the first block backward runs has every saved activation and one block's
     gradients (and the untied output projection's), the last one block's activations and
-    every gradient but the embedding's.  Neither holds both whole."""
-    arch = load_arch("mistralai/Mistral-7B-v0.3")
+    every gradient but the embedding's.  Neither holds both whole.  (A small vocabulary, so
+    that the chunked loss's own moments, tested below, stay below the blocks'.)"""
+    arch = replace(load_arch("mistralai/Mistral-7B-v0.3"), vocab_size=1024)
     assert not arch.tie_embeddings
     setup = replace(
         SINGLE, method="full", micro_batch=2, seq_len=2048, grad_ckpt=False, chunked_ce=True
@@ -417,13 +418,32 @@ def test_chunked_cross_entropy_reduces_logits() -> None:
     chunked = estimate_vram(arch, replace(setup, chunked_ce=True)).breakdown["logits"]
     assert full == 8192 * arch.vocab_size * 12
     assert chunked < 0.4 * full
-    # 4 bytes per entry kept for backward, plus one chunk's bf16 logits and fp32 copy.
+    # At the chunks' backward: 4 bytes per entry kept for backward, plus one chunk's two fp32
+    # gradients (w.r.t. its log-softmax and its logits), more than its forward's bf16 logits
+    # and fp32 copy.
     chunk = loss_chunk_tokens(arch.vocab_size)
-    assert chunked == (8192 * 4 + chunk * 6) * arch.vocab_size
+    assert chunked == (8192 * 4 + chunk * 8) * arch.vocab_size
     litgpt = estimate_vram(arch, replace(setup, chunked_ce=True, loss_chunk_tokens=128))
-    assert litgpt.breakdown["logits"] == (8192 * 4 + 128 * 6) * arch.vocab_size
+    assert litgpt.breakdown["logits"] == (8192 * 4 + 128 * 8) * arch.vocab_size
     short = estimate_vram(arch, replace(setup, seq_len=256, chunked_ce=True))
-    assert short.breakdown["logits"] == 256 * 10 * arch.vocab_size  # one chunk: all tokens
+    # one chunk holds every token: as much as the unchunked loss
+    assert short.breakdown["logits"] == 256 * 12 * arch.vocab_size
+
+
+def test_a_trained_output_projection_sums_its_gradient_over_the_chunks() -> None:
+    """Full fine-tuning with the chunked loss: while the chunks run backward, autograd's buffer
+    holds the output projection's weight gradient summed so far and the chunk adds its own
+    (two tables, as the simulated step shows), with every chunk's log-softmax still kept.
+    LoRA leaves the projection frozen: no table."""
+    arch = load_arch("meta-llama/Llama-3.2-1B")  # tied: the embedding's table
+    setup = replace(SINGLE, method="full", micro_batch=4, seq_len=2048, chunked_ce=True)
+    est = estimate_vram(arch, setup)
+    table = arch.embedding_params * 2
+    chunk = loss_chunk_tokens(arch.vocab_size)
+    assert est.breakdown["gradients"] == 0  # before any block's backward
+    assert est.breakdown["logits"] == (8192 * 4 + chunk * 8) * arch.vocab_size
+    lora = estimate_vram(arch, replace(setup, method="lora"))
+    assert est.breakdown["activations"] - lora.breakdown["activations"] >= 2 * table
 
 
 def test_gemma2_is_sized_with_the_eager_attention_it_trains_with() -> None:

@@ -196,6 +196,11 @@ _LOGIT_SOFTCAP_MODEL_TYPES = frozenset({"gemma2"})
 # alive while it is computed.
 LOGITS_BYTES_CHUNKED = 4
 LOGITS_BYTES_CHUNK_WORKING = BF16_BYTES + FP32_BYTES
+# A chunk's backward: the fp32 gradients w.r.t. its log-softmax and w.r.t. its logits.
+LOGITS_BYTES_CHUNK_BACKWARD = 2 * FP32_BYTES
+# Trained, the output projection's weight gradient is made once per chunk: autograd's buffer
+# holds the sum so far while the chunk's own is made (two tables of the compute dtype).
+CHUNKED_HEAD_GRAD_TABLES = 2
 
 # FSDP keeps the current unit and the prefetched next one unsharded.
 FSDP_GATHERED_UNITS = 2
@@ -835,6 +840,7 @@ def _transient_moments(
     root: float,
     logits_grad: float,
     released: float,
+    loss_backward: tuple[float, float] | None = None,
 ) -> dict[str, tuple[float, float, float]]:
     """(activations, logits, FSDP buffers) at each moment of the step that can hold the peak,
     on top of the static state and the gradients (docs/estimator.md, "Peak timing"); the
@@ -846,7 +852,10 @@ def _transient_moments(
     tensors but the first block's); ``logits`` is the loss's largest footprint and
     ``logits_grad`` the gradient of the logits the output projection's backward receives;
     ``unit`` / ``root`` are the bytes of one gathered decoder block / of the gathered root
-    (embeddings, final norm, untied ``lm_head``).
+    (embeddings, final norm, untied ``lm_head``).  ``loss_backward`` (the chunked loss only):
+    the (activations, logits) beyond the static state while the chunks run backward one by
+    one, every chunk's saved log-softmax still there, the output projection's weight gradient
+    growing chunk by chunk.
 
     Backward runs the blocks from the last to the first: each frees what it saved and leaves
     its gradients, so memory during block ``j``'s backward is affine in ``j`` and its largest
@@ -882,15 +891,21 @@ def _transient_moments(
         buffers = FSDP_GATHERED_UNITS * unit + root
         if full:
             buffers += p.per_block * _trainable_bytes(setup)
-        return {"loss": (activations + pending, logits, buffers), "end": (end, 0.0, buffers)}
+        moments = {"loss": (activations + pending, logits, buffers), "end": (end, 0.0, buffers)}
+        if loss_backward is not None:
+            moments["loss backward"] = (*loss_backward, buffers)
+        return moments
     if not full_shard:
         # One GPU, DDP, or SHARD_GRAD_OP (whose gathered parameters are in `weights`).
-        return {
+        moments = {
             "loss": (saved, logits, 0.0),
             "first block backward": (activations + pending, 0.0, 0.0),
             "last block backward": (activations - released + pending, 0.0, 0.0),
             "end": (end, 0.0, 0.0),
         }
+        if loss_backward is not None:
+            moments["loss backward"] = (*loss_backward, 0.0)
+        return moments
     # FULL_SHARD (FSDP2, `reshard_after_forward=True` for the blocks and the root, as
     # `modeling.shard_model` sets): each block's parameters are gathered for its forward and
     # again for its backward, with the next block prefetched; the root is gathered for the
@@ -900,7 +915,7 @@ def _transient_moments(
     # dtype (autograd's) and in fp32 (the reduce-scatter input: `reduce_dtype=float32`).
     blocks = FSDP_GATHERED_UNITS * unit
     block_grads = float(p.per_block * (e + FSDP_REDUCE_BYTES)) if full else 0.0
-    return {
+    moments = {
         # the loss: every saved activation and the logits; nothing gathered
         "loss": (saved, logits, 0.0),
         # the root's all-gather for backward, when the gradient of the logits reaches the
@@ -917,6 +932,10 @@ def _transient_moments(
         # the end of backward: the embedding's gradients, the root and two blocks gathered
         "end": (end, 0.0, root + blocks),
     }
+    if loss_backward is not None:
+        # the chunks' backward, the root gathered for it
+        moments["loss backward"] = (*loss_backward, root)
+    return moments
 
 
 def _gradients_made(
@@ -954,6 +973,7 @@ def _gradients_made(
     share = after_backward / whole if whole else 0.0
     return {
         "loss": 0.0,
+        "loss backward": 0.0,  # the output projection's, counted with the activations
         "root all-gather": 0.0,
         "first block backward": min(first, whole) * share,
         "last block backward": last * share,
@@ -961,7 +981,14 @@ def _gradients_made(
     }
 
 
-_MOMENT_NAMES = ("loss", "root all-gather", "first block backward", "last block backward", "end")
+_MOMENT_NAMES = (
+    "loss",
+    "loss backward",
+    "root all-gather",
+    "first block backward",
+    "last block backward",
+    "end",
+)
 
 
 def _gradients_at(accumulated: float, made: float) -> float:
@@ -1095,12 +1122,26 @@ def estimate_vram(arch: ModelArch, setup: TrainingSetup) -> VramEstimate:
         logits = float(tokens * arch.vocab_size * per_entry)
     # The fp32 gradient of the logits the output projection's backward receives.
     logits_grad = min(logits, float(tokens * arch.vocab_size * FP32_BYTES))
+    loss_backward = None
+    if setup.chunked_ce:
+        # Chunk by chunk backward (kubetune_trainer.loss): every chunk's log-softmax is still
+        # kept; one chunk's gradients; a trained output projection's weight gradient, summed
+        # in autograd's buffer as each chunk adds its own (tied: the embedding's table).
+        chunk_backward = LOGITS_BYTES_CHUNK_BACKWARD + (e if softcap_logits else 0)
+        head_grads = 0.0
+        if setup.method == "full":
+            head = arch.embedding_params if arch.tie_embeddings else arch.lm_head_params
+            head_grads = float(CHUNKED_HEAD_GRAD_TABLES * head * e)
+        loss_backward = (
+            saved + head_grads,
+            float((kept + chunk * chunk_backward) * arch.vocab_size),
+        )
 
     # ---- the moment of the peak: static state is there throughout; the gradients and the
     # transient terms are those of the largest moment of the step (docs/estimator.md, "Peak
     # timing"): with one micro-batch per optimizer step no gradient exists at the loss.
     moments = _transient_moments(
-        arch, setup, p, saved, working, logits, unit, root, logits_grad, released
+        arch, setup, p, saved, working, logits, unit, root, logits_grad, released, loss_backward
     )
     accumulated = _accumulated_gradient_bytes(
         setup, trainable, gradients, fsdp=full_shard or grad_op or offload
