@@ -14,8 +14,12 @@ Two steps, because the GPU machine has no kubetune operator package:
 
 Measured per case: trained (non-padding) tokens per second over the steps after `--warmup`,
 the trainer's own MFU figure (model FLOPs per token x tokens/s over the GPU's dense bf16 peak),
-and the process's peak `torch.cuda.max_memory_allocated` / `max_memory_reserved`, which is
-what decides an out-of-memory.
+the process's peak `torch.cuda.max_memory_allocated` / `max_memory_reserved`, which is what
+decides an out-of-memory, and every step's loss. Cases come in "before" / "after" pairs: the
+same setup without and with the memory savers and the variable-length attention path
+(`Case`). Before the cases, `probe_varlen` checks the variable-length kernel against
+per-document SDPA on the GPU; if it fails, the cases that would use it run on the mask.
+`report` adds `kubetune estimate` and the simulated step (`--simulate`) beside each case.
 """
 
 from __future__ import annotations
@@ -24,11 +28,13 @@ import argparse
 import datetime as dt
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -83,21 +89,85 @@ ARCHS: dict[str, dict[str, Any]] = {
 
 LLAMA1B, QWEN15B, LLAMA8B = ARCHS
 
-# name -> (model, method, micro-batch, sequence length, activation checkpointing, optimizer)
-CASES: dict[str, tuple[str, str, int, int, bool, str]] = {
-    "llama1b-lora": (LLAMA1B, "lora", 8, 2048, False, "adamw"),
-    "llama1b-lora-mb2": (LLAMA1B, "lora", 2, 2048, False, "adamw"),
-    "llama1b-lora-ckpt": (LLAMA1B, "lora", 8, 2048, True, "adamw"),
-    "llama1b-qlora-ckpt": (LLAMA1B, "qlora", 8, 2048, True, "adamw"),
-    "llama1b-full": (LLAMA1B, "full", 4, 2048, False, "adamw"),
-    "llama1b-full-ckpt": (LLAMA1B, "full", 4, 2048, True, "adamw"),
-    "qwen1.5b-lora": (QWEN15B, "lora", 8, 2048, False, "adamw"),
-    "qwen1.5b-lora-ckpt": (QWEN15B, "lora", 8, 2048, True, "adamw"),
-    "qwen1.5b-full-ckpt": (QWEN15B, "full", 4, 2048, True, "adamw"),
-    "llama8b-lora-ckpt": (LLAMA8B, "lora", 4, 2048, True, "adamw"),
-    "llama8b-qlora-ckpt": (LLAMA8B, "qlora", 4, 2048, True, "adamw"),
-    "llama8b-full-ckpt-8bit": (LLAMA8B, "full", 2, 2048, True, "adamw-8bit"),
+
+@dataclass(frozen=True)
+class Case:
+    """One measured setup. The memory savers default to the 2026-11-22 run's setup (none, and
+    packed rows through SDPA with a block-diagonal mask), so a case without them is the
+    "before" of one with them."""
+
+    model: str
+    method: str
+    micro_batch: int
+    seq_len: int
+    grad_ckpt: bool
+    optimizer: str = "adamw"
+    chunked_ce: bool = False
+    activation_offload: bool = False
+    packed_attention: str = "mask"
+
+    def savers(self) -> str:
+        """The savers and attention path in a few words, for the table."""
+        words = [] if self.packed_attention == "mask" else [self.packed_attention]
+        words += ["chunked CE"] if self.chunked_ce else []
+        words += ["offload"] if self.activation_offload else []
+        return ", ".join(words) or "-"
+
+
+# Ordered by what a run cut short should have measured first: each "before" next to its
+# "after", then the 8B models, then the savers' costs.
+CASES: dict[str, Case] = {
+    "llama1b-full": Case(LLAMA1B, "full", 4, 2048, False),
+    "llama1b-full-varlen": Case(LLAMA1B, "full", 4, 2048, False, packed_attention="varlen"),
+    "llama1b-full-savers": Case(
+        LLAMA1B, "full", 4, 2048, False, chunked_ce=True, packed_attention="varlen"
+    ),
+    "llama1b-lora": Case(LLAMA1B, "lora", 8, 2048, False),
+    "llama1b-lora-savers": Case(
+        LLAMA1B, "lora", 8, 2048, False, chunked_ce=True, packed_attention="varlen"
+    ),
+    "llama8b-lora-ckpt-savers": Case(
+        LLAMA8B, "lora", 4, 2048, True, chunked_ce=True, packed_attention="varlen"
+    ),
+    "llama8b-full-ckpt-8bit-savers": Case(
+        LLAMA8B, "full", 2, 2048, True, "adamw-8bit", chunked_ce=True, packed_attention="varlen"
+    ),
+    "llama1b-lora-ckpt-offload": Case(
+        LLAMA1B,
+        "lora",
+        8,
+        2048,
+        True,
+        chunked_ce=True,
+        activation_offload=True,
+        packed_attention="varlen",
+    ),
+    "llama1b-full-ckpt-paged32": Case(
+        LLAMA1B,
+        "full",
+        4,
+        2048,
+        True,
+        "paged-adamw-32bit",
+        chunked_ce=True,
+        packed_attention="varlen",
+    ),
+    "llama1b-full-mb8-savers": Case(
+        LLAMA1B, "full", 8, 2048, False, chunked_ce=True, packed_attention="varlen"
+    ),
+    # The 2026-11-22 cases not listed above.
+    "llama1b-lora-mb2": Case(LLAMA1B, "lora", 2, 2048, False),
+    "llama1b-lora-ckpt": Case(LLAMA1B, "lora", 8, 2048, True),
+    "llama1b-qlora-ckpt": Case(LLAMA1B, "qlora", 8, 2048, True),
+    "llama1b-full-ckpt": Case(LLAMA1B, "full", 4, 2048, True),
+    "qwen1.5b-lora": Case(QWEN15B, "lora", 8, 2048, False),
+    "qwen1.5b-lora-ckpt": Case(QWEN15B, "lora", 8, 2048, True),
+    "qwen1.5b-full-ckpt": Case(QWEN15B, "full", 4, 2048, True),
+    "llama8b-lora-ckpt": Case(LLAMA8B, "lora", 4, 2048, True),
+    "llama8b-qlora-ckpt": Case(LLAMA8B, "qlora", 4, 2048, True),
+    "llama8b-full-ckpt-8bit": Case(LLAMA8B, "full", 2, 2048, True, "adamw-8bit"),
 }
+DEFAULT_CASES = list(CASES)[:10]
 LORA = {"rank": 16, "alpha": 32, "dropout": 0.05, "target_modules": ["all-linear"]}
 
 
@@ -132,7 +202,8 @@ def make_model(out: Path, model: str) -> Path:
 
 
 def trainer_config(work: Path, model_dir: Path, data: Path, case: str, steps: int) -> Path:
-    _, method, micro, seq, ckpt, optimizer = CASES[case]
+    c = CASES[case]
+    method, micro = c.method, c.micro_batch
     cfg = {
         "contract_version": 1,
         "job": {"name": case},
@@ -147,13 +218,16 @@ def trainer_config(work: Path, model_dir: Path, data: Path, case: str, steps: in
             "micro_batch_size": micro,
             "gradient_accumulation": 1,
             "global_batch_size": micro,
-            "sequence_length": seq,
+            "sequence_length": c.seq_len,
             "learning_rate": 1e-4,
             "warmup_ratio": 0.1,
             "precision": "bf16",
-            "gradient_checkpointing": ckpt,
+            "gradient_checkpointing": c.grad_ckpt,
             "packing": True,
-            "optimizer": optimizer,
+            "optimizer": c.optimizer,
+            "chunked_cross_entropy": c.chunked_ce,
+            "activation_offloading": c.activation_offload,
+            "packed_attention": c.packed_attention,
         },
         "checkpoint": {"dir": str(work / "ckpt"), "interval_minutes": 0},
         "output": {"dir": str(work / "out")},
@@ -164,10 +238,16 @@ def trainer_config(work: Path, model_dir: Path, data: Path, case: str, steps: in
     return path
 
 
-def run_case(case: str, models: Path, data: Path, steps: int, warmup: int) -> dict[str, Any]:
-    model, method, micro, seq, ckpt, optimizer = CASES[case]
+TIMED_OUT = -9
+"""`exit_code` of a case stopped at `--case-timeout`."""
+
+
+def run_case(
+    case: str, models: Path, data: Path, steps: int, warmup: int, timeout: float
+) -> dict[str, Any]:
+    c = CASES[case]
     t0 = time.time()
-    model_dir = make_model(models / model.replace("/", "--"), model)
+    model_dir = make_model(models / c.model.replace("/", "--"), c.model)
     made = time.time() - t0
     work = Path(tempfile.mkdtemp(prefix=f"{case}-"))
     cfg = trainer_config(work, model_dir, data, case, steps)
@@ -178,27 +258,35 @@ def run_case(case: str, models: Path, data: Path, steps: int, warmup: int) -> di
         ),
     }
     started = time.time()
-    proc = subprocess.run(
-        [sys.executable, "-m", "kubetune_trainer", "--config", str(cfg)],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "kubetune_trainer", "--config", str(cfg)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        code, stderr = proc.returncode, proc.stderr
+    except subprocess.TimeoutExpired as e:
+        code = TIMED_OUT
+        stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else ""
     wall = time.time() - started
     log = work / "metrics.jsonl"
     events = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+    # Each case's checkpoints (an 8B full fine-tune's are 33 GiB) would fill the disk for the
+    # next ones.
+    shutil.rmtree(work, ignore_errors=True)
     step_ev = [e for e in events if e.get("event") == "step"]
+    start_ev = next((e for e in events if e.get("event") == "start"), {})
     result: dict[str, Any] = {
         "case": case,
-        "model": model,
-        "method": method,
-        "micro_batch": micro,
-        "seq_len": seq,
-        "grad_ckpt": ckpt,
-        "optimizer": optimizer,
-        "lora_rank": LORA["rank"] if method != "full" else None,
+        **asdict(c),
+        "lora_rank": LORA["rank"] if c.method != "full" else None,
         "steps": len(step_ev),
-        "exit_code": proc.returncode,
+        "exit_code": code,
+        "varlen_attention": start_ev.get("varlen_attention"),
+        "flops_per_token": start_ev.get("flops_per_token"),
+        "params": start_ev.get("params"),
         "model_build_seconds": round(made, 1),
         "wall_seconds": round(wall, 1),
     }
@@ -217,12 +305,67 @@ def run_case(case: str, models: Path, data: Path, steps: int, warmup: int) -> di
         result["peak_reserved_bytes"] = max(e["memory_reserved_peak_bytes"] for e in step_ev)
         result["loss_first"] = first.get("loss")
         result["loss_last"] = last.get("loss")
-    if proc.returncode != 0:
-        result["stderr_tail"] = proc.stderr[-1500:]
+        result["losses"] = [e.get("loss") for e in step_ev]
+    if code != 0:
+        result["stderr_tail"] = stderr[-1500:]
         msg = Path("/dev/termination-log")
         if msg.exists():
             result["termination_message"] = msg.read_text()[-500:]
     return result
+
+
+def probe_varlen(device: str = "cuda") -> dict[str, Any]:
+    """The variable-length kernel against the same attention one document at a time through
+    SDPA, on this GPU in bf16 (forward and gradients): whether the `varlen` cases can run."""
+    import torch
+
+    from kubetune_trainer import attention
+
+    out: dict[str, Any] = {"kernel_available": attention.kernel_available()}
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        batch, heads, kv_heads, seq, dim = 2, 8, 2, 512, 64
+        pos = torch.cat([torch.arange(200), torch.arange(100), torch.arange(212)]).repeat(batch, 1)
+        bounds = attention.document_bounds(pos.numpy()).to(torch.device(device))
+
+        def qkv() -> list[torch.Tensor]:
+            shapes = [(batch, heads, seq, dim), (batch, kv_heads, seq, dim)]
+            return [
+                torch.randn(
+                    *shapes[min(i, 1)], device=device, generator=g, dtype=torch.bfloat16
+                ).requires_grad_()
+                for i in range(3)
+            ]
+
+        q, k, v = qkv()
+        module = torch.nn.Module()
+        got, _ = attention.packed_attention_forward(
+            module, q, k, v, None, scaling=dim**-0.5, **bounds.model_kwargs()
+        )
+        got.float().square().sum().backward()
+        got_grads = [t.grad.clone() for t in (q, k, v)]  # type: ignore[union-attr]
+        for t in (q, k, v):
+            t.grad = None
+        flat = [t.transpose(1, 2).reshape(batch * seq, t.size(1), dim) for t in (q, k, v)]
+        want = attention._per_document(*flat, bounds.cu_seqlens, dim**-0.5, heads // kv_heads)
+        want.view(batch, seq, heads, dim).float().square().sum().backward()
+
+        def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+            a, b = a.detach().float(), b.detach().float()
+            return float((a - b).abs().max() / b.abs().max())
+
+        out["output_rel_diff"] = rel(got.view_as(want), want)
+        out["grad_rel_diff"] = max(
+            rel(a, t.grad)  # type: ignore[arg-type]
+            for a, t in zip(got_grads, (q, k, v), strict=True)
+        )
+        # bf16: the two round differently (~1e-2 of the largest value at most); attention
+        # across a document boundary changes outputs by their own size.
+        out["ok"] = out["output_rel_diff"] < 0.03 and out["grad_rel_diff"] < 0.05
+    except Exception as e:  # recorded, and the varlen cases fall back to the mask
+        out["ok"] = False
+        out["error"] = f"{type(e).__name__}: {e}"[:800]
+    return out
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -232,7 +375,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from kubetune_trainer.tiny import make_records, write_jsonl
 
-    cases = args.cases.split(",") if args.cases else list(CASES)
+    cases = args.cases.split(",") if args.cases else DEFAULT_CASES
     unknown = [c for c in cases if c not in CASES]
     if unknown:
         print(f"unknown case(s) {unknown}; choose from {', '.join(CASES)}", file=sys.stderr)
@@ -242,7 +385,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     models = Path(args.models)
     models.mkdir(parents=True, exist_ok=True)
-    data = write_jsonl(models / "alpaca.jsonl", make_records("alpaca", 20000, long_tail=True))
+    data = write_jsonl(
+        models / "alpaca.jsonl", make_records("alpaca", args.records, long_tail=True)
+    )
     host = {
         "gpu": torch.cuda.get_device_name(0),
         "gpu_memory_bytes": torch.cuda.get_device_properties(0).total_memory,
@@ -257,10 +402,20 @@ def cmd_run(args: argparse.Namespace) -> int:
         host["bitsandbytes"] = bitsandbytes.__version__
     except ImportError:
         host["bitsandbytes"] = None
+    probe = probe_varlen()
+    host["varlen_probe"] = probe
+    print(json.dumps({"varlen_probe": probe}), flush=True)
+    if not probe["ok"]:
+        for case in cases:  # measure the other savers on the mask path rather than nothing
+            if CASES[case].packed_attention == "varlen":
+                CASES[case] = replace(CASES[case], packed_attention="mask")
     out = Path(args.out)
     with out.open("a") as fh:
         for case in cases:
-            result = {**host, **run_case(case, models, data, args.steps, args.warmup)}
+            result = {
+                **host,
+                **run_case(case, models, data, args.steps, args.warmup, args.case_timeout),
+            }
             fh.write(json.dumps(result) + "\n")
             fh.flush()
             print(json.dumps({k: v for k, v in result.items() if k != "stderr_tail"}), flush=True)
@@ -271,6 +426,33 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- report
 
+GIB = 2**30
+
+# "Before" → "after" pairs of the report's second table.
+COMPARISONS = [
+    ("llama1b-full", "llama1b-full-varlen"),
+    ("llama1b-full", "llama1b-full-savers"),
+    ("llama1b-full", "llama1b-full-mb8-savers"),
+    ("llama1b-lora", "llama1b-lora-savers"),
+]
+
+
+def _setup_fields(row: dict[str, Any]) -> dict[str, Any]:
+    """The row's setup as the estimator's and the simulation's field names."""
+    return {
+        "method": row["method"],
+        "micro_batch": row["micro_batch"],
+        "seq_len": row["seq_len"],
+        "gpus": 1,
+        "sharding": "none",
+        "precision": "bf16",
+        "optimizer": row["optimizer"],
+        "grad_ckpt": row["grad_ckpt"],
+        "lora_rank": row["lora_rank"] or 16,
+        "chunked_ce": bool(row.get("chunked_ce")),
+        "activation_offload": bool(row.get("activation_offload")),
+    }
+
 
 def estimate_for(row: dict[str, Any]) -> tuple[float, float, float]:
     """(allocated-comparable, reserved-comparable, whole per-GPU) estimate in GiB."""
@@ -278,76 +460,127 @@ def estimate_for(row: dict[str, Any]) -> tuple[float, float, float]:
     from kubetune.planning.estimator import TrainingSetup, comparable_bytes, estimate_vram
 
     arch = arch_from_hf_config(ARCHS[row["model"]], name=row["model"])
-    setup = TrainingSetup(
-        method=row["method"],
-        micro_batch=row["micro_batch"],
-        seq_len=row["seq_len"],
-        gpus=1,
-        sharding="none",
-        precision="bf16",
-        optimizer=row["optimizer"],
-        grad_ckpt=row["grad_ckpt"],
-        lora_rank=row["lora_rank"] or 16,
-    )
-    est = estimate_vram(arch, setup)
-    gib = 2**30
+    est = estimate_vram(arch, TrainingSetup(**_setup_fields(row)))
     return (
-        comparable_bytes(est, "allocated") / gib,
-        comparable_bytes(est, "reserved") / gib,
-        est.per_gpu_bytes / gib,
+        comparable_bytes(est, "allocated") / GIB,
+        comparable_bytes(est, "reserved") / GIB,
+        est.per_gpu_bytes / GIB,
     )
 
 
-def render(rows: list[dict[str, Any]], command: str) -> str:
-    gib = 2**30
+def simulated_for(row: dict[str, Any]) -> tuple[float | None, str]:
+    """The simulated step's peak in GiB (`kubetune estimate --simulate`), or None and why
+    the simulation does not run that setup."""
+    from kubetune_trainer.simulate import SimulationError, SimulationSetup, simulate
+
+    try:
+        result = simulate(ARCHS[row["model"]], SimulationSetup(**_setup_fields(row)))
+    except SimulationError as e:
+        return None, str(e).split(":")[0].split(";")[0]
+    return result.phases["peak"] / GIB, ""
+
+
+def _pct(got: float, want: float) -> str:
+    return f"{100 * (got - want) / want:+.1f}%"
+
+
+def render(rows: list[dict[str, Any]], command: str, simulate: bool = True) -> str:
     host = rows[0]
     lines = [
         f"# Trainer on one GPU — {host['date']}",
         "",
-        f"Made by `{command}` on one {host['gpu']} ({host['gpu_memory_bytes'] / gib:.0f} GiB).",
+        f"Made by `{command}` on one {host['gpu']} ({host['gpu_memory_bytes'] / GIB:.0f} GiB).",
         "",
         f"- torch {host['torch']}, transformers {host['transformers']}, peft {host['peft']}, "
-        f"bitsandbytes {host.get('bitsandbytes') or '-'}; SDPA attention (transformers' default)",
+        f"bitsandbytes {host.get('bitsandbytes') or '-'}",
         "- Random bf16 weights from the published configs; a 512-token BPE tokenizer trained on "
         "the fly; synthetic alpaca records packed into full sequences; one process, no FSDP",
-        "- LoRA r16 α32 dropout 0.05 on all linear layers of the blocks; AdamW (8-bit where "
-        "named); bf16 weights; gradient accumulation 1",
-        "- tokens/s: trained tokens per second after the warm-up steps; MFU: the trainer's "
-        "own figure (6·N·tokens/s + attention, over 989 TFLOP/s dense bf16); peaks: "
-        "`torch.cuda.max_memory_allocated` / `max_memory_reserved` of the trainer process",
-        "- estimate: `kubetune estimate` for the same setup, the part comparable to each "
-        "measured metric, and the whole per-GPU figure the planner uses (adds CUDA context, "
-        "allocator headroom); error = (estimate − measured) / measured",
-        "",
-        "| case | model | method | micro-batch × seq | ckpt | steps | tokens/s | MFU "
-        "| allocated GiB | estimate | error | reserved GiB | estimate | error "
-        "| planner per-GPU GiB | loss first → last |",
-        "| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-        "| ---: | ---: | --- |",
+        "- LoRA r16 α32 dropout 0.05 on all linear layers of the blocks; AdamW (8-bit or paged "
+        "where named); bf16 weights; gradient accumulation 1",
+        "- savers: `varlen`: packed rows by document bounds through PyTorch's variable-length "
+        "flash attention instead of SDPA with a block-diagonal mask (`training.packed_attention`"
+        "); `chunked CE`: the chunked cross-entropy; `offload`: activations offloaded to host "
+        "memory",
+        "- tokens/s: trained tokens per second after the warm-up steps; MFU: the trainer's own "
+        "figure (6·N·tokens/s for full fine-tuning, 4·N for adapters, N the weights that take "
+        "part in a matmul — a tied output projection included — plus attention; over 989 "
+        "TFLOP/s dense bf16); peaks: `torch.cuda.max_memory_allocated` / `max_memory_reserved` "
+        "of the trainer process (paged optimizer states are CUDA managed memory, outside both)",
+        "- estimate: `kubetune estimate` for the same setup, the part comparable to each measured "
+        "metric; simulated: the trainer's step on fake tensors (`kubetune estimate --simulate`), "
+        "on the machine that made the table; error = (figure − measured) / measured",
     ]
-    for r in rows:
-        name = r["case"] + (f" ({r['optimizer']})" if r["optimizer"] != "adamw" else "")
-        setup = f"{r['micro_batch']} × {r['seq_len']}"
-        ckpt = "on" if r["grad_ckpt"] else "off"
-        if r["exit_code"] != 0 or "peak_allocated_bytes" not in r:
-            why = "out of memory" if r["exit_code"] == 43 else f"exit {r['exit_code']}"
-            lines.append(
-                f"| {name} | {r['model']} | {r['method']} | {setup} | {ckpt} | {r['steps']} "
-                f"| {why} | | | | | | | | | |"
-            )
-            continue
-        e_alloc, e_res, e_full = estimate_for(r)
-        alloc = r["peak_allocated_bytes"] / gib
-        res = r["peak_reserved_bytes"] / gib
-        mfu = f"{100 * r['mfu_ratio']:.1f}%" if r.get("mfu_ratio") is not None else "-"
-        loss = f"{r['loss_first']:.2f} → {r['loss_last']:.2f}" if r.get("loss_last") else "-"
+    probe = host.get("varlen_probe")
+    if probe:
         lines.append(
-            f"| {name} | {r['model']} | {r['method']} | {setup} | {ckpt} | {r['steps']} "
-            f"| {r.get('tokens_per_second', 0):,.0f} | {mfu} "
-            f"| {alloc:.2f} | {e_alloc:.2f} | {100 * (e_alloc - alloc) / alloc:+.1f}% "
-            f"| {res:.2f} | {e_res:.2f} | {100 * (e_res - res) / res:+.1f}% "
-            f"| {e_full:.2f} | {loss} |"
+            f"- variable-length kernel against per-document SDPA on this GPU (bf16, "
+            f"forward and gradients): largest difference {probe.get('output_rel_diff', 0):.1e} "
+            f"/ {probe.get('grad_rel_diff', 0):.1e} of the largest value "
+            f"({'passed' if probe.get('ok') else 'failed: ' + str(probe.get('error'))})"
         )
+    lines += [
+        "",
+        "| case | model | method | micro-batch × seq | ckpt | optimizer | savers | steps "
+        "| tokens/s | MFU | allocated GiB | estimate | error | simulated | error "
+        "| reserved GiB | loss first → last |",
+        "| --- | --- | --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: | ---: | ---: | --- |",
+    ]
+    by_case = {r["case"]: r for r in rows}
+    not_simulated: list[str] = []
+    for r in rows:
+        c = Case(**{k: r[k] for k in Case.__dataclass_fields__ if k in r})
+        head = (
+            f"| {r['case']} | {r['model']} | {r['method']} | {r['micro_batch']} × {r['seq_len']} "
+            f"| {'on' if r['grad_ckpt'] else 'off'} | {r['optimizer']} | {c.savers()} "
+            f"| {r['steps']} "
+        )
+        if "peak_allocated_bytes" not in r:
+            why = "out of memory" if r["exit_code"] == 43 else f"exit {r['exit_code']}"
+            lines.append(head + f"| {why} | | | | | | | | |")
+            continue
+        alloc = r["peak_allocated_bytes"] / GIB
+        e_alloc, _, _ = estimate_for(r)
+        sim, why = simulated_for(r) if simulate else (None, "not run")
+        sim_cells = f"{sim:.2f} | {_pct(sim, alloc)}" if sim is not None else "- | -"
+        if sim is None:
+            not_simulated.append(f"{r['case']}: {why}")
+        mfu = f"{100 * r['mfu_ratio']:.1f}%" if r.get("mfu_ratio") is not None else "-"
+        loss = f"{r['loss_first']:.3f} → {r['loss_last']:.3f}" if r.get("loss_last") else "-"
+        lines.append(
+            head + f"| {r.get('tokens_per_second', 0):,.0f} | {mfu} | {alloc:.2f} "
+            f"| {e_alloc:.2f} | {_pct(e_alloc, alloc)} | {sim_cells} "
+            f"| {r['peak_reserved_bytes'] / GIB:.2f} | {loss} |"
+        )
+    if not_simulated:
+        lines += ["", "Not simulated: " + "; ".join(not_simulated) + "."]
+    pairs = [(a, b) for a, b in COMPARISONS if a in by_case and b in by_case]
+    if pairs:
+        lines += [
+            "",
+            "Before → after (same run, same machine):",
+            "",
+            "| before | after | tokens/s | MFU | allocated GiB | largest step-loss difference |",
+            "| --- | --- | ---: | ---: | ---: | ---: |",
+        ]
+        for a, b in pairs:
+            ra, rb = by_case[a], by_case[b]
+            if "peak_allocated_bytes" not in ra or "peak_allocated_bytes" not in rb:
+                continue
+            same_batch = ra["micro_batch"] == rb["micro_batch"]
+            diff = (
+                f"{max(abs(x - y) for x, y in zip(ra['losses'], rb['losses'], strict=True)):.1e}"
+                if same_batch and len(ra["losses"]) == len(rb["losses"])
+                else "- (other batches)"
+            )
+            lines.append(
+                f"| {a} | {b} | {ra['tokens_per_second']:,.0f} → {rb['tokens_per_second']:,.0f} "
+                f"({_pct(rb['tokens_per_second'], ra['tokens_per_second'])}) "
+                f"| {100 * ra['mfu_ratio']:.1f}% → {100 * rb['mfu_ratio']:.1f}% "
+                f"| {ra['peak_allocated_bytes'] / GIB:.2f} → "
+                f"{rb['peak_allocated_bytes'] / GIB:.2f} "
+                f"| {diff} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -359,7 +592,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     command = "python benchmarks/gpu_trainer.py run --steps {} --warmup {} --cases {}".format(
         args.steps, args.warmup, ",".join(r["case"] for r in rows)
     )
-    text = render(rows, command)
+    text = render(rows, command, simulate=not args.no_simulate)
     print(text)
     if args.out:
         Path(args.out).write_text(text)
@@ -373,6 +606,10 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--out", required=True, help="JSON-lines file to append results to")
     run.add_argument("--cases", default="", help=f"comma-separated subset of: {', '.join(CASES)}")
     run.add_argument("--steps", type=int, default=16)
+    run.add_argument("--records", type=int, default=20000, help="synthetic alpaca records")
+    run.add_argument(
+        "--case-timeout", type=float, default=600, help="seconds before a case is stopped"
+    )
     run.add_argument("--warmup", type=int, default=4)
     run.add_argument("--models", default=str(Path(tempfile.gettempdir()) / "kubetune-gpu-models"))
     rep = sub.add_parser("report", help="markdown table of results, estimates beside them")
@@ -380,6 +617,7 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--out", default="")
     rep.add_argument("--steps", type=int, default=16, help="as given to run (for the header)")
     rep.add_argument("--warmup", type=int, default=4, help="as given to run (for the header)")
+    rep.add_argument("--no-simulate", action="store_true", help="leave the simulated column out")
     args = parser.parse_args(argv)
     return cmd_run(args) if args.command == "run" else cmd_report(args)
 

@@ -67,6 +67,7 @@ _SETUP_FIELDS = (
     "qlora_double_quant",
     "attention",
     "chunked_ce",
+    "activation_offload",
     "loss_chunk_tokens",
     "lora_dropout",
     "adapter_fp32",
@@ -198,6 +199,8 @@ def _setup_label(c: Comparison) -> str:
     parts.append("ckpt" if s.grad_ckpt else "no-ckpt")
     if s.chunked_ce:
         parts.append("chunked-ce")
+    if s.activation_offload:
+        parts.append("activations-offloaded")
     return " ".join(parts)
 
 
