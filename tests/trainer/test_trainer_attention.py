@@ -152,7 +152,9 @@ def test_kernel_arguments_follow_the_installed_signature() -> None:
     """`varlen_attn` spelled causal masking, scale and GQA differently across PyTorch
     releases; each spelling is met, and one that cannot say what is needed is not used."""
 
-    def v29(q: Any, k: Any, v: Any, cq: Any, ck: Any, mq: int, mk: int, is_causal: bool = False):  # type: ignore[no-untyped-def]
+    def v29(
+        q: Any, k: Any, v: Any, cq: Any, ck: Any, mq: int, mk: int, is_causal: bool = False
+    ) -> None:
         return None
 
     def v210(
@@ -166,7 +168,7 @@ def test_kernel_arguments_follow_the_installed_signature() -> None:
         *,
         scale: Any = None,
         window_size: Any = (-1, -1),
-    ):  # type: ignore[no-untyped-def]  # noqa: E501
+    ) -> None:
         return None
 
     def v212(
@@ -181,7 +183,7 @@ def test_kernel_arguments_follow_the_installed_signature() -> None:
         scale: Any = None,
         window_size: Any = (-1, -1),
         enable_gqa: bool = False,
-    ):  # type: ignore[no-untyped-def]  # noqa: E501
+    ) -> None:
         return None
 
     default = 64**-0.5
