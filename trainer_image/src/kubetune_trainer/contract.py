@@ -189,6 +189,11 @@ class TrainingConfig(_Strict):
     activation_offloading: bool = Field(
         default=False, description="Tensors saved for backward kept in host memory."
     )
+    optimizer_in_backward: bool = Field(
+        default=False,
+        description="Step each parameter as soon as backward makes its gradient, then free it "
+        "(kubetune_trainer.backward_step): no gradient clipping, accumulation 1, no DDP.",
+    )
     packed_attention: PackedAttention = Field(
         default="auto",
         description="How packed rows keep their examples apart in attention (no effect "

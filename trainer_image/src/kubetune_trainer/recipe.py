@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kubetune_trainer import backward_step
+from kubetune_trainer.backward_step import OptimizerInBackward
 from kubetune_trainer.checkpoint import (
     QUARANTINE_MARK,
     STATE_FILE,
@@ -346,6 +348,12 @@ class FineTuneRecipe:
         self.built: BuiltModel = build_model(cfg, env)
         self.model = self.built.model
         self.optimizer = build_optimizer(cfg, self.model, env.device)
+        self.in_backward: OptimizerInBackward | None = None
+        if t.optimizer_in_backward:
+            why = backward_step.refusal(cfg)
+            if why is not None:
+                raise ConfigError(why)
+            self.in_backward = OptimizerInBackward(self.model, self.optimizer)
         warmup = math.ceil(t.warmup_ratio * self.total_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, warmup_cosine(warmup, self.total_steps)
@@ -847,6 +855,13 @@ class FineTuneRecipe:
         return total_loss / max(targets, 1.0), total_tokens, total_rows
 
     def _optimizer_step(self) -> None:
+        if self.in_backward is not None:
+            # Every parameter was stepped by its hook during backward; nothing to clip.
+            self._grad_norm = self.in_backward.finish(sharded=self.built.wrap == "fsdp")
+            self._lr = float(self.scheduler.get_last_lr()[0])
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            return
         grad_norm = nn.utils.clip_grad_norm_(
             [p for p in self.model.parameters() if p.requires_grad], MAX_GRAD_NORM
         )

@@ -71,6 +71,8 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from kubetune_trainer import backward_step
+from kubetune_trainer.backward_step import OptimizerInBackward
 from kubetune_trainer.contract import (
     DatasetRef,
     JobRef,
@@ -156,6 +158,7 @@ class SimulationSetup:
     activation_offload: bool = False
     loss_chunk_tokens: int | None = None
     fused_experts: bool = True
+    optimizer_in_backward: bool = False
     objective: Objective = "sft"
     """`dpo`: `micro_batch` counts preference pairs, each a chosen and a rejected row; the
     step is the trainer's DPO step (the estimator's `TrainingSetup` counts rows instead)."""
@@ -258,6 +261,7 @@ def trainer_config(setup: SimulationSetup, source: str = "simulated") -> Trainer
             precision=setup.precision,
             optimizer=setup.optimizer,
             chunked_cross_entropy=setup.chunked_ce,
+            optimizer_in_backward=setup.optimizer_in_backward,
             objective=setup.objective,
             packing=setup.objective != "dpo",
         ),
@@ -631,6 +635,13 @@ def _step(
         for p in trained:
             p.grad = torch.zeros_like(p)
         _clip_and_step(model, optimizer)
+        if cfg.training.optimizer_in_backward:
+            # The trainer's hooks (`recipe.FineTuneRecipe`): each parameter stepped and its
+            # gradient freed as backward makes it; the step after backward then has none.
+            why = backward_step.refusal(cfg)
+            if why is not None:
+                raise SimulationError(why)
+            OptimizerInBackward(model, optimizer)
         adapters = _local_bytes(p for p in _unique_params(model) if p.requires_grad)
         b, s = setup.micro_batch * (2 if setup.objective == "dpo" else 1), setup.seq_len
         input_ids = torch.zeros((b, s), dtype=torch.long, device=_DEVICE)
