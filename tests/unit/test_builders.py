@@ -946,3 +946,13 @@ def test_export_job_matches_fixture() -> None:
     assert rendered == path.read_text(encoding="utf-8"), (
         f"{path.name} differs; if the change is intended, rerun with KUBETUNE_UPDATE_FIXTURES=1"
     )
+
+
+def test_the_plans_memory_savers_reach_the_trainer_config() -> None:
+    plain = build_trainer_config(full_8b_job(), full_8b_plan(), SETTINGS, 1).training
+    assert not plain.optimizer_in_backward and not plain.chunked_cross_entropy
+    saving = full_8b_plan().model_copy(
+        update={"optimizer_in_backward": True, "chunked_cross_entropy": True}
+    )
+    training = build_trainer_config(full_8b_job(), saving, SETTINGS, 1).training
+    assert training.optimizer_in_backward and training.chunked_cross_entropy

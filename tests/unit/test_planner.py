@@ -635,3 +635,68 @@ def test_a_budget_miss_is_not_reported_as_a_slower_configuration_s_deadline() ->
         f"l40s: cheapest fitting configuration costs ${fastest.cost:,.2f}, over maxCostUSD" in error
     )
     assert "deadline" not in error
+
+
+def test_the_optimizer_in_backward_is_chosen_when_only_it_fits() -> None:
+    """Llama-3.1-8B full fine-tuning with 8-bit AdamW on one 48 GiB L40S: with every
+    gradient alive at the end of backward no configuration fits; stepping each parameter in
+    backward does, with one micro-batch per step (it needs accumulation 1). Refused, the
+    rejection says to enable it; on an 80 GiB GPU the plan does without it."""
+    arch = load_arch("meta-llama/Llama-3.1-8B")
+    l40s = pools("l40s")
+
+    def job(in_backward: bool | None) -> FineTuneJobSpec:
+        return spec(
+            model={"uri": arch.name},
+            method="full",
+            training={
+                "globalBatchSize": 2,
+                "optimizer": "adamw-8bit",
+                "optimizerInBackward": in_backward,
+            },
+            resources={"gpus": 1},
+        )
+
+    with pytest.raises(InfeasibleError) as refused:
+        plan_job(job(False), l40s, arch, NO_LIVE)
+    assert "enable training.optimizerInBackward" in str(refused.value)
+
+    plan = plan_job(job(None), l40s, arch, NO_LIVE)
+    chosen = plan.chosen
+    assert chosen.estimate.setup.optimizer_in_backward and chosen.grad_accum == 1
+    assert chosen.estimate.per_gpu_bytes * NO_LIVE.safety_factor <= 48 * GIB
+    assert plan.to_status(l40s).optimizer_in_backward is True
+    roomy = plan_job(job(None), pools("h100"), arch, NO_LIVE)
+    assert not roomy.chosen.estimate.setup.optimizer_in_backward
+    assert roomy.to_status(pools("h100")).optimizer_in_backward is None
+
+
+def test_the_optimizer_in_backward_applies_only_where_it_can_step() -> None:
+    """Set to true, it is used by full fine-tuning configurations with one micro-batch per
+    step, and left off where the step accumulates micro-batches."""
+    arch = load_arch("meta-llama/Llama-3.2-1B")
+    one = plan_job(
+        spec(
+            model={"uri": arch.name},
+            method="full",
+            training={"globalBatchSize": 4, "microBatchSize": 4, "optimizerInBackward": True},
+            resources={"gpus": 1},
+        ),
+        pools("h100"),
+        arch,
+        NO_LIVE,
+    ).chosen
+    assert one.grad_accum == 1 and one.estimate.setup.optimizer_in_backward
+    accumulating = plan_job(
+        spec(
+            model={"uri": arch.name},
+            method="full",
+            training={"globalBatchSize": 8, "microBatchSize": 4, "optimizerInBackward": True},
+            resources={"gpus": 1},
+        ),
+        pools("h100"),
+        arch,
+        NO_LIVE,
+    ).chosen
+    assert accumulating.grad_accum == 2
+    assert not accumulating.estimate.setup.optimizer_in_backward

@@ -215,6 +215,13 @@ def _arch(config: str | None, model: str | None, allow_network: bool) -> ModelAr
     help="Activations saved for backward wait in host memory.",
 )
 @click.option(
+    "--optimizer-in-backward/--no-optimizer-in-backward",
+    default=False,
+    show_default=True,
+    help="Each parameter stepped as soon as its gradient is made, the gradient freed "
+    "(full fine-tuning; accumulation 1).",
+)
+@click.option(
     "--fused-experts/--linear-experts",
     default=True,
     show_default=True,
@@ -252,6 +259,7 @@ def estimate(
     chunked_ce: bool,
     loss_chunk_tokens: int | None,
     activation_offload: bool,
+    optimizer_in_backward: bool,
     fused_experts: bool,
     double_quant: bool,
     allow_network: bool,
@@ -288,6 +296,7 @@ def estimate(
         chunked_ce=chunked_ce,
         loss_chunk_tokens=loss_chunk_tokens,
         activation_offload=activation_offload,
+        optimizer_in_backward=optimizer_in_backward,
         fused_experts=fused_experts,
     )
     try:
@@ -311,6 +320,7 @@ def estimate(
         + f", {precision}, {optimizer}, checkpointing {'on' if grad_ckpt else 'off'}"
         + (", chunked loss" if chunked_ce else "")
         + (", activations offloaded" if activation_offload else "")
+        + (", optimizer in backward" if optimizer_in_backward else "")
     )
     click.echo(f"parameters {arch.total_params / 1e9:.2f} B, trainable {est.trainable_params:,}")
     if sim is not None:
@@ -562,6 +572,7 @@ def format_plan(plan: Plan, objective_defaulted: bool = False) -> str:
         for name, on in (
             ("chunked cross-entropy", c.estimate.setup.chunked_ce),
             ("activation offloading", c.estimate.setup.activation_offload),
+            ("optimizer in backward", c.estimate.setup.optimizer_in_backward),
         )
         if on
     ]

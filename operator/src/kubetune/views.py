@@ -195,7 +195,8 @@ def describe_job(
             f"{plan['optimizer']}, "
             f"checkpointing {'on' if plan['gradientCheckpointing'] else 'off'}"
             + (", chunked loss" if plan.get("chunkedCrossEntropy") else "")
-            + (", activations offloaded" if plan.get("activationOffloading") else ""),
+            + (", activations offloaded" if plan.get("activationOffloading") else "")
+            + (", optimizer in backward" if plan.get("optimizerInBackward") else ""),
             f"  memory:    {plan['perGPUMemoryGiB']:.1f} of {plan['gpuMemoryGiB']:g} GiB per GPU: "
             + ", ".join(f"{k} {v:.2f}" for k, v in (plan.get("memoryBreakdownGiB") or {}).items()),
         ]

@@ -356,6 +356,16 @@ class TrainingSettings(_Model):
             "unset lets the planner turn it on when no configuration fits without it."
         ),
     )
+    optimizer_in_backward: bool | None = Field(
+        default=None,
+        description=(
+            "Full fine-tuning: step each parameter as soon as backward makes its gradient and "
+            "free it, so a whole model's gradients never exist at once; gives up gradient-norm "
+            "clipping, and applies only with one micro-batch per optimizer step and a sharded "
+            "(or one-GPU) layout. true: wherever it applies; unset lets the planner turn it "
+            "on when a configuration fits only with it."
+        ),
+    )
     seed: int = Field(default=42, ge=0, description="Random seed for data order and init.")
 
     @model_validator(mode="after")
@@ -807,6 +817,10 @@ class PlanStatus(_Model):
     )
     activation_offloading: bool | None = Field(
         default=None, description="Activations saved for backward kept in host memory (unset: off)."
+    )
+    optimizer_in_backward: bool | None = Field(
+        default=None,
+        description="Each parameter stepped during backward, its gradient freed (unset: off).",
     )
     per_gpu_memory_gib: float = Field(
         alias="perGPUMemoryGiB", description="Estimated peak memory per GPU (GiB)."

@@ -584,6 +584,7 @@ def build_trainer_config(
             optimizer=plan.optimizer,
             chunked_cross_entropy=bool(plan.chunked_cross_entropy),
             activation_offloading=bool(plan.activation_offloading),
+            optimizer_in_backward=bool(plan.optimizer_in_backward),
             seed=training.seed,
             objective=training.objective,
             dpo=DpoConfig(

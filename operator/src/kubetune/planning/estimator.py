@@ -300,6 +300,10 @@ class TrainingSetup:
     lora_base_dtype: BaseDtype | None = None
     """LoRA: dtype of the frozen base weights.  None follows the trainer: bf16 for ``bf16``
     precision, fp32 for ``amp-bf16`` and ``fp32``."""
+    optimizer_in_backward: bool = False
+    """Each parameter's optimizer step runs as soon as its gradient is made, during backward,
+    and the gradient is freed (the trainer's ``training.optimizer_in_backward``): at most one
+    parameter's gradient exists at a time.  No gradient accumulation, no DDP."""
     fused_qkv: bool | None = None
     """Q, K and V projected by one fused matmul, whose output stays alive for backward.  None
     follows the trainer's (transformers') model: fused for the families whose checkpoint has
@@ -368,6 +372,8 @@ def _validate(setup: TrainingSetup) -> None:
         _check_positive_int(name, getattr(setup, name))
     if setup.loss_chunk_tokens is not None:
         _check_positive_int("loss_chunk_tokens", setup.loss_chunk_tokens)
+    if setup.optimizer_in_backward:
+        _check_optimizer_in_backward(setup)
     if setup.method == "full":
         return
     rank = setup.lora_rank
@@ -380,6 +386,26 @@ def _validate(setup: TrainingSetup) -> None:
         raise _fail(
             f"lora_dropout must be in [0, 1), got {setup.lora_dropout}",
             "set lora_dropout to a probability such as 0.05 (0 disables it)",
+        )
+
+
+def _check_optimizer_in_backward(setup: TrainingSetup) -> None:
+    if setup.grad_accumulation > 1:
+        raise _fail(
+            f"the optimizer in backward steps each parameter once its gradient is made, and "
+            f"gradient accumulation {setup.grad_accumulation} needs every micro-batch's first",
+            "use a micro-batch that makes the global batch in one pass (accumulation 1), or "
+            "turn the optimizer in backward off",
+        )
+    if setup.gpus > 1 and setup.sharding == "none":
+        raise _fail(
+            "the optimizer in backward would step on gradients DDP has not averaged yet",
+            "shard the model (sharding full or grad-op), or turn the optimizer in backward off",
+        )
+    if setup.cpu_offload:
+        raise _fail(
+            "the optimizer in backward runs on the GPU, and CPU offload steps on the CPU",
+            "turn one of them off",
         )
 
 
@@ -991,6 +1017,19 @@ _MOMENT_NAMES = (
 )
 
 
+def _largest_gradient(arch: ModelArch, setup: TrainingSetup, targets: list[LinearLayer]) -> int:
+    """Parameters of the largest single trainable tensor: what the optimizer in backward
+    leaves of the gradients at any moment (stacked experts are one tensor per layer)."""
+    if setup.method != "full":
+        r = setup.lora_rank
+        return max((r * max(t.in_features, t.out_features) for t in targets), default=0)
+    sizes = [arch.embedding_params]
+    for layer in arch.linear_layers():
+        stacked = setup.fused_experts and layer.per_expert
+        sizes.append(layer.params * (arch.num_experts if stacked else 1))
+    return max(sizes)
+
+
 def _gradients_at(accumulated: float, made: float) -> float:
     """Gradient bytes at a moment: the earlier micro-batches' (`accumulated`) and this one's
     made so far (`made`).  Under FSDP with accumulation the unsharded fp32 gradients of the
@@ -1147,6 +1186,10 @@ def estimate_vram(arch: ModelArch, setup: TrainingSetup) -> VramEstimate:
         setup, trainable, gradients, fsdp=full_shard or grad_op or offload
     )
     made = _gradients_made(arch, setup, p, targets, gradients)
+    if setup.optimizer_in_backward and gradients:
+        # One parameter's gradient at a time, stepped and freed at once (sharded under FSDP).
+        one = _largest_gradient(arch, setup, targets) * gradients / trainable
+        made = {moment: min(value, one) for moment, value in made.items()}
     at_peak = max(moments, key=lambda m: sum(moments[m]) + _gradients_at(accumulated, made[m]))
     gradients = _gradients_at(accumulated, made[at_peak])
     activations, logits, fsdp_buffers = moments[at_peak]

@@ -11,11 +11,12 @@ fastest to the slowest and the first that fits wins: a larger micro-batch and no
 recomputation are never slower, so nothing better is skipped. `brute_force_plan`
 evaluates every candidate and exists to prove that claim in the property tests.
 
-Two memory savers join the walk when the job leaves them unset: each configuration is sized
-with the plain loss, then with the chunked one if the plain one does not fit (it costs no
-time); and a group in which nothing fits is walked again with activation offloading, on its
-checkpointed configurations only, where the host-link time it adds is the same for every
-micro-batch, so fastest-first still holds.
+Three memory savers join the walk when the job leaves them unset: each configuration is sized
+with the plain loss, then with the chunked one, then with the optimizer step in backward
+(full fine-tuning with one micro-batch per step, without and with the chunked loss), until
+one fits (they cost no time); and a group in which nothing fits is walked again with
+activation offloading, on its checkpointed configurations only, where the host-link time it
+adds is the same for every micro-batch, so fastest-first still holds.
 
 `plan_job` walks the same groups in the same order, but the memory estimate depends on the
 method and layout only, never on the pool, so it is computed once per layout and shared by
@@ -237,6 +238,7 @@ class Plan:
             gradient_checkpointing=c.grad_ckpt,
             chunked_cross_entropy=True if c.estimate.setup.chunked_ce else None,
             activation_offloading=True if c.estimate.setup.activation_offload else None,
+            optimizer_in_backward=True if c.estimate.setup.optimizer_in_backward else None,
             per_gpu_memory_gib=round(c.estimate.per_gpu_bytes / GIB, 2),
             memory_breakdown_gib={
                 k: round(v / GIB, 3) for k, v in c.estimate.breakdown.items() if v
@@ -342,9 +344,21 @@ def _micro_batches(global_batch: int, data_parallel: int, fixed: int | None) -> 
 
 def _off_then_on(chosen: bool | None) -> list[bool]:
     """A memory saver the job leaves to the planner is tried off, then on; a set one as set.
-    The chunked loss is tried per configuration (it costs no time); activation offloading per
-    group of configurations, only when none fitted without it (host-link time every step)."""
+    The chunked loss and the optimizer in backward are tried per configuration (they cost no
+    time); activation offloading per group of configurations, only when none fitted without
+    it (host-link time every step)."""
     return [False, True] if chosen is None else [chosen]
+
+
+def _free_savers(spec: FineTuneJobSpec) -> list[tuple[bool, bool]]:
+    """(chunked loss, optimizer in backward) in the order a configuration tries them: the
+    plain step, the chunked loss, then the optimizer in backward (which gives up gradient
+    clipping) without and with it."""
+    return [
+        (chunked, in_backward)
+        for in_backward in _off_then_on(spec.training.optimizer_in_backward)
+        for chunked in _off_then_on(spec.training.chunked_cross_entropy)
+    ]
 
 
 def rows_per_sample(spec: FineTuneJobSpec) -> int:
@@ -367,6 +381,7 @@ def _setup(
     chunked: bool = False,
     offload: bool = False,
     attention: Attention = "sdpa",
+    in_backward: bool = False,
 ) -> TrainingSetup:
     lora = spec.lora_or_default
     return TrainingSetup(
@@ -389,7 +404,14 @@ def _setup(
         chunked_ce=chunked,
         activation_offload=offload,
         attention=attention,
+        optimizer_in_backward=in_backward,
     )
+
+
+def _steps_in_backward(method: Method, gpus: int, sharding: Sharding, accumulation: int) -> bool:
+    """Whether the optimizer in backward applies: full fine-tuning (adapters' gradients are
+    small), one micro-batch per step, and not DDP, whose hooks see unaveraged gradients."""
+    return method == "full" and accumulation == 1 and not (gpus > 1 and sharding == "none")
 
 
 _StepKey = tuple[float, float, float, int, int, Method, Sharding, int, bool, bool]
@@ -416,12 +438,12 @@ class _Context:
             else None
         )
         self.budget = spec.resources.max_cost_usd
-        self.losses = _off_then_on(spec.training.chunked_cross_entropy)
+        self.free = _free_savers(spec)
         self.offloads = _off_then_on(spec.training.activation_offloading)
         self.attention = trainer_attention(arch)
         # What the fast walk computes once for this job.
         self._estimates: dict[
-            tuple[Method, int, Sharding, int, bool, bool, bool], VramEstimate
+            tuple[Method, int, Sharding, int, bool, bool, bool, bool], VramEstimate
         ] = {}
         self._orders: dict[tuple[Method, tuple[tuple[int, bool], ...]], list[tuple[int, bool]]] = {}
         self._step_times: dict[_StepKey, StepTime] = {}
@@ -441,9 +463,18 @@ class _Context:
         """One configuration from scratch (the reference the fast walk is tested against),
         with the first loss of `losses` that fits (or the last)."""
         total = nodes * gpn
-        for chunked in self.losses:
+        for chunked, in_backward in self.savers(method, total, sharding, micro):
             setup = _setup(
-                self.spec, method, total, sharding, micro, ckpt, chunked, offload, self.attention
+                self.spec,
+                method,
+                total,
+                sharding,
+                micro,
+                ckpt,
+                chunked,
+                offload,
+                self.attention,
+                in_backward,
             )
             estimate = estimate_vram(self.arch, setup)
             if self.settings.memory_scale != 1.0:
@@ -538,6 +569,21 @@ class _Context:
     def fits_gib(self, estimate: VramEstimate, memory_gib: float) -> bool:
         return estimate.per_gpu_bytes * self.settings.safety_factor <= memory_gib * GIB
 
+    def savers(
+        self, method: Method, total: int, sharding: Sharding, micro: int
+    ) -> list[tuple[bool, bool]]:
+        """`free` for one configuration: the optimizer in backward only where it applies
+        (`optimizerInBackward: true` means wherever it does), each combination once."""
+        applies = _steps_in_backward(
+            method, total, sharding, grad_accumulation(self.spec, micro, total)
+        )
+        out: list[tuple[bool, bool]] = []
+        for chunked, in_backward in self.free:
+            pair = (chunked, in_backward and applies)
+            if pair not in out:
+                out.append(pair)
+        return out
+
     # ---- the fast walk: the same numbers as `evaluate`, each computed once per job
 
     def estimate(
@@ -549,9 +595,10 @@ class _Context:
         ckpt: bool,
         chunked: bool,
         offload: bool,
+        in_backward: bool = False,
     ) -> VramEstimate:
         """`evaluate`'s memory estimate; it depends on no pool, so every pool shares it."""
-        key = (method, total, sharding, micro, ckpt, chunked, offload)
+        key = (method, total, sharding, micro, ckpt, chunked, offload, in_backward)
         estimate = self._estimates.get(key)
         if estimate is None:
             estimate = estimate_vram(
@@ -566,6 +613,7 @@ class _Context:
                     chunked,
                     offload,
                     self.attention,
+                    in_backward,
                 ),
             )
             if self.settings.memory_scale != 1.0:
@@ -821,9 +869,9 @@ def _search(ctx: _Context, pools: Sequence[GPUPool]) -> tuple[list[Candidate], l
                     if forbid and Layout(pool.name, method, total, micro, ckpt) in forbid:
                         report.forbidden += 1
                         continue
-                    for chunked in ctx.losses:
+                    for chunked, in_backward in ctx.savers(method, total, sharding, micro):
                         estimate = ctx.estimate(
-                            method, total, sharding, micro, ckpt, chunked, offload
+                            method, total, sharding, micro, ckpt, chunked, offload, in_backward
                         )
                         if estimate.per_gpu_bytes * safety <= memory_bytes:
                             break
@@ -962,6 +1010,9 @@ def _infeasible(ctx: _Context, rejected: list[Rejection]) -> InfeasibleError:
             hints.append("enable training.chunkedCrossEntropy")
         if ctx.spec.training.activation_offloading is False:
             hints.append("enable training.activationOffloading")
+        full = ctx.spec.method in ("full", "auto")
+        if full and ctx.spec.training.optimizer_in_backward is False:
+            hints.append("enable training.optimizerInBackward")
         micro = ctx.spec.training.micro_batch_size
         if micro is not None and ctx.spec.training.global_batch_size > micro:
             # a fixed micro-batch below the global batch means accumulation, whose gradients
