@@ -675,28 +675,19 @@ def test_the_optimizer_in_backward_applies_only_where_it_can_step() -> None:
     """Set to true, it is used by full fine-tuning configurations with one micro-batch per
     step, and left off where the step accumulates micro-batches."""
     arch = load_arch("meta-llama/Llama-3.2-1B")
-    one = plan_job(
-        spec(
+
+    def chosen(global_batch: int) -> Any:
+        training = {"globalBatchSize": global_batch, "microBatchSize": 4}
+        job = spec(
             model={"uri": arch.name},
             method="full",
-            training={"globalBatchSize": 4, "microBatchSize": 4, "optimizerInBackward": True},
+            training={**training, "optimizerInBackward": True},
             resources={"gpus": 1},
-        ),
-        pools("h100"),
-        arch,
-        NO_LIVE,
-    ).chosen
+        )
+        return plan_job(job, pools("h100"), arch, NO_LIVE).chosen
+
+    one = chosen(4)
     assert one.grad_accum == 1 and one.estimate.setup.optimizer_in_backward
-    accumulating = plan_job(
-        spec(
-            model={"uri": arch.name},
-            method="full",
-            training={"globalBatchSize": 8, "microBatchSize": 4, "optimizerInBackward": True},
-            resources={"gpus": 1},
-        ),
-        pools("h100"),
-        arch,
-        NO_LIVE,
-    ).chosen
+    accumulating = chosen(8)
     assert accumulating.grad_accum == 2
     assert not accumulating.estimate.setup.optimizer_in_backward

@@ -461,7 +461,7 @@ class _Context:
         offload: bool = False,
     ) -> Candidate:
         """One configuration from scratch (the reference the fast walk is tested against),
-        with the first loss of `losses` that fits (or the last)."""
+        with the first of its `savers` that fits (or the last)."""
         total = nodes * gpn
         for chunked, in_backward in self.savers(method, total, sharding, micro):
             setup = _setup(
