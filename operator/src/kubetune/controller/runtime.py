@@ -62,6 +62,7 @@ from kubetune.control.reconcile import (
 from kubetune.controller import metrics
 from kubetune.controller.cache import Caches, JobKey, job_key, job_key_of, parse_pool, with_capacity
 from kubetune.controller.kube import Fenced, Kube, StatusRejected
+from kubetune.controller.slots import LookPriority, PrioritySlots
 from kubetune.planning.arch import ModelArch
 from kubetune.planning.planner import Plan, PlannerSettings, plan_job
 
@@ -356,6 +357,9 @@ class Runtime:
         self.executor = ThreadPoolExecutor(
             max_workers=settings.planner_workers, thread_name_prefix="reconcile"
         )
+        # One slot per thread, taken before submitting: the pool's own queue stays empty and
+        # first looks go ahead of the rest (controller/slots.py).
+        self.slots = PrioritySlots(settings.planner_workers)
         self.scrapes = asyncio.Semaphore(settings.scrape_concurrency)
         self.caches: Caches | None = None
         self.jobs: dict[JobKey, _JobState] = {}
@@ -580,7 +584,8 @@ class Runtime:
                 job, observed, self.settings, now=at, load_arch=self.arch, plan=plan, admit=admit
             ), at
 
-        decision, now = await asyncio.get_running_loop().run_in_executor(self.executor, decide)
+        async with self.slots.hold(self._priority(key, job)):
+            decision, now = await asyncio.get_running_loop().run_in_executor(self.executor, decide)
         written = await self._carry_out(job, state, decision, body, now, old_status or {})
         metrics.observe_job(raw, decision.status.to_wire())
         phase = decision.status.phase
@@ -605,6 +610,16 @@ class Runtime:
         if not written:
             delay = min(math.inf if delay is None else delay, self._after_rejection(state))
         return delay
+
+    def _priority(self, key: JobKey, job: FineTuneJob) -> LookPriority:
+        """First looks (no plan yet) and the front of a GPU queue go first: both are on a
+        job's way to its first pod; a running job's progress and a deep queue can wait."""
+        if job.status is None or job.status.plan is None:
+            return LookPriority.FIRST
+        position = self.queue.position(key)
+        if position is not None and position <= WAKE_PER_POOL:
+            return LookPriority.FIRST
+        return LookPriority.LATER
 
     def _after_rejection(self, state: _JobState) -> float:
         """When to look again at a job whose status write was rejected."""
