@@ -56,9 +56,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "simulate-grid.md"
 SAMPLE = ROOT / "tests" / "unit" / "data" / "simulate_grid_sample.json"
 SAMPLE_EVERY = 7  # odd: the grid alternates checkpointing on and off
-# LoRA dropout 0 in every cell: the simulation runs CPU kernels, and CPU dropout keeps an fp32
-# noise tensor for backward where CUDA's fused dropout keeps a 1-byte mask (3 bytes per adapted
-# input element too many without checkpointing); PEFT also refuses dropout on MoE experts.
+# LoRA dropout 0 in every cell: PEFT refuses dropout on MoE experts' stacked parameters, and
+# the grid's cells stay comparable with its earlier runs. (The simulation runs dropout as
+# CUDA's fused kernel does, with a 1-byte mask: docs/simulate.md.)
 LORA_DROPOUT = 0.0
 
 METHODS = ("full", "lora")
