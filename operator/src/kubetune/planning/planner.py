@@ -464,21 +464,9 @@ class _Context:
         with the first of its `savers` that fits (or the last)."""
         total = nodes * gpn
         for chunked, in_backward in self.savers(method, total, sharding, micro):
-            setup = _setup(
-                self.spec,
-                method,
-                total,
-                sharding,
-                micro,
-                ckpt,
-                chunked,
-                offload,
-                self.attention,
-                in_backward,
+            estimate = self.fresh_estimate(
+                method, total, sharding, micro, ckpt, chunked, offload, in_backward
             )
-            estimate = estimate_vram(self.arch, setup)
-            if self.settings.memory_scale != 1.0:
-                estimate = _scaled(estimate, self.settings.memory_scale)
             if self.fits_gib(estimate, pool.spec.gpu.memory_gib):
                 break
         st = self.step_time_of(pool, method, nodes, gpn, sharding, micro, ckpt, estimate)
@@ -601,24 +589,36 @@ class _Context:
         key = (method, total, sharding, micro, ckpt, chunked, offload, in_backward)
         estimate = self._estimates.get(key)
         if estimate is None:
-            estimate = estimate_vram(
-                self.arch,
-                _setup(
-                    self.spec,
-                    method,
-                    total,
-                    sharding,
-                    micro,
-                    ckpt,
-                    chunked,
-                    offload,
-                    self.attention,
-                    in_backward,
-                ),
-            )
-            if self.settings.memory_scale != 1.0:
-                estimate = _scaled(estimate, self.settings.memory_scale)
-            self._estimates[key] = estimate
+            estimate = self._estimates[key] = self.fresh_estimate(*key)
+        return estimate
+
+    def fresh_estimate(
+        self,
+        method: Method,
+        total: int,
+        sharding: Sharding,
+        micro: int,
+        ckpt: bool,
+        chunked: bool,
+        offload: bool,
+        in_backward: bool,
+    ) -> VramEstimate:
+        """The memory estimate of one layout, computed now (scaled by `memory_scale`)."""
+        setup = _setup(
+            self.spec,
+            method,
+            total,
+            sharding,
+            micro,
+            ckpt,
+            chunked,
+            offload,
+            self.attention,
+            in_backward,
+        )
+        estimate = estimate_vram(self.arch, setup)
+        if self.settings.memory_scale != 1.0:
+            estimate = _scaled(estimate, self.settings.memory_scale)
         return estimate
 
     def ordered(self, configs: list[tuple[int, bool]], method: Method) -> list[tuple[int, bool]]:
