@@ -94,6 +94,7 @@ from kubetune_trainer.modeling import (
     BuiltModel,
     build_model,
     from_hub,
+    import_bitsandbytes,
     load_tokenizer,
     model_source,
     peak_flops,
@@ -173,9 +174,7 @@ def build_optimizer(
         optimizer_cls = torch.optim.AdamW
         fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
     else:
-        import bitsandbytes
-
-        bnb: Any = bitsandbytes
+        bnb: Any = import_bitsandbytes()
         optimizer_cls = {
             "adamw-8bit": bnb.optim.AdamW8bit,
             "paged-adamw-8bit": bnb.optim.PagedAdamW8bit,
@@ -1260,6 +1259,7 @@ class FineTuneRecipe:
 
     def _merge(self, adapter_dir: Path, merged_dir: Path) -> None:
         """Merge into a freshly loaded full-precision base (for QLoRA: not the 4-bit one)."""
+        import_bitsandbytes()  # peft imports it where it is installed
         from peft import PeftModel
         from transformers import AutoModelForCausalLM
 
