@@ -50,8 +50,13 @@ tracker is the same on `FSDPMemTracker`, and FSDP2's gathered parameters, unshar
 and communication buffers are the estimator's `fsdp_buffers`. A process that already has a
 default process group simulates in a spawned one.
 
-Limits: DDP (`sharding="none"` on several GPUs) is not simulated; QLoRA is not simulated
-(bitsandbytes quantizes real weights on a GPU); the attention kernel is the CPU one of
+**QLoRA** (one GPU): transformers' bitsandbytes quantizer swaps in `Linear4bit` layers on the
+meta device as `from_pretrained` does, and each weight is quantized by bitsandbytes' own
+`quantize_4bit` on a fake tensor (`_quantized_weight`); the 4-bit matmul dequantizes the weight
+first as bitsandbytes' CUDA kernel does (`_gemm_4bit_as_on_cuda`), tagged `dequant_workspace`.
+
+Limits: DDP (`sharding="none"` on several GPUs) and QLoRA on several GPUs are not simulated;
+the attention kernel is the CPU one of
 `scaled_dot_product_attention` (saved tensors of the same size as the CUDA flash kernel's:
 output and log-sum-exp).
 """
@@ -91,6 +96,7 @@ from kubetune_trainer.dpo import dpo_loss
 from kubetune_trainer.loss import ChunkedLoss, loss_sum, sequence_logps
 from kubetune_trainer.modeling import (
     _add_lora,
+    _bnb_config,
     _hf_model,
     _param_dtype,
     decoder_blocks,
@@ -270,13 +276,14 @@ def trainer_config(setup: SimulationSetup, source: str = "simulated") -> Trainer
 
 
 def _refuse_unsupported(setup: SimulationSetup) -> None:
-    if setup.method == "qlora":
-        raise SimulationError(
-            "method qlora is not simulated: bitsandbytes quantizes real weights on a GPU, "
-            "fake tensors have none; use the analytical estimate (without --simulate)"
-        )
     if not isinstance(setup.gpus, int) or setup.gpus < 1:
         raise SimulationError(f"gpus must be a positive integer, got {setup.gpus!r}")
+    if setup.method == "qlora" and setup.gpus > 1:
+        raise SimulationError(
+            f"method qlora on {setup.gpus} GPUs is not simulated (FSDP2 would gather the "
+            "4-bit weights, which the simulation keeps as plain parameters); simulate gpus=1 "
+            "or use the analytical estimate (without --simulate)"
+        )
     if setup.gpus > 1 and setup.sharding == "none":
         raise SimulationError(
             f"gpus={setup.gpus} with sharding none (DDP) is not simulated; simulate sharding "
@@ -322,7 +329,7 @@ class _Tracker(MemTracker):  # type: ignore[no-untyped-call]
     def __init__(self, vocab_size: int, *args: Any) -> None:
         super().__init__(*args)
         self.vocab_size = vocab_size
-        self.tagged: dict[str, int] = {"logits": 0, "autocast_weight_copies": 0}
+        self.tagged: dict[str, int] = dict.fromkeys(_TAGS, 0)
         self._tag_of: dict[int, tuple[str, Any]] = {}  # id(winfo) → (tag, winfo)
         self._func: Any = None
         self._args: Any = ()
@@ -338,6 +345,8 @@ class _Tracker(MemTracker):  # type: ignore[no-untyped-call]
     # -- tags
     def _tag(self, t: torch.Tensor) -> str | None:
         func, args = self._func, self._args
+        if func is not None and func is _dequantize_4bit_op():
+            return "dequant_workspace"
         if (
             func is torch.ops.aten._to_copy.default
             and args
@@ -463,6 +472,18 @@ class _FSDPTracker(_Tracker, FSDPMemTracker):  # type: ignore[no-untyped-call]
 _TRANSIENT = frozenset({"ACT", "TEMP", "OTH"})
 """Tracker kinds of the tensors a step creates and frees (where logits and casts are tagged)."""
 
+_TAGS: tuple[str, ...] = ("logits", "autocast_weight_copies", "dequant_workspace")
+"""Transient tensors told apart from the other activations: the vocabulary-wide ones, the
+autocast copies of weights, and QLoRA's weights dequantized for a matmul."""
+
+
+def _dequantize_4bit_op() -> Any:
+    """bitsandbytes' `dequantize_4bit` operator (None until bitsandbytes is imported)."""
+    ops = getattr(torch.ops, "bitsandbytes", None)
+    if ops is None or not hasattr(ops, "dequantize_4bit"):
+        return None
+    return ops.dequantize_4bit.default
+
 
 def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
     from torch.distributed._tools.common_utils import get_untyped_storages
@@ -504,6 +525,45 @@ def _dropout_as_on_cuda() -> Iterator[None]:
         torch.nn.functional.dropout = plain
 
 
+@contextlib.contextmanager
+def _gemm_4bit_as_on_cuda(method: str) -> Iterator[None]:
+    """QLoRA's 4-bit matmul as CUDA runs it. bitsandbytes' CUDA `gemm_4bit` dequantizes the
+    whole weight to the input's dtype and then calls `linear` (its fallback, taken past 1,536
+    tokens and wherever its fused kernel does not suit the GPU); the fake kernel allocates the
+    output only. Each forward (recomputation included) first dequantizes the weight through
+    bitsandbytes' own `dequantize_4bit`, which the tracker tags as `dequant_workspace`, and
+    frees it once the output exists. Kept for every size: the fused kernel's choice depends on
+    the GPU, and counting the copy errs on the safe side."""
+    if method != "qlora":
+        yield
+        return
+    import bitsandbytes.functional as bnb_functional
+    from bitsandbytes.autograd._functions import MatMul4Bit
+
+    plain = MatMul4Bit.forward
+
+    def forward(
+        ctx: Any,
+        A: torch.Tensor,
+        B: torch.Tensor,
+        out: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        quant_state: Any = None,
+    ) -> torch.Tensor:
+        workspace = None
+        if A.numel() and quant_state is not None:
+            workspace = bnb_functional.dequantize_4bit(B.view(-1, 1), quant_state).to(A.dtype)
+        result: torch.Tensor = plain(ctx, A, B, out, bias, quant_state)
+        del workspace
+        return result
+
+    MatMul4Bit.forward = staticmethod(forward)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        MatMul4Bit.forward = plain  # type: ignore[method-assign]
+
+
 # --------------------------------------------------------------------------- one run
 
 
@@ -516,17 +576,91 @@ class _Run:
     blocks: int
 
 
+def _swap_in_4bit_layers(model: Any, qcfg: Any) -> None:
+    """What `from_pretrained(quantization_config=...)` does to the model before and after its
+    weights load (`modeling._load`): transformers' bitsandbytes quantizer puts `Linear4bit`
+    layers where it quantizes (all linear layers but those it keeps, such as the output
+    projection) and marks the model as loaded in 4 bits, which is what makes PEFT wrap those
+    layers in its 4-bit LoRA layer. The weights stay on the meta device until
+    `_fake_storages` quantizes them."""
+    from transformers.quantizers.auto import AutoHfQuantizer
+
+    quantizer: Any = AutoHfQuantizer.from_config(qcfg, pre_quantized=False)
+    quantizer.preprocess_model(model, device_map={"": _DEVICE.type})
+    quantizer.postprocess_model(model)
+
+
+def _quantized_weight(module: nn.Module, p: nn.Parameter) -> nn.Parameter:
+    """A `Params4bit` weight quantized as bitsandbytes does when the trainer loads the model:
+    the compute-dtype weight packed two values per byte into the quant-storage dtype, with its
+    quantization state (absmax per block; with double quantization those 8-bit, plus the
+    second level's constants).
+
+    The result is a plain parameter carrying `Params4bit`'s attributes: a fake tensor cannot
+    become a `Params4bit` (a tensor subclass), and `Linear4bit.forward` and PEFT read only
+    the attributes. The state's tensors are the layer's non-persistent buffers, so the memory
+    tracker counts them with the weights, as they are on a GPU."""
+    import bitsandbytes.functional as bnb_functional
+
+    dtype = getattr(module, "compute_dtype", None) or torch.bfloat16
+    packed, state = bnb_functional.quantize_4bit(
+        torch.zeros(p.shape, dtype=dtype, device=_DEVICE),
+        blocksize=p.blocksize,  # type: ignore[attr-defined]
+        compress_statistics=p.compress_statistics,  # type: ignore[attr-defined]
+        quant_type=p.quant_type,  # type: ignore[attr-defined]
+        quant_storage=p.quant_storage,  # type: ignore[attr-defined]
+    )
+    weight = nn.Parameter(packed, requires_grad=False)
+    for attr in ("blocksize", "compress_statistics", "quant_type", "quant_storage"):
+        setattr(weight, attr, getattr(p, attr))
+    weight.quant_state = state  # type: ignore[attr-defined]
+    weight.bnb_quantized = True  # type: ignore[attr-defined]
+    weight.module = module  # type: ignore[attr-defined]
+    module.quant_state = state  # type: ignore[assignment]
+    parts = {"absmax": state.absmax, "code": state.code, "offset": state.offset}
+    if state.state2 is not None:
+        parts.update(absmax2=state.state2.absmax, code2=state.state2.code)
+    for name, t in parts.items():
+        if isinstance(t, torch.Tensor):
+            module.register_buffer(f"_quant_state_{name}", t, persistent=False)
+    return weight
+
+
+@contextlib.contextmanager
+def _bnb_tables(fake_mode: Any) -> Iterator[None]:
+    """bitsandbytes builds its 8-bit quantization table (for double quantization's absmax)
+    from data on first use, which a fake tensor has none of: the real table, made fake, for
+    the duration."""
+    import bitsandbytes.functional as bnb_functional
+
+    tables: dict[str, torch.Tensor] = bnb_functional.name2qmap
+    before = tables.get("dynamic")
+    if fake_mode is not None:
+        real = before if before is not None else bnb_functional.create_dynamic_map()  # type: ignore[no-untyped-call]
+        tables["dynamic"] = fake_mode.from_tensor(real)
+    try:
+        yield
+    finally:
+        if before is None:
+            tables.pop("dynamic", None)
+        else:
+            tables["dynamic"] = before
+
+
 def _fake_storages(model: nn.Module) -> None:
     """Replace every meta parameter and buffer by a fake CPU tensor (inside a fake mode),
-    keeping shared ones (tied embeddings) shared."""
+    keeping shared ones (tied embeddings) shared; QLoRA's 4-bit weights are quantized."""
     memo: dict[int, torch.Tensor] = {}
     for module in model.modules():
         for name, p in list(module._parameters.items()):
             if p is None:
                 continue
             if id(p) not in memo:
-                data = torch.zeros(p.shape, dtype=p.dtype, device=_DEVICE)
-                memo[id(p)] = nn.Parameter(data, requires_grad=p.requires_grad)
+                if type(p).__name__ == "Params4bit":
+                    memo[id(p)] = _quantized_weight(module, p)
+                else:
+                    data = torch.zeros(p.shape, dtype=p.dtype, device=_DEVICE)
+                    memo[id(p)] = nn.Parameter(data, requires_grad=p.requires_grad)
             module._parameters[name] = memo[id(p)]  # type: ignore[assignment]
         for name, b in list(module._buffers.items()):
             if b is None:
@@ -543,12 +677,18 @@ def _build(
     import transformers
 
     auto_model: Any = transformers.AutoModelForCausalLM
-    dtype = _param_dtype(cfg.training.precision)
+    qcfg = _bnb_config(cfg) if cfg.method == "qlora" else None
+    # QLoRA loads in the compute dtype (`modeling._load`), the others in the precision's.
+    dtype = (
+        qcfg.bnb_4bit_compute_dtype if qcfg is not None else _param_dtype(cfg.training.precision)
+    )
     # sdpa: transformers' default, as the trainer loads (eager where a model has no sdpa path).
     kwargs = {"attn_implementation": "eager"} if attention == "eager" else {}
     with torch.device("meta"):
         model: Any = auto_model.from_config(config, dtype=dtype, **kwargs)
     model.config.use_cache = False
+    if qcfg is not None:
+        _swap_in_4bit_layers(model, qcfg)
     if cfg.method in ("lora", "qlora"):
         model = _add_lora(model, cfg)
     total = sum(p.numel() for p in model.parameters())
@@ -575,6 +715,7 @@ def _breakdown(
     lora = min(adapters, params) if method != "full" else 0
     logits = int(tagged.get("logits", 0))
     casts = int(tagged.get("autocast_weight_copies", 0))
+    dequant = int(tagged.get("dequant_workspace", 0))
     transient = get(*_TRANSIENT, "INP")
     out = dict.fromkeys(MEASURED_COMPONENTS, 0)
     out["weights"] = params - lora + get("BUFFER")
@@ -584,7 +725,8 @@ def _breakdown(
     out["fsdp_buffers"] = get("UNSHARDED_PARAM", "UNSHARDED_GRAD", "ALL_GATHER", "REDUCE_SCATTER")
     out["logits"] = logits
     out["autocast_weight_copies"] = casts
-    out["activations"] = transient - logits - casts
+    out["dequant_workspace"] = dequant
+    out["activations"] = transient - logits - casts - dequant
     return out
 
 
@@ -624,7 +766,12 @@ def _step(
     assume: contextlib.AbstractContextManager[Any] = (
         _AssumeTrainedTokens() if fake else contextlib.nullcontext()  # type: ignore[no-untyped-call]
     )
-    with fake_mode:
+    tables: contextlib.AbstractContextManager[Any] = (
+        _bnb_tables(fake_mode if fake else None)
+        if setup.method == "qlora"
+        else contextlib.nullcontext()
+    )
+    with tables, fake_mode:
         _fake_storages(model)
         if mesh is not None:
             shard_model(model, cfg, mesh)
@@ -662,7 +809,7 @@ def _step(
     # MemTracker already knows them from track_external.
     if not sharded:
         take("weights")
-    with fake_mode, assume, tracker, _dropout_as_on_cuda():
+    with fake_mode, assume, tracker, _dropout_as_on_cuda(), _gemm_4bit_as_on_cuda(setup.method):
         if sharded:
             take("weights")
         tracker.stage = "forward"
