@@ -19,6 +19,7 @@ from kubetune.planning.estimator import (
     GIB,
     NF4_ABSMAX_BYTES_PER_PARAM,
     NF4_DQ_ABSMAX_BYTES_PER_PARAM,
+    TRAINER_QLORA_MATMUL_KEEPS_INPUT,
     EstimatorError,
     TrainingSetup,
     VramEstimate,
@@ -328,8 +329,9 @@ def test_a_blocks_backward_peaks_at_the_first_or_the_last_block() -> None:
 def test_lora_frozen_linears_drop_their_inputs() -> None:
     """A frozen base linear keeps no input for backward: with fp32 adapters (which keep their
     own fp32 copy) the norm outputs, the output projection's input and the MLP's down input
-    are not kept; bf16 adapters without dropout keep the input itself, and QLoRA's 4-bit
-    matmul keeps it whatever the adapters."""
+    are not kept; bf16 adapters without dropout keep the input itself. QLoRA's 4-bit matmul
+    keeps it whatever the adapters where bitsandbytes does (the default, older releases) and
+    drops it as LoRA's frozen linears do in the trainer's."""
     arch = load_arch("meta-llama/Llama-3.2-1B")
     setup = replace(WHOLE_GRADIENTS, method="lora", lora_dropout=0.0, grad_ckpt=False, seq_len=2048)
     fp32 = estimate_vram(arch, setup).breakdown["activations"]
@@ -346,6 +348,9 @@ def test_lora_frozen_linears_drop_their_inputs() -> None:
     assert fp32 - bf16 == pytest.approx(inputs + lora_a / 2 - dropped, rel=1e-3)
     qlora = estimate_vram(arch, replace(setup, method="qlora")).breakdown["activations"]
     assert qlora - fp32 == pytest.approx(dropped, rel=1e-3)
+    trainers = replace(setup, method="qlora", qlora_matmul_keeps_input=False)
+    assert estimate_vram(arch, trainers).breakdown["activations"] == fp32
+    assert not TRAINER_QLORA_MATMUL_KEEPS_INPUT
 
 
 def test_only_a_fused_qkv_projection_keeps_its_output() -> None:

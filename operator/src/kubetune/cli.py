@@ -229,6 +229,14 @@ def _arch(config: str | None, model: str | None, allow_network: bool) -> ModelAr
     "nn.Linear each (older stacks: quantized by QLoRA, adapted by all-linear).",
 )
 @click.option("--double-quant/--no-double-quant", default=True, show_default=True)
+@click.option(
+    "--qlora-matmul-keeps-input/--qlora-matmul-drops-input",
+    default=True,
+    show_default=True,
+    help="QLoRA: whether the 4-bit matmul keeps its input for backward, as older bitsandbytes "
+    "releases do (published measurements); the kubetune trainer's drops it, and `kubetune "
+    "plan` estimates with that.",
+)
 @click.option("--allow-network", is_flag=True, help="Fetch config.json of unknown hub models.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option(
@@ -262,6 +270,7 @@ def estimate(
     optimizer_in_backward: bool,
     fused_experts: bool,
     double_quant: bool,
+    qlora_matmul_keeps_input: bool,
     allow_network: bool,
     as_json: bool,
     simulate: bool,
@@ -292,6 +301,7 @@ def estimate(
         lora_dropout=lora_dropout,
         lora_targets=targets,
         qlora_double_quant=double_quant,
+        qlora_matmul_keeps_input=qlora_matmul_keeps_input,
         attention=attention or trainer_attention(arch),
         chunked_ce=chunked_ce,
         loss_chunk_tokens=loss_chunk_tokens,

@@ -114,6 +114,12 @@ NF4_DQ_ABSMAX_BYTES_PER_PARAM = 1 / NF4_BLOCK + FP32_BYTES / (NF4_BLOCK * NF4_DQ
 # bitsandbytes dequantizes a 4-bit weight to the compute dtype for each matmul; the forward
 # (or recomputation) and the backward copy of the largest weight can be alive together.
 DEQUANT_COPIES = 2
+# Whether bitsandbytes' 4-bit matmul (``MatMul4Bit``) keeps its input for backward in the
+# trainer: the bitsandbytes the trainer runs keeps only the packed weight (the input would
+# serve the frozen weight's gradient), which the simulated QLoRA step confirms
+# (docs/simulate-grid.md).  Older bitsandbytes releases, under the published QLoRA
+# measurements the estimator is calibrated on, kept it: ``TrainingSetup``'s default.
+TRAINER_QLORA_MATMUL_KEEPS_INPUT = False
 
 # bitsandbytes' paged optimizers keep their states in CUDA managed memory, outside PyTorch's
 # caching allocator (the driver pages them to host memory under pressure).
@@ -274,6 +280,11 @@ class TrainingSetup:
     lora_targets: tuple[str, ...] = (ALL_LINEAR,)
     """``all-linear`` (every decoder-block linear, not ``lm_head``, as in PEFT) or names."""
     qlora_double_quant: bool = True
+    qlora_matmul_keeps_input: bool = True
+    """QLoRA: the 4-bit matmul keeps its input for backward, as older bitsandbytes releases do
+    (the published QLoRA measurements); the planner passes the trainer's
+    (``TRAINER_QLORA_MATMUL_KEEPS_INPUT``: it does not), which drops the inputs a frozen base
+    linear drops under LoRA (:func:`_dropped_input_elems`)."""
     attention: Attention = "sdpa"
     chunked_ce: bool = False
     """Loss computed over sequence chunks, never materializing full fp32 logits."""
@@ -706,14 +717,16 @@ def _dropped_input_elems(arch: ModelArch, setup: TrainingSetup) -> float:
     only when ``mat2`` requires grad), so a frozen base linear drops it; the adapter keeps it
     only when ``A`` sees the input itself (bf16 adapters without dropout), and otherwise keeps
     its own copy (counted by :func:`_lora_bytes_per_token`).  Full fine-tuning keeps every
-    input, and QLoRA's 4-bit matmul (bitsandbytes ``MatMul4Bit``) keeps its input
-    unconditionally.  No other operation keeps these inputs: the pre-norm outputs (``h``
-    each) feed only the projections, the output projection reads a contiguous copy of the
-    attention output (``q``; the attention keeps its own), and the down projection the
-    product of the MLP's branches (``I``).  MoE layers are left as counted (the router and the
-    dispatch read the norm output).
+    input.  QLoRA's 4-bit matmul (bitsandbytes ``MatMul4Bit``) keeps its input in older
+    bitsandbytes releases (``qlora_matmul_keeps_input``, the default) and drops it as a
+    frozen base linear does in the trainer's (``TRAINER_QLORA_MATMUL_KEEPS_INPUT``; the
+    simulated QLoRA step shows it).  No other operation keeps these inputs: the
+    pre-norm outputs (``h`` each) feed only the projections, the output projection reads a
+    contiguous copy of the attention output (``q``; the attention keeps its own), and the
+    down projection the product of the MLP's branches (``I``).  MoE layers are left as
+    counted (the router and the dispatch read the norm output).
     """
-    if setup.method != "lora":
+    if setup.method == "full" or (setup.method == "qlora" and setup.qlora_matmul_keeps_input):
         return 0.0
     targets = set(_targets(arch, setup))
     copied = _adapter_input_copied(setup)

@@ -49,6 +49,7 @@ from kubetune.api.v1alpha1 import (
 from kubetune.api.vocabulary import PlanReason
 from kubetune.planning.arch import ModelArch
 from kubetune.planning.estimator import (
+    TRAINER_QLORA_MATMUL_KEEPS_INPUT,
     Attention,
     TrainingSetup,
     VramEstimate,
@@ -401,6 +402,7 @@ def _setup(
         lora_targets=tuple(lora.target_modules),
         lora_dropout=lora.dropout,
         qlora_double_quant=lora.double_quant,
+        qlora_matmul_keeps_input=TRAINER_QLORA_MATMUL_KEEPS_INPUT,
         chunked_ce=chunked,
         activation_offload=offload,
         attention=attention,
