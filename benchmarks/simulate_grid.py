@@ -1,15 +1,18 @@
 """The analytical estimator against the simulated step over a grid (docs/simulate-grid.md).
 
-One model per architecture family of the built-in table (the smallest) × full / LoRA × sequence
-length {512, 2048, 8192} × micro-batch {1, 4, 8} × checkpointing on/off, one GPU, bf16, AdamW,
-LoRA rank 16 on all linears. For each cell: the simulated peak (`kubetune_trainer.simulate`,
-1 and 2 blocks extrapolated, the steady-state step) and the part of the analytical estimate an
-allocated-bytes reading measures (`comparable_bytes(estimate, "allocated")`), and their
-relative difference. QLoRA is not simulated (docs/simulate.md), so the grid has none.
+One model per architecture family of the built-in table (the smallest) × full / LoRA / QLoRA ×
+sequence length {512, 2048, 8192} × micro-batch {1, 4, 8} × checkpointing on/off, one GPU, bf16,
+AdamW, LoRA rank 16 on all linears (QLoRA: NF4 with double quantization, as the trainer loads).
+For each cell: the simulated peak (`kubetune_trainer.simulate`, 1 and 2 blocks extrapolated, the
+steady-state step) and the part of the analytical estimate an allocated-bytes reading measures
+(`comparable_bytes(estimate, "allocated")`), and their relative difference. `--methods` runs
+some methods only, `--merge FILE` adds the cells of an earlier run (results .jsonl) for the
+methods not run, so that one method's cells can be redone without the others.
 
 `--gpus 1 2 8` adds cells on several GPUs: rank 0 of N under FSDP2 (`--sharding full`, the
 default, or `grad-op`) over sequence length {512, 2048} × micro-batch {1, 4} × checkpointing
-on/off (a smaller grid: a sharded cell simulates 3 and 4 blocks).
+on/off (a smaller grid: a sharded cell simulates 3 and 4 blocks; QLoRA is simulated on one GPU
+only, docs/simulate.md).
 
 `--objective dpo` runs the trainer's DPO step instead (a micro-batch of preference pairs, two
 rows each; the LoRA reference forward with the adapters off) over sequence length {512, 2048}
@@ -22,7 +25,7 @@ a unit test holds the estimator to, so that a change of the estimator that moves
 (or towards) the simulation shows up in CI until this script is run again.
 
     .venv/bin/python benchmarks/simulate_grid.py [--families llama qwen2 ...] [--objective dpo]
-        [--gpus 1 2 8] [--sharding full|grad-op]
+        [--gpus 1 2 8] [--sharding full|grad-op] [--methods qlora --merge RESULTS.jsonl]
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from typing import Any
 
 from kubetune.planning.estimator import (
     GIB,
+    TRAINER_QLORA_MATMUL_KEEPS_INPUT,
     TrainingSetup,
     comparable_bytes,
     estimate_vram,
@@ -61,7 +65,8 @@ SAMPLE_EVERY = 7  # odd: the grid alternates checkpointing on and off
 # CUDA's fused kernel does, with a 1-byte mask: docs/simulate.md.)
 LORA_DROPOUT = 0.0
 
-METHODS = ("full", "lora")
+METHODS = ("full", "lora", "qlora")
+SHARDED_METHODS = ("full", "lora")  # QLoRA is simulated on one GPU only
 SEQ_LENS = (512, 2048, 8192)
 MICRO_BATCHES = (1, 4, 8)
 CHECKPOINTING = (True, False)
@@ -96,6 +101,8 @@ def analytical(row: dict[str, Any]) -> int:
     names = {f.name for f in dataclasses.fields(TrainingSetup)} - {"attention"}
     fields = {k: v for k, v in row.items() if k in names}
     fields["lora_targets"] = tuple(fields["lora_targets"])
+    # The planner's estimate for the trainer, whose bitsandbytes the simulation runs.
+    fields["qlora_matmul_keeps_input"] = TRAINER_QLORA_MATMUL_KEEPS_INPUT
     if row.get("objective") == "dpo":  # the planner's estimate: the rows of the pairs
         fields["micro_batch"] = row["micro_batch"] * ROWS_PER_PAIR
     setup = TrainingSetup(**fields, attention=trainer_attention(arch))
@@ -182,7 +189,8 @@ def write_doc(
         "the smallest model of each "
         "family; estimate = `comparable_bytes(estimate, 'allocated')` (what "
         "`torch.cuda.max_memory_allocated` would read: no CUDA context, NCCL or allocator "
-        "slack); error = estimate / simulated − 1. QLoRA is not simulated.",
+        "slack); error = estimate / simulated − 1. QLoRA (NF4, double quantization, as the "
+        "trainer loads) on one GPU only.",
         "",
     ]
     if errors:
@@ -216,8 +224,8 @@ def write_doc(
         lines += [
             "By family and method, one GPU (median error, smallest, largest):",
             "",
-            "| family | model | full | lora |",
-            "| --- | --- | --- | --- |",
+            f"| family | model | {' | '.join(METHODS)} |",
+            "| --- | --- |" + " --- |" * len(METHODS),
         ]
         for family, model in families.items():
             cells = []
@@ -264,6 +272,14 @@ def main() -> int:
     parser.add_argument("--objective", choices=("sft", "dpo"), default="sft")
     parser.add_argument("--gpus", nargs="+", type=int, default=[1], help="GPU counts (default: 1)")
     parser.add_argument("--sharding", choices=("full", "grad-op"), default="full")
+    parser.add_argument(
+        "--methods", nargs="+", choices=METHODS, default=list(METHODS), help="default: all"
+    )
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        help="an earlier results .jsonl whose cells of the methods not run join this run's",
+    )
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
@@ -283,19 +299,23 @@ def main() -> int:
     name = f"simulate-grid{'-dpo' if dpo else ''}-{datetime.date.today()}.jsonl"
     results = ROOT / "benchmarks" / "results" / name
     rows: list[dict[str, Any]] = []
-    start = time.monotonic()
     grid = [
         (gpus, *cell)
         for gpus in args.gpus
         for cell in itertools.product(
             families.items(),
-            METHODS,
+            [m for m in args.methods if gpus == 1 or m in SHARDED_METHODS],
             DPO_SEQ_LENS if dpo else SEQ_LENS if gpus == 1 else SHARDED_SEQ_LENS,
             DPO_MICRO_BATCHES if dpo else MICRO_BATCHES if gpus == 1 else SHARDED_MICRO_BATCHES,
             CHECKPOINTING,
         )
     ]
+    if args.merge:
+        earlier = [json.loads(line) for line in args.merge.read_text().splitlines() if line]
+        rows = [r for r in earlier if r["method"] not in args.methods]
     with results.open("w") as out:
+        for row in rows:
+            out.write(json.dumps(row) + "\n")
         for i, (gpus, (_family, model), method, seq, micro, ckpt) in enumerate(grid, 1):
             setup = SimulationSetup(
                 method=method,  # type: ignore[arg-type]
@@ -314,7 +334,9 @@ def main() -> int:
             out.flush()
             shown = f"{row['error']:+.1%}" if "error" in row else row["not_simulated"]
             print(f"[{i}/{len(grid)}] {model} {label(row)}: {shown}", flush=True)
-    write_outputs(rows, families, time.monotonic() - start, results, args.objective)
+    # The simulations' own time (with --merge, the earlier run's cells count theirs).
+    elapsed = sum(float(row.get("seconds", 0)) for row in rows)
+    write_outputs(rows, families, elapsed, results, args.objective)
     return 0
 
 

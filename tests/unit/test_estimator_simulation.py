@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from kubetune.planning.estimator import (
+    TRAINER_QLORA_MATMUL_KEEPS_INPUT,
     TrainingSetup,
     comparable_bytes,
     estimate_vram,
@@ -52,15 +53,19 @@ def _error(cell: dict[str, object]) -> float:
         sharding=cell.get("sharding", "full"),  # type: ignore[arg-type]
         # The simulation runs one micro-batch from a fresh state: no accumulation.
         grad_accumulation=int(cell.get("grad_accumulation", 1)),  # type: ignore[call-overload]
+        # The planner's estimate for the trainer, whose bitsandbytes the simulation runs.
+        qlora_matmul_keeps_input=TRAINER_QLORA_MATMUL_KEEPS_INPUT,
     )
     estimate = comparable_bytes(estimate_vram(arch, setup), "allocated")
     return estimate / int(cell["simulated_bytes"]) - 1  # type: ignore[call-overload]
 
 
-def test_the_sample_covers_every_family_and_both_methods() -> None:
+def test_the_sample_covers_every_family_and_every_method() -> None:
     cells = _cells()
     assert len(cells) >= 40
-    assert {c["method"] for c in cells} == {"full", "lora"}
+    assert {c["method"] for c in cells} == {"full", "lora", "qlora"}
+    qlora = [c for c in cells if c["method"] == "qlora"]
+    assert len({c["model"] for c in qlora}) >= 10
     assert len({c["model"] for c in cells}) >= 10
     assert {c["grad_ckpt"] for c in cells} == {True, False}
 
