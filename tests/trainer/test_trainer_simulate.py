@@ -119,20 +119,9 @@ def test_qlora_builds_what_the_trainer_builds(tiny_llama: Path) -> None:
     tiny model in 4 bits on CPU): the same layers in 4 bits, the same trainable and total
     parameters, and the same bytes of frozen weights with their quantization state."""
     import bitsandbytes as bnb
-    import torch
 
-    from kubetune_trainer.distributed import DistEnv
-    from kubetune_trainer.modeling import build_model
-    from kubetune_trainer.simulate import trainer_config
-
-    setup = SimulationSetup(method="qlora", seq_len=32, lora_rank=4)
-    cfg = trainer_config(setup, source=str(tiny_llama))
-    built = build_model(cfg, DistEnv(0, 1, 0, torch.device("cpu")))
+    built, result = _built_and_simulated(tiny_llama, "qlora")
     fields = json.loads((tiny_llama / "config.json").read_text())
-    result = simulate(fields, setup, layers="all")
-    assert result.trainable_params == built.n_trainable
-    assert result.total_params == built.n_params
-
     four_bit = [m for m in built.model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert len(four_bit) == 7 * int(fields["num_hidden_layers"])  # q k v o gate up down
     frozen = sum(
@@ -271,20 +260,27 @@ def test_breakdown_sums_to_the_peak_and_maps_every_measured_term() -> None:
     assert after_step["gradients"] == 0
 
 
-def test_lora_trainable_params_equal_the_trainers_build(tiny_llama: Path) -> None:
+def _built_and_simulated(model: Path, method: str) -> tuple[Any, Any]:
+    """The trainer's own build of the tiny `model` (`modeling.build_model` on CPU) and the
+    simulation of the same setup; both count the same trainable and total parameters."""
     import torch
 
     from kubetune_trainer.distributed import DistEnv
     from kubetune_trainer.modeling import build_model
     from kubetune_trainer.simulate import trainer_config
 
-    setup = SimulationSetup(method="lora", seq_len=32, lora_rank=4)
-    cfg = trainer_config(setup, source=str(tiny_llama))
+    setup = SimulationSetup(method=method, seq_len=32, lora_rank=4)  # type: ignore[arg-type]
+    cfg = trainer_config(setup, source=str(model))
     built = build_model(cfg, DistEnv(0, 1, 0, torch.device("cpu")))
-    fields = json.loads((tiny_llama / "config.json").read_text())
+    fields = json.loads((model / "config.json").read_text())
     result = simulate(fields, setup, layers="all")
     assert result.trainable_params == built.n_trainable
     assert result.total_params == built.n_params
+    return built, result
+
+
+def test_lora_trainable_params_equal_the_trainers_build(tiny_llama: Path) -> None:
+    built, result = _built_and_simulated(tiny_llama, "lora")
     # PEFT keeps adapters in fp32 on a bf16 base.
     assert result.phase_breakdowns["weights"]["lora_adapters"] == 4 * built.n_trainable
 
