@@ -98,6 +98,35 @@ def test_qlora_fake_step_allocates_what_a_real_cpu_step_does(precision: str) -> 
     assert backward > real["forward"] > real["weights"] > 0
 
 
+def _trainable_sizes(fields: dict[str, Any]) -> list[int]:
+    """Element counts of a full fine-tuning's parameters (the model built on meta)."""
+    import torch
+    import transformers
+
+    from kubetune_trainer.simulate import hf_config
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config(fields))
+    return [p.numel() for p in model.parameters()]
+
+
+def test_8bit_adamw_fake_step_allocates_what_a_real_cpu_step_does() -> None:
+    """bitsandbytes' AdamW8bit on fake tensors (its quantization tables made fake): the same
+    states as on real ones, two uint8 moments and their absmax per 256-value block for the
+    weights, 32-bit moments for tensors under its 4,096-element threshold."""
+    setup = SimulationSetup(method="full", micro_batch=2, seq_len=32, optimizer="adamw-8bit")
+    fake = _run_once(setup, TINY_LLAMA, None, fake=True).phases
+    real = _run_once(setup, TINY_LLAMA, None, fake=False).phases
+    fake_totals, real_totals = _totals(fake), _totals(real)
+    for name in fake_totals:
+        assert 0 <= fake_totals[name] - real_totals[name] <= _mask_bytes(setup), name
+    sizes = _trainable_sizes(TINY_LLAMA)
+    expected = (
+        sum(2 * n + 2 * 4 * -(-n // 256) if n >= 4096 else 2 * 4 * n for n in sizes) + 2 * 256 * 4
+    )  # the signed and unsigned tables, shared by every parameter
+    assert fake["optimizer"]["optimizer_states"] == expected
+
+
 @pytest.mark.parametrize("grad_ckpt", [True, False])
 def test_qlora_dequantizes_one_weight_at_a_time_as_cuda_does(grad_ckpt: bool) -> None:
     """bitsandbytes' CUDA matmul dequantizes the whole 4-bit weight before `linear` (and its
@@ -334,6 +363,7 @@ def test_dropout_keeps_a_one_byte_mask_as_on_cuda() -> None:
     [
         (SimulationSetup(method="qlora", gpus=2), "qlora on 2 GPUs is not simulated"),
         (SimulationSetup(gpus=2, sharding="none"), r"sharding none \(DDP\) is not simulated"),
+        (SimulationSetup(optimizer="paged-adamw-8bit"), "paged-adamw-8bit is not simulated"),
     ],
 )
 def test_refuses_what_it_does_not_simulate(setup: SimulationSetup, words: str) -> None:

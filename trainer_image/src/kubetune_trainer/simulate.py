@@ -306,10 +306,11 @@ def _refuse_unsupported(setup: SimulationSetup) -> None:
             "fused_experts=False describes other trainers' MoE models; the trainer builds "
             "stacked experts, which is what is simulated"
         )
-    if setup.optimizer != "adamw":
+    if setup.optimizer not in ("adamw", "adamw-8bit"):
         raise SimulationError(
-            f"optimizer {setup.optimizer} is not simulated (bitsandbytes optimizers run CUDA "
-            "kernels); simulate adamw or use the analytical estimate"
+            f"optimizer {setup.optimizer} is not simulated (a paged optimizer keeps its states "
+            "in CUDA managed memory, outside PyTorch's allocator, which fake tensors cannot "
+            "tell apart); simulate adamw or adamw-8bit, or use the analytical estimate"
         )
     for name in ("micro_batch", "seq_len"):
         value = getattr(setup, name)
@@ -628,19 +629,31 @@ def _quantized_weight(module: nn.Module, p: nn.Parameter) -> nn.Parameter:
 
 @contextlib.contextmanager
 def _bnb_tables(fake_mode: Any) -> Iterator[None]:
-    """bitsandbytes builds its 8-bit quantization table (for double quantization's absmax)
-    from data on first use, which a fake tensor has none of: the real table, made fake, for
-    the duration."""
+    """bitsandbytes builds its 8-bit quantization tables (for double quantization's absmax,
+    and the 8-bit optimizers' states) from data on first use, which a fake tensor has none of:
+    the real tables, made fake, for the duration. Entered outside the fake mode."""
     import bitsandbytes.functional as bnb_functional
+    from bitsandbytes.optim.optimizer import Optimizer8bit
 
+    if fake_mode is None:
+        yield
+        return
+    create: Any = bnb_functional.create_dynamic_map
+    signed, unsigned = create(signed=True), create(signed=False)
     tables: dict[str, torch.Tensor] = bnb_functional.name2qmap
     before = tables.get("dynamic")
-    if fake_mode is not None:
-        real = before if before is not None else bnb_functional.create_dynamic_map()  # type: ignore[no-untyped-call]
-        tables["dynamic"] = fake_mode.from_tensor(real)
+    tables["dynamic"] = fake_mode.from_tensor(before if before is not None else signed)
+
+    def fill_qmap(optimizer: Any) -> None:  # `Optimizer8bit.fill_qmap`, with fake tables
+        optimizer.name2qmap["dynamic"] = fake_mode.from_tensor(signed)
+        optimizer.name2qmap["udynamic"] = fake_mode.from_tensor(unsigned)
+
+    plain = Optimizer8bit.fill_qmap
+    Optimizer8bit.fill_qmap = fill_qmap  # type: ignore[method-assign]
     try:
         yield
     finally:
+        Optimizer8bit.fill_qmap = plain  # type: ignore[method-assign]
         if before is None:
             tables.pop("dynamic", None)
         else:
@@ -768,7 +781,7 @@ def _step(
     )
     tables: contextlib.AbstractContextManager[Any] = (
         _bnb_tables(fake_mode if fake else None)
-        if setup.method == "qlora"
+        if setup.method == "qlora" or setup.optimizer != "adamw"
         else contextlib.nullcontext()
     )
     with tables, fake_mode:
