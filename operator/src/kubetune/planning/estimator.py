@@ -126,8 +126,11 @@ TRAINER_QLORA_MATMUL_KEEPS_INPUT = False
 PAGED_OPTIMIZERS: frozenset[str] = frozenset({"paged-adamw-8bit", "paged-adamw-32bit"})
 
 # bitsandbytes 8-bit optimizers (Dettmers et al. 2022): two uint8 states plus one fp32
-# absmax per 2048-value block for each state.
-ADAM8BIT_BYTES_PER_PARAM = 2 + 2 * FP32_BYTES / 2048
+# absmax per block for each state; the paper's blocks hold 2048 values, the bitsandbytes the
+# trainer runs makes them 256 (`Optimizer2State.init_state`; the simulated step shows it).
+# Tensors under 4,096 values keep 32-bit states (norms, biases: a rounding here).
+ADAM8BIT_BLOCK = 256
+ADAM8BIT_BYTES_PER_PARAM = 2 + 2 * FP32_BYTES / ADAM8BIT_BLOCK
 
 # Activations: elements of the compute dtype kept per token per decoder layer (the inventory
 # is in docs/estimator.md, "Activations").  Each norm keeps its input upcast to fp32 (two
