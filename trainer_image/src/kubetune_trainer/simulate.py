@@ -331,6 +331,7 @@ class _Tracker(MemTracker):  # type: ignore[no-untyped-call]
         super().__init__(*args)
         self.vocab_size = vocab_size
         self.tagged: dict[str, int] = dict.fromkeys(_TAGS, 0)
+        self._dequantize_4bit = _dequantize_4bit_op()  # looked up once, not per operator
         self._tag_of: dict[int, tuple[str, Any]] = {}  # id(winfo) → (tag, winfo)
         self._func: Any = None
         self._args: Any = ()
@@ -346,7 +347,7 @@ class _Tracker(MemTracker):  # type: ignore[no-untyped-call]
     # -- tags
     def _tag(self, t: torch.Tensor) -> str | None:
         func, args = self._func, self._args
-        if func is not None and func is _dequantize_4bit_op():
+        if func is not None and func is self._dequantize_4bit:
             return "dequant_workspace"
         if (
             func is torch.ops.aten._to_copy.default
@@ -475,7 +476,8 @@ _TRANSIENT = frozenset({"ACT", "TEMP", "OTH"})
 
 _TAGS: tuple[str, ...] = ("logits", "autocast_weight_copies", "dequant_workspace")
 """Transient tensors told apart from the other activations: the vocabulary-wide ones, the
-autocast copies of weights, and QLoRA's weights dequantized for a matmul."""
+autocast copies of weights, and QLoRA's weights dequantized for a matmul (each tag is the
+breakdown key it is reported under)."""
 
 
 def _dequantize_4bit_op() -> Any:
@@ -635,9 +637,6 @@ def _bnb_tables(fake_mode: Any) -> Iterator[None]:
     import bitsandbytes.functional as bnb_functional
     from bitsandbytes.optim.optimizer import Optimizer8bit
 
-    if fake_mode is None:
-        yield
-        return
     create: Any = bnb_functional.create_dynamic_map
     signed, unsigned = create(signed=True), create(signed=False)
     tables: dict[str, torch.Tensor] = bnb_functional.name2qmap
@@ -726,9 +725,7 @@ def _breakdown(
     # and optimizer states; what FSDP2 gathers or reduces for a while is `fsdp_buffers`.
     params = get("PARAM", "SHARDED_PARAM")
     lora = min(adapters, params) if method != "full" else 0
-    logits = int(tagged.get("logits", 0))
-    casts = int(tagged.get("autocast_weight_copies", 0))
-    dequant = int(tagged.get("dequant_workspace", 0))
+    tags = {tag: int(tagged.get(tag, 0)) for tag in _TAGS}
     transient = get(*_TRANSIENT, "INP")
     out = dict.fromkeys(MEASURED_COMPONENTS, 0)
     out["weights"] = params - lora + get("BUFFER")
@@ -736,10 +733,8 @@ def _breakdown(
     out["gradients"] = get("GRAD", "SHARDED_GRAD")
     out["optimizer_states"] = get("OPT")
     out["fsdp_buffers"] = get("UNSHARDED_PARAM", "UNSHARDED_GRAD", "ALL_GATHER", "REDUCE_SCATTER")
-    out["logits"] = logits
-    out["autocast_weight_copies"] = casts
-    out["dequant_workspace"] = dequant
-    out["activations"] = transient - logits - casts - dequant
+    out.update(tags)
+    out["activations"] = transient - sum(tags.values())
     return out
 
 
@@ -779,9 +774,10 @@ def _step(
     assume: contextlib.AbstractContextManager[Any] = (
         _AssumeTrainedTokens() if fake else contextlib.nullcontext()  # type: ignore[no-untyped-call]
     )
+    # Real tensors build bitsandbytes' tables themselves.
     tables: contextlib.AbstractContextManager[Any] = (
-        _bnb_tables(fake_mode if fake else None)
-        if setup.method == "qlora" or setup.optimizer != "adamw"
+        _bnb_tables(fake_mode)
+        if fake and (setup.method == "qlora" or setup.optimizer != "adamw")
         else contextlib.nullcontext()
     )
     with tables, fake_mode:
