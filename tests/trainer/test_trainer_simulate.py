@@ -363,6 +363,7 @@ def test_dropout_keeps_a_one_byte_mask_as_on_cuda() -> None:
     [
         (SimulationSetup(method="qlora", gpus=2), "qlora on 2 GPUs is not simulated"),
         (SimulationSetup(gpus=2, sharding="none"), r"sharding none \(DDP\) is not simulated"),
+        (SimulationSetup(fused_ce=True), "fused loss is not simulated"),
         (SimulationSetup(optimizer="paged-adamw-8bit"), "paged-adamw-8bit is not simulated"),
     ],
 )

@@ -311,11 +311,11 @@ def test_crds_command_matches_committed(tmp_path: Path) -> None:
 
 
 def test_plan_names_the_memory_savers_it_chose(tmp_path: Path) -> None:
-    """A 32k-token LoRA job on one 48 GiB GPU fits only with the chunked loss and activation
-    offloading; the plan says so, and its JSON carries both."""
+    """A 32k-token LoRA job on one 48 GiB GPU fits with the fused loss alone; without it,
+    only with the chunked loss and activation offloading. The plan says so, and its JSON
+    carries them."""
     job = tmp_path / "long.yaml"
-    job.write_text(
-        """
+    text = """
 apiVersion: kubetune.io/v1alpha1
 kind: FineTuneJob
 metadata: {name: long-context}
@@ -323,15 +323,23 @@ spec:
   model: {uri: meta-llama/Llama-3.2-3B}
   dataset: {uri: pvc://data/long.jsonl, numExamples: 1000, avgTokensPerExample: 32768}
   method: lora
-  training: {sequenceLength: 32768, globalBatchSize: 4, microBatchSize: 1}
+  training: {sequenceLength: 32768, globalBatchSize: 4, microBatchSize: 1FUSED}
   resources: {gpus: 1, pools: [l40s]}
 """
-    )
+    job.write_text(text.replace("FUSED", ""))
+    code, out = invoke("plan", str(job))
+    assert code == 0, out
+    assert "memory savers: fused cross-entropy\n" in out
+    status = json.loads(invoke("plan", str(job), "-o", "json")[1])
+    assert status["fusedCrossEntropy"] is True and status.get("activationOffloading") is None
+
+    job.write_text(text.replace("FUSED", ", fusedCrossEntropy: false"))
     code, out = invoke("plan", str(job))
     assert code == 0, out
     assert "memory savers: chunked cross-entropy, activation offloading" in out
     status = json.loads(invoke("plan", str(job), "-o", "json")[1])
     assert status["chunkedCrossEntropy"] is True and status["activationOffloading"] is True
+    assert status.get("fusedCrossEntropy") is None
 
 
 def test_estimate_expresses_the_memory_savers() -> None:

@@ -25,6 +25,7 @@ from kubetune.planning.estimator import (
     VramEstimate,
     comparable_bytes,
     estimate_vram,
+    fused_ce_chunk_tokens,
     lora_target_names,
     offloaded_bytes,
     resolve_lora_targets,
@@ -435,6 +436,41 @@ def test_chunked_cross_entropy_reduces_logits() -> None:
     short = estimate_vram(arch, replace(setup, seq_len=256, chunked_ce=True))
     # one chunk holds every token: as much as the unchunked loss
     assert short.breakdown["logits"] == 256 * 12 * arch.vocab_size
+
+
+def test_the_fused_loss_chunk_follows_liger() -> None:
+    """Liger's chunk: about tokens x hidden logits entries (its own worked example: 16,384
+    tokens, a 32,000 vocabulary and 4,096 hidden give 2,048 tokens)."""
+    assert fused_ce_chunk_tokens(4096 * 4, 32_000, 4096) == 2048
+    assert fused_ce_chunk_tokens(16_384, 128_256, 2048) == 512  # 16,384 / 63 → 261 → 512
+    assert fused_ce_chunk_tokens(100, 128_256, 2048) == 2  # 100 / 63 → 2
+    assert fused_ce_chunk_tokens(8, 1000, 4096) == 8  # one chunk, never more than the tokens
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_the_fused_loss_keeps_nothing_of_vocabulary_size(method: str) -> None:
+    """Plain > chunked > fused, and the fused loss's term at any moment is at most the
+    gradients it makes in the forward (hidden states, and the trained output projection's
+    table) plus one chunk of compute-dtype logits."""
+    arch = load_arch("meta-llama/Llama-3.2-1B")
+    setup = replace(SINGLE, method=method, micro_batch=8, seq_len=2048, grad_ckpt=False)
+    plain = estimate_vram(arch, setup)
+    chunked = estimate_vram(arch, replace(setup, chunked_ce=True))
+    fused = estimate_vram(arch, replace(setup, fused_ce=True))
+    assert plain.per_gpu_bytes > chunked.per_gpu_bytes > fused.per_gpu_bytes
+    tokens = 8 * 2048
+    chunk = fused_ce_chunk_tokens(tokens, arch.vocab_size, arch.hidden_size)
+    table = arch.embedding_params * 2 if method == "full" else 0
+    bound = tokens * arch.hidden_size * 2 + table + chunk * arch.vocab_size * 2
+    assert 0 <= fused.breakdown["logits"] <= bound
+    # 7.8 GiB of kept log-softmax (4 bytes per entry) is what the chunked loss adds back
+    kept = tokens * arch.vocab_size * 4
+    assert chunked.per_gpu_bytes - fused.per_gpu_bytes >= 0.9 * kept
+
+
+def test_the_chunked_and_fused_losses_are_exclusive() -> None:
+    with pytest.raises(EstimatorError, match="choose one"):
+        estimate_vram(TINY, replace(SINGLE, chunked_ce=True, fused_ce=True))
 
 
 def test_a_trained_output_projection_sums_its_gradient_over_the_chunks() -> None:

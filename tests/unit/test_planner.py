@@ -17,6 +17,7 @@ from kubetune.planning import planner as planner_module
 from kubetune.planning.arch import ModelArch
 from kubetune.planning.catalog import default_pools
 from kubetune.planning.estimator import (
+    EstimatorError,
     TrainingSetup,
     VramEstimate,
     estimate_vram,
@@ -488,6 +489,7 @@ def test_a_job_fits_a_24_gib_gpu_only_with_chunked_cross_entropy() -> None:
                 "globalBatchSize": 8,
                 "microBatchSize": 1,
                 "chunkedCrossEntropy": chunked,
+                "fusedCrossEntropy": False,
                 "activationOffloading": False,
             },
             resources={"gpus": 1},
@@ -497,6 +499,7 @@ def test_a_job_fits_a_24_gib_gpu_only_with_chunked_cross_entropy() -> None:
         plan_job(job(False), l4, arch, NO_LIVE)
     assert "needs at least 44.4 GiB per GPU" in str(refused.value)
     assert "enable training.chunkedCrossEntropy" in str(refused.value)
+    assert "enable training.fusedCrossEntropy" in str(refused.value)
 
     for chunked in (None, True):
         plan = plan_job(job(chunked), l4, arch, NO_LIVE)
@@ -508,6 +511,83 @@ def test_a_job_fits_a_24_gib_gpu_only_with_chunked_cross_entropy() -> None:
     short = plan_job(job(None, seq=2048), l4, arch, NO_LIVE)
     assert not short.chosen.estimate.setup.chunked_ce
     assert short.to_status(l4).chunked_cross_entropy is None
+
+
+def test_a_job_fits_a_24_gib_gpu_only_with_the_fused_cross_entropy() -> None:
+    """Llama-3.2-1B LoRA at 32k tokens on one 24 GiB L4: the chunked loss still keeps every
+    chunk's fp32 log-softmax (16 GiB at a 128k vocabulary), 36 GiB in all; the fused loss keeps
+    nothing of vocabulary size (17.9 GiB). The planner tries plain, chunked, then fused, so a
+    job that fits with the chunked loss keeps it (tested on every device)."""
+    arch = load_arch("meta-llama/Llama-3.2-1B")
+    l4 = pools("l4")
+
+    def job(fused: bool | None, seq: int = 32768, **training: object) -> FineTuneJobSpec:
+        return spec(
+            model={"uri": arch.name},
+            training={
+                "sequenceLength": seq,
+                "globalBatchSize": 8,
+                "microBatchSize": 1,
+                "fusedCrossEntropy": fused,
+                "activationOffloading": False,
+                **training,
+            },
+            resources={"gpus": 1},
+        )
+
+    with pytest.raises(InfeasibleError) as refused:
+        plan_job(job(False), l4, arch, NO_LIVE)
+    assert "enable training.fusedCrossEntropy" in str(refused.value)
+
+    for fused in (None, True):
+        plan = plan_job(job(fused), l4, arch, NO_LIVE)
+        setup = plan.chosen.estimate.setup
+        assert setup.fused_ce and not setup.chunked_ce
+        assert plan.chosen.estimate.per_gpu_bytes * NO_LIVE.safety_factor <= 24 * GIB
+        status = plan.to_status(l4)
+        assert status.fused_cross_entropy is True and status.chunked_cross_entropy is None
+
+    chunked = plan_job(job(None, seq=16384), l4, arch, NO_LIVE).chosen.estimate.setup
+    assert chunked.chunked_ce and not chunked.fused_ce
+
+
+def test_the_fused_loss_is_not_chosen_where_the_trainer_cannot_run_it() -> None:
+    """Llama-3.1-8B LoRA at 24k tokens on one 48 GiB L40S fits only with the fused loss (51.0
+    GiB chunked, 37.4 fused). With an adapter on lm_head (which the kernel cannot apply) the
+    walk leaves the fused loss out and nothing fits; a job that asks for it there, or for
+    Gemma 2's soft-capped logits, is told why (an invalid spec, before any GPU)."""
+    arch = load_arch("meta-llama/Llama-3.1-8B")
+    l40s = pools("l40s")
+
+    def job(fused: bool | None, targets: list[str]) -> FineTuneJobSpec:
+        return spec(
+            model={"uri": arch.name},
+            lora={"targetModules": targets},
+            training={
+                "sequenceLength": 24576,
+                "globalBatchSize": 8,
+                "microBatchSize": 1,
+                "fusedCrossEntropy": fused,
+                "activationOffloading": False,
+            },
+            resources={"gpus": 1},
+        )
+
+    assert plan_job(job(None, ["q_proj"]), l40s, arch, NO_LIVE).chosen.estimate.setup.fused_ce
+    with pytest.raises(InfeasibleError) as refused:
+        plan_job(job(None, ["q_proj", "lm_head"]), l40s, arch, NO_LIVE)
+    assert "memory" in str(refused.value)
+    with pytest.raises(EstimatorError, match="adapter on the output layer"):
+        plan_job(job(True, ["q_proj", "lm_head"]), l40s, arch, NO_LIVE)
+
+    gemma = load_arch("google/gemma-2-2b")
+    asked = spec(
+        model={"uri": gemma.name},
+        training={"sequenceLength": 2048, "fusedCrossEntropy": True},
+        resources={"gpus": 1},
+    )
+    with pytest.raises(EstimatorError, match="soft-caps its logits"):
+        plan_job(asked, l40s, gemma, NO_LIVE)
 
 
 def test_activation_offloading_is_the_last_resort_and_is_priced() -> None:

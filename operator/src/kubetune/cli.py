@@ -203,6 +203,13 @@ def _arch(config: str | None, model: str | None, allow_network: bool) -> ModelAr
     help="The loss over chunks of tokens, without full-vocabulary fp32 logits.",
 )
 @click.option(
+    "--fused-ce/--no-fused-ce",
+    default=False,
+    show_default=True,
+    help="The output projection and the loss in one kernel (Liger's fused linear "
+    "cross-entropy; other trainers' use_liger_kernel): nothing of vocabulary size kept.",
+)
+@click.option(
     "--loss-chunk-tokens",
     type=click.IntRange(min=1),
     default=None,
@@ -265,6 +272,7 @@ def estimate(
     grad_ckpt: bool,
     attention: Attention | None,
     chunked_ce: bool,
+    fused_ce: bool,
     loss_chunk_tokens: int | None,
     activation_offload: bool,
     optimizer_in_backward: bool,
@@ -304,6 +312,7 @@ def estimate(
         qlora_matmul_keeps_input=qlora_matmul_keeps_input,
         attention=attention or trainer_attention(arch),
         chunked_ce=chunked_ce,
+        fused_ce=fused_ce,
         loss_chunk_tokens=loss_chunk_tokens,
         activation_offload=activation_offload,
         optimizer_in_backward=optimizer_in_backward,
@@ -329,6 +338,7 @@ def estimate(
         + (f" × {grad_accumulation} accumulated" if grad_accumulation > 1 else "")
         + f", {precision}, {optimizer}, checkpointing {'on' if grad_ckpt else 'off'}"
         + (", chunked loss" if chunked_ce else "")
+        + (", fused loss" if fused_ce else "")
         + (", activations offloaded" if activation_offload else "")
         + (", optimizer in backward" if optimizer_in_backward else "")
     )
@@ -581,6 +591,7 @@ def format_plan(plan: Plan, objective_defaulted: bool = False) -> str:
         name
         for name, on in (
             ("chunked cross-entropy", c.estimate.setup.chunked_ce),
+            ("fused cross-entropy", c.estimate.setup.fused_ce),
             ("activation offloading", c.estimate.setup.activation_offload),
             ("optimizer in backward", c.estimate.setup.optimizer_in_backward),
         )

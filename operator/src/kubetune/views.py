@@ -195,6 +195,7 @@ def describe_job(
             f"{plan['optimizer']}, "
             f"checkpointing {'on' if plan['gradientCheckpointing'] else 'off'}"
             + (", chunked loss" if plan.get("chunkedCrossEntropy") else "")
+            + (", fused loss" if plan.get("fusedCrossEntropy") else "")
             + (", activations offloaded" if plan.get("activationOffloading") else "")
             + (", optimizer in backward" if plan.get("optimizerInBackward") else ""),
             f"  memory:    {plan['perGPUMemoryGiB']:.1f} of {plan['gpuMemoryGiB']:g} GiB per GPU: "

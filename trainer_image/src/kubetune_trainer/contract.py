@@ -186,6 +186,11 @@ class TrainingConfig(_Strict):
     chunked_cross_entropy: bool = Field(
         default=False, description="The loss over chunks of tokens (kubetune_trainer.loss)."
     )
+    fused_cross_entropy: bool = Field(
+        default=False,
+        description="The output projection and the loss in one kernel, Liger's fused linear "
+        "cross-entropy, on CUDA (kubetune_trainer.loss); elsewhere the chunked loss.",
+    )
     activation_offloading: bool = Field(
         default=False, description="Tensors saved for backward kept in host memory."
     )

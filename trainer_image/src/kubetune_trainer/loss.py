@@ -12,18 +12,28 @@ Two ways to compute it, the same number (tested to 1e-5 on CPU, gradients includ
   logits and their fp32 copy exist for one chunk only; autograd keeps each chunk's fp32
   log-softmax (4 bytes per entry), the chunk's working set is transient. No extra FLOPs.
 
-The chunked path replaces the output projection's `forward` on its instance (the module and
-its parameters stay where they are, so state dicts, FSDP2 sharding, PEFT adapters on the
-output layer and tied embeddings are untouched) and computes the loss inside the model's own
-forward, where FSDP2 has the root parameters gathered. It is used only while `labels` are
-set (`ChunkedLoss.labels_set`): any other forward gets ordinary logits. A final logit
-soft-cap (Gemma 2) moves into the chunk with it; a model that rescales its logits after the
-output projection in any other way is refused (`ChunkedLossUnsupported`), not mis-trained.
+* **fused** (`training.fused_cross_entropy`): the output projection and the loss in one
+  kernel, Liger's fused linear cross-entropy (liger-kernel, Triton): it projects a chunk of
+  tokens at a time into a compute-dtype buffer of about tokens x hidden elements, turns it into
+  the gradient in place and adds that chunk's share to the gradients of the hidden states and
+  (trained) of the projection's weight during the forward, so nothing of vocabulary size waits
+  for backward. It runs where Triton does (CUDA; on CPU only under Triton's interpreter,
+  `TRITON_INTERPRET=1`, which the tests use); elsewhere the chunked path computes the same sum.
+
+The chunked and fused paths replace the output projection's `forward` on its instance (the
+module and its parameters stay where they are, so state dicts, FSDP2 sharding, PEFT adapters on
+the output layer and tied embeddings are untouched) and computes the loss inside the model's
+own forward, where FSDP2 has the root parameters gathered. It is used only while `labels` are
+set (`ChunkedLoss.labels_set`): any other forward gets ordinary logits. A final logit soft-cap
+(Gemma 2) moves into the chunk with it; a model that rescales its logits after the output
+projection in any other way is refused (`ChunkedLossUnsupported`), not mis-trained.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,6 +44,8 @@ from torch import nn
 from kubetune_trainer.attention import DocumentBounds
 from kubetune_trainer.contract import loss_chunk_tokens
 from kubetune_trainer.data import IGNORE_INDEX
+
+log = logging.getLogger(__name__)
 
 # Config fields with which a causal LM changes its logits after the output projection.
 _LOGIT_RESCALES = ("logit_scale", "logits_scaling", "output_multiplier_scale")
@@ -46,18 +58,28 @@ class ChunkedLossUnsupported(ValueError):
 class ChunkedLoss:
     """The chunked loss, installed on a model's output projection (see the module doc)."""
 
-    def __init__(self, head: nn.Module, vocab_size: int, softcap: float | None = None) -> None:
+    def __init__(
+        self,
+        head: nn.Module,
+        vocab_size: int,
+        softcap: float | None = None,
+        fused: Any = None,
+    ) -> None:
         self.head = head
         self.chunk = loss_chunk_tokens(vocab_size)
         self.softcap = softcap
+        self.fused = fused
+        """Liger's fused linear cross-entropy (an autograd Function), or None: chunked."""
+        self._fallback_logged = False
         self._labels: torch.Tensor | None = None
         self._per_row = False
         self._plain_forward = head.forward
         head.forward = self._forward
 
     @classmethod
-    def install(cls, model: nn.Module) -> ChunkedLoss:
-        """On the HF causal LM under `model` (PEFT-wrapped or not)."""
+    def install(cls, model: nn.Module, fused: bool = False) -> ChunkedLoss:
+        """On the HF causal LM under `model` (PEFT-wrapped or not); `fused`: with the fused
+        kernel (an output projection without adapters, liger-kernel installed)."""
         get_base = getattr(model, "get_base_model", None)
         hf: Any = get_base() if callable(get_base) else model
         config = hf.config
@@ -70,10 +92,25 @@ class ChunkedLoss:
                 raise ChunkedLossUnsupported(
                     f"{config.model_type} rescales its logits ({name}={value})"
                 )
+        kernel = None
+        if fused:
+            if type(head) is not nn.Linear:
+                raise ChunkedLossUnsupported(
+                    f"the fused loss needs a plain linear output projection, not "
+                    f"{type(head).__name__} (an adapter on the output layer?)"
+                )
+            if getattr(config, "final_logit_softcapping", None) is not None:
+                # Liger's kernel has a soft-cap, but Triton's interpreter cannot run that
+                # branch, so nothing here has checked it: not offered until it is.
+                raise ChunkedLossUnsupported(
+                    f"{config.model_type} soft-caps its logits, which the fused loss is not "
+                    "verified for; the chunked loss handles it"
+                )
+            kernel = fused_kernel()
         softcap = getattr(config, "final_logit_softcapping", None)
         if softcap is not None:
             config.final_logit_softcapping = None  # applied per chunk instead
-        return cls(head, int(config.vocab_size), softcap)
+        return cls(head, int(config.vocab_size), softcap, kernel)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits: torch.Tensor = self._plain_forward(hidden)
@@ -100,6 +137,8 @@ class ChunkedLoss:
         h = hidden[:, :-1, :].reshape(-1, hidden.size(-1))
         target = labels[:, 1:].reshape(-1)
         width = labels.size(1) - 1
+        if self.fused is not None and self._fused_runs_on(h.device):
+            return self._fused_forward(h.contiguous(), target.contiguous(), labels.size(0))
         shape = (labels.size(0),) if self._per_row else ()
         total = hidden.new_zeros(shape, dtype=torch.float32)
         for start in range(0, h.size(0), self.chunk):
@@ -117,6 +156,60 @@ class ChunkedLoss:
                     logits, keep, ignore_index=IGNORE_INDEX, reduction="sum"
                 )
         return total
+
+    def _fused_runs_on(self, device: torch.device) -> bool:
+        if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+            return True
+        if not self._fallback_logged:
+            log.info(
+                "training.fused_cross_entropy: the fused kernel needs CUDA; on %s the chunked "
+                "loss computes the same sum",
+                device.type,
+            )
+            self._fallback_logged = True
+        return False
+
+    def _fused_forward(self, h: torch.Tensor, target: torch.Tensor, rows: int) -> torch.Tensor:
+        weight = self.head.weight
+        bias = self.head.bias
+        assert isinstance(weight, torch.Tensor)
+        # Positional arguments of LigerFusedLinearCrossEntropyFunction.forward: input, weight,
+        # target, bias, class weights, ignore index, z-loss scale, label smoothing, reduction,
+        # soft-cap. "sum" computes the gradients in the forward; "none" (one loss per token,
+        # summed per row here) recomputes them in the backward with the per-token upstream.
+        out = self.fused.apply(
+            h,
+            weight,
+            target,
+            bias if isinstance(bias, torch.Tensor) else None,
+            None,
+            IGNORE_INDEX,
+            0.0,
+            0.0,
+            "none" if self._per_row else "sum",
+            self.softcap,
+        )
+        loss: torch.Tensor = out[0]
+        return loss.view(rows, -1).sum(-1) if self._per_row else loss
+
+
+def fused_kernel() -> Any:
+    """Liger's fused linear cross-entropy Function; `ChunkedLossUnsupported` when liger-kernel
+    is not installed."""
+    # liger-kernel imports peft, which imports bitsandbytes: import that the trainer's way.
+    from kubetune_trainer.modeling import import_bitsandbytes
+
+    with contextlib.suppress(ImportError):  # not installed: peft does without it
+        import_bitsandbytes()
+    try:
+        from liger_kernel.ops.fused_linear_cross_entropy import (
+            LigerFusedLinearCrossEntropyFunction,
+        )
+    except ImportError as e:
+        raise ChunkedLossUnsupported(
+            f"the fused loss needs liger-kernel, which does not import here ({e})"
+        ) from e
+    return LigerFusedLinearCrossEntropyFunction
 
 
 class OffloadActivations:

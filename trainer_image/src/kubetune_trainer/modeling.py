@@ -288,13 +288,13 @@ def prepare_for_training(model: nn.Module, cfg: TrainerConfig) -> ChunkedLoss | 
     if cfg.training.gradient_checkpointing:
         _enable_activation_checkpointing(model)
     chunked: ChunkedLoss | None = None
-    if cfg.training.chunked_cross_entropy:
+    fused = cfg.training.fused_cross_entropy
+    if cfg.training.chunked_cross_entropy or fused:
+        field = "fused_cross_entropy" if fused else "chunked_cross_entropy"
         try:
-            chunked = ChunkedLoss.install(model)
+            chunked = ChunkedLoss.install(model, fused=fused)
         except ChunkedLossUnsupported as e:
-            raise ConfigError(
-                f"training.chunked_cross_entropy: {e}; to fix: turn it off for this model"
-            ) from e
+            raise ConfigError(f"training.{field}: {e}; to fix: turn it off for this model") from e
     model.train()
     return chunked
 

@@ -161,6 +161,7 @@ class SimulationSetup:
     lora_dropout: float = 0.05
     attention: Literal["sdpa", "eager"] = "sdpa"
     chunked_ce: bool = False
+    fused_ce: bool = False
     activation_offload: bool = False
     loss_chunk_tokens: int | None = None
     fused_experts: bool = True
@@ -295,6 +296,11 @@ def _refuse_unsupported(setup: SimulationSetup) -> None:
         raise SimulationError(
             "activation offloading is not simulated: every fake tensor lives on the CPU, so what "
             "would wait in host memory cannot be told apart; use the analytical estimate"
+        )
+    if setup.fused_ce:
+        raise SimulationError(
+            "the fused loss is not simulated: it is a Triton kernel, which fake tensors cannot "
+            "run; use the analytical estimate"
         )
     if setup.loss_chunk_tokens is not None:
         raise SimulationError(

@@ -211,6 +211,10 @@ class LoraSettings(_Model):
     )
 
 
+ONE_LOSS = (
+    "spec.training.chunkedCrossEntropy and spec.training.fusedCrossEntropy are two ways to "
+    "compute the same loss; to fix: set at most one of them to true"
+)
 OFFLOADING_NEEDS_CHECKPOINTING = (
     "spec.training.activationOffloading needs gradient checkpointing; to fix: leave "
     "spec.training.gradientCheckpointing unset or true, or turn offloading off"
@@ -348,6 +352,17 @@ class TrainingSettings(_Model):
             "turn it on when a configuration fits only with it."
         ),
     )
+    fused_cross_entropy: bool | None = Field(
+        default=None,
+        description=(
+            "Compute the output projection and the loss in one kernel (Liger's fused linear "
+            "cross-entropy, on CUDA): nothing of vocabulary size is kept for backward, less "
+            "memory than the chunked loss, same loss and gradients. Not for models that "
+            "soft-cap their logits (Gemma 2) or with a LoRA adapter on lm_head. Unset lets "
+            "the planner turn it on when a configuration fits only with it; at most one of "
+            "this and chunkedCrossEntropy may be true."
+        ),
+    )
     activation_offloading: bool | None = Field(
         default=None,
         description=(
@@ -367,6 +382,12 @@ class TrainingSettings(_Model):
         ),
     )
     seed: int = Field(default=42, ge=0, description="Random seed for data order and init.")
+
+    @model_validator(mode="after")
+    def _one_loss(self) -> TrainingSettings:
+        if self.chunked_cross_entropy and self.fused_cross_entropy:
+            raise ValueError(ONE_LOSS)
+        return self
 
     @model_validator(mode="after")
     def _offloading_needs_checkpointing(self) -> TrainingSettings:
@@ -722,6 +743,12 @@ FINETUNEJOB_SPEC_RULES = [
         OFFLOADING_NEEDS_CHECKPOINTING,
     ),
     _cel(
+        "!has(self.training) || !has(self.training.chunkedCrossEntropy) || "
+        "!has(self.training.fusedCrossEntropy) || "
+        "!(self.training.chunkedCrossEntropy && self.training.fusedCrossEntropy)",
+        ONE_LOSS,
+    ),
+    _cel(
         "!has(self.training) || !has(self.training.dpo) || "
         "(has(self.training.objective) && self.training.objective == 'dpo')",
         DPO_NEEDS_OBJECTIVE,
@@ -814,6 +841,10 @@ class PlanStatus(_Model):
     gradient_checkpointing: bool = Field(description="Activation recomputation on/off.")
     chunked_cross_entropy: bool | None = Field(
         default=None, description="The loss computed over chunks of tokens (unset: off)."
+    )
+    fused_cross_entropy: bool | None = Field(
+        default=None,
+        description="The output projection and the loss in one kernel (unset: off).",
     )
     activation_offloading: bool | None = Field(
         default=None, description="Activations saved for backward kept in host memory (unset: off)."

@@ -583,6 +583,7 @@ def build_trainer_config(
             precision=plan.precision,
             optimizer=plan.optimizer,
             chunked_cross_entropy=bool(plan.chunked_cross_entropy),
+            fused_cross_entropy=bool(plan.fused_cross_entropy),
             activation_offloading=bool(plan.activation_offloading),
             optimizer_in_backward=bool(plan.optimizer_in_backward),
             seed=training.seed,

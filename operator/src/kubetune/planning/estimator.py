@@ -211,6 +211,41 @@ LOGITS_BYTES_CHUNK_BACKWARD = 2 * FP32_BYTES
 # holds the sum so far while the chunk's own is made (two tables of the compute dtype).
 CHUNKED_HEAD_GRAD_TABLES = 2
 
+# The fused loss (Liger's fused linear cross-entropy) projects ``chunk`` tokens at a time into
+# one compute-dtype buffer of chunk x vocabulary entries, the kernel turns it into the logits'
+# gradient in place, and that chunk's share of the gradients w.r.t. the hidden states (tokens x
+# hidden, compute dtype) and, trained, the output projection's weight (one table) is added at
+# once: those two are kept from the forward to the backward, which only hands them on.
+FUSED_CE_KEPT_TABLES = 1
+
+
+def fused_ce_chunk_tokens(tokens: int, vocab_size: int, hidden_size: int) -> int:
+    """Liger's chunk: about tokens x hidden entries of logits, so ``tokens / ceil(V / h)``
+    tokens rounded up to a power of two, never more than ``tokens``."""
+    per = -(-vocab_size // hidden_size)
+    share = -(-tokens // per)
+    return min(tokens, 1 << (share - 1).bit_length())
+
+
+def fused_ce_blocker(
+    arch: ModelArch, method: Method, lora_targets: tuple[str, ...] = (ALL_LINEAR,)
+) -> str | None:
+    """Why the kubetune trainer cannot run the fused loss for this model and method (None: it
+    can). `kubetune_trainer.loss` refuses an output projection with an adapter (the kernel
+    takes a plain weight) and soft-capped logits (not verified there); other trainers may
+    fuse both, which ``TrainingSetup.fused_ce`` still describes."""
+    if arch.model_type in _LOGIT_SOFTCAP_MODEL_TYPES:
+        return (
+            f"{arch.model_type} soft-caps its logits, which the trainer's fused loss is not "
+            "verified for"
+        )
+    if method != "full" and any(
+        layer.name == "lm_head" for layer in resolve_lora_targets(arch, lora_targets)
+    ):
+        return "a LoRA adapter on the output layer (lm_head), which the fused kernel cannot apply"
+    return None
+
+
 # FSDP keeps the current unit and the prefetched next one unsharded.
 FSDP_GATHERED_UNITS = 2
 # The trainer's FSDP2 policy reduces gradients in fp32 (`MixedPrecisionPolicy(reduce_dtype=
@@ -291,6 +326,11 @@ class TrainingSetup:
     attention: Attention = "sdpa"
     chunked_ce: bool = False
     """Loss computed over sequence chunks, never materializing full fp32 logits."""
+    fused_ce: bool = False
+    """The output projection and the loss in one kernel, Liger's fused linear cross-entropy
+    (the trainer's ``training.fused_cross_entropy``, and other trainers' ``use_liger_kernel``):
+    the gradients are made during the forward, chunk by chunk, and nothing of vocabulary size
+    waits for backward (:data:`FUSED_CE_KEPT_TABLES`)."""
     activation_offload: bool = False
     """Tensors saved for backward wait in host memory (``kubetune_trainer.loss``); the GPU
     holds one decoder layer's worth at a time."""
@@ -388,6 +428,11 @@ def _validate(setup: TrainingSetup) -> None:
         _check_positive_int("loss_chunk_tokens", setup.loss_chunk_tokens)
     if setup.optimizer_in_backward:
         _check_optimizer_in_backward(setup)
+    if setup.chunked_ce and setup.fused_ce:
+        raise _fail(
+            "the chunked loss and the fused loss are two ways to compute the same loss",
+            "choose one (the fused loss keeps less: nothing of vocabulary size)",
+        )
     if setup.method == "full":
         return
     rank = setup.lora_rank
@@ -1167,7 +1212,16 @@ def estimate_vram(arch: ModelArch, setup: TrainingSetup) -> VramEstimate:
 
     # ---- logits for the loss
     softcap_logits = arch.model_type in _LOGIT_SOFTCAP_MODEL_TYPES
-    if setup.chunked_ce:
+    fused_kept = 0.0
+    if setup.fused_ce:
+        # The kernel soft-caps in place: no extra entry for Gemma 2.
+        chunk = fused_ce_chunk_tokens(tokens, arch.vocab_size, arch.hidden_size)
+        fused_kept = float(tokens * arch.hidden_size * e)
+        if setup.method == "full":
+            head = arch.embedding_params if arch.tie_embeddings else arch.lm_head_params
+            fused_kept += float(FUSED_CE_KEPT_TABLES * head * e)
+        logits = fused_kept + float(chunk * arch.vocab_size * e)
+    elif setup.chunked_ce:
         chunk = min(tokens, setup.loss_chunk_tokens or loss_chunk_tokens(arch.vocab_size))
         kept = tokens * LOGITS_BYTES_CHUNKED * (e // BF16_BYTES)
         working_entry = LOGITS_BYTES_CHUNK_WORKING + (e if softcap_logits else 0)
@@ -1177,6 +1231,8 @@ def estimate_vram(arch: ModelArch, setup: TrainingSetup) -> VramEstimate:
         logits = float(tokens * arch.vocab_size * per_entry)
     # The fp32 gradient of the logits the output projection's backward receives.
     logits_grad = min(logits, float(tokens * arch.vocab_size * FP32_BYTES))
+    if setup.fused_ce:
+        logits_grad = fused_kept  # the gradients the forward made, handed on
     loss_backward = None
     if setup.chunked_ce:
         # Chunk by chunk backward (kubetune_trainer.loss): every chunk's log-softmax is still
@@ -1218,7 +1274,7 @@ def estimate_vram(arch: ModelArch, setup: TrainingSetup) -> VramEstimate:
     peak = activations + logits + fsdp_buffers
     largest = max(peak, sum(max(moment[i] for moment in cacheable) for i in range(3)))
     cached = largest - peak
-    if not setup.chunked_ce:
+    if not (setup.chunked_ce or setup.fused_ce):
         # The compute-dtype logits freed when the loss returns leave a segment half the size
         # of the fp32 gradients backward then allocates: it stays cached beside them.
         cached += tokens * arch.vocab_size * e

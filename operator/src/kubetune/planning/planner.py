@@ -11,12 +11,12 @@ fastest to the slowest and the first that fits wins: a larger micro-batch and no
 recomputation are never slower, so nothing better is skipped. `brute_force_plan`
 evaluates every candidate and exists to prove that claim in the property tests.
 
-Three memory savers join the walk when the job leaves them unset: each configuration is sized
-with the plain loss, then with the chunked one, then with the optimizer step in backward
-(full fine-tuning with one micro-batch per step, without and with the chunked loss), until
-one fits (they cost no time); and a group in which nothing fits is walked again with
-activation offloading, on its checkpointed configurations only, where the host-link time it
-adds is the same for every micro-batch, so fastest-first still holds.
+Four memory savers join the walk when the job leaves them unset: each configuration is sized
+with the plain loss, then with the chunked one, then with the fused one (where the trainer runs
+it), then with the optimizer step in backward (full fine-tuning with one micro-batch per step,
+with each loss again), until one fits (they cost no time); and a group in which nothing fits is
+walked again with activation offloading, on its checkpointed configurations only, where the
+host-link time it adds is the same for every micro-batch, so fastest-first still holds.
 
 `plan_job` walks the same groups in the same order, but the memory estimate depends on the
 method and layout only, never on the pool, so it is computed once per layout and shared by
@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from kubetune.api.errors import InfeasibleError
 from kubetune.api.tenancy import Tenant
@@ -51,9 +51,11 @@ from kubetune.planning.arch import ModelArch
 from kubetune.planning.estimator import (
     TRAINER_QLORA_MATMUL_KEEPS_INPUT,
     Attention,
+    EstimatorError,
     TrainingSetup,
     VramEstimate,
     estimate_vram,
+    fused_ce_blocker,
     offloaded_bytes,
     trainer_attention,
 )
@@ -73,6 +75,10 @@ from kubetune.planning.throughput import (
 from kubetune_trainer.contract import Method, Sharding
 
 GIB = 1024**3
+
+Loss = Literal["plain", "chunked", "fused"]
+"""How a configuration computes its loss: over full-vocabulary logits, chunked, or fused with
+the output projection (kubetune_trainer.loss)."""
 DEFAULT_SAFETY_FACTOR = 1.10
 MAX_MICRO_BATCH = 64
 METHOD_ORDER: dict[Method, int] = {"lora": 0, "qlora": 1, "full": 2}
@@ -238,6 +244,7 @@ class Plan:
             gradient_accumulation=c.grad_accum,
             gradient_checkpointing=c.grad_ckpt,
             chunked_cross_entropy=True if c.estimate.setup.chunked_ce else None,
+            fused_cross_entropy=True if c.estimate.setup.fused_ce else None,
             activation_offloading=True if c.estimate.setup.activation_offload else None,
             optimizer_in_backward=True if c.estimate.setup.optimizer_in_backward else None,
             per_gpu_memory_gib=round(c.estimate.per_gpu_bytes / GIB, 2),
@@ -345,20 +352,35 @@ def _micro_batches(global_batch: int, data_parallel: int, fixed: int | None) -> 
 
 def _off_then_on(chosen: bool | None) -> list[bool]:
     """A memory saver the job leaves to the planner is tried off, then on; a set one as set.
-    The chunked loss and the optimizer in backward are tried per configuration (they cost no
-    time); activation offloading per group of configurations, only when none fitted without
-    it (host-link time every step)."""
+    The chunked and fused losses and the optimizer in backward are tried per configuration
+    (they cost no time); activation offloading per group of configurations, only when none
+    fitted without it (host-link time every step)."""
     return [False, True] if chosen is None else [chosen]
 
 
-def _free_savers(spec: FineTuneJobSpec) -> list[tuple[bool, bool]]:
-    """(chunked loss, optimizer in backward) in the order a configuration tries them: the
-    plain step, the chunked loss, then the optimizer in backward (which gives up gradient
-    clipping) without and with it."""
+def _losses(spec: FineTuneJobSpec) -> list[Loss]:
+    """The losses a configuration tries, in order: the plain one, the chunked one, the fused
+    one (the least memory, but a kernel only for CUDA); one the job sets is the only one."""
+    if spec.training.fused_cross_entropy:
+        return ["fused"]
+    if spec.training.chunked_cross_entropy:
+        return ["chunked"]
+    losses: list[Loss] = ["plain"]
+    if spec.training.chunked_cross_entropy is None:
+        losses.append("chunked")
+    if spec.training.fused_cross_entropy is None:
+        losses.append("fused")
+    return losses
+
+
+def _free_savers(spec: FineTuneJobSpec) -> list[tuple[Loss, bool]]:
+    """(loss, optimizer in backward) in the order a configuration tries them: the plain
+    step, the chunked loss, the fused loss, then the optimizer in backward (which gives up
+    gradient clipping) with each loss again."""
     return [
-        (chunked, in_backward)
+        (loss, in_backward)
         for in_backward in _off_then_on(spec.training.optimizer_in_backward)
-        for chunked in _off_then_on(spec.training.chunked_cross_entropy)
+        for loss in _losses(spec)
     ]
 
 
@@ -379,7 +401,7 @@ def _setup(
     sharding: Sharding,
     micro: int,
     ckpt: bool,
-    chunked: bool = False,
+    loss: Loss = "plain",
     offload: bool = False,
     attention: Attention = "sdpa",
     in_backward: bool = False,
@@ -403,7 +425,8 @@ def _setup(
         lora_dropout=lora.dropout,
         qlora_double_quant=lora.double_quant,
         qlora_matmul_keeps_input=TRAINER_QLORA_MATMUL_KEEPS_INPUT,
-        chunked_ce=chunked,
+        chunked_ce=loss == "chunked",
+        fused_ce=loss == "fused",
         activation_offload=offload,
         attention=attention,
         optimizer_in_backward=in_backward,
@@ -445,8 +468,9 @@ class _Context:
         self.attention = trainer_attention(arch)
         # What the fast walk computes once for this job.
         self._estimates: dict[
-            tuple[Method, int, Sharding, int, bool, bool, bool, bool], VramEstimate
+            tuple[Method, int, Sharding, int, bool, Loss, bool, bool], VramEstimate
         ] = {}
+        self._fused_applies: dict[Method, bool] = {}
         self._orders: dict[tuple[Method, tuple[tuple[int, bool], ...]], list[tuple[int, bool]]] = {}
         self._step_times: dict[_StepKey, StepTime] = {}
         self._startup_s = startup_seconds(2.0 * arch.total_params)
@@ -465,9 +489,9 @@ class _Context:
         """One configuration from scratch (the reference the fast walk is tested against),
         with the first of its `savers` that fits (or the last)."""
         total = nodes * gpn
-        for chunked, in_backward in self.savers(method, total, sharding, micro):
+        for loss, in_backward in self.savers(method, total, sharding, micro):
             estimate = self.fresh_estimate(
-                method, total, sharding, micro, ckpt, chunked, offload, in_backward
+                method, total, sharding, micro, ckpt, loss, offload, in_backward
             )
             if self.fits_gib(estimate, pool.spec.gpu.memory_gib):
                 break
@@ -561,18 +585,36 @@ class _Context:
 
     def savers(
         self, method: Method, total: int, sharding: Sharding, micro: int
-    ) -> list[tuple[bool, bool]]:
+    ) -> list[tuple[Loss, bool]]:
         """`free` for one configuration: the optimizer in backward only where it applies
-        (`optimizerInBackward: true` means wherever it does), each combination once."""
+        (`optimizerInBackward: true` means wherever it does), the fused loss only where the
+        trainer runs it, each combination once."""
         applies = _steps_in_backward(
             method, total, sharding, grad_accumulation(self.spec, micro, total)
         )
-        out: list[tuple[bool, bool]] = []
-        for chunked, in_backward in self.free:
-            pair = (chunked, in_backward and applies)
-            if pair not in out:
+        fused = self.fused_applies(method)
+        out: list[tuple[Loss, bool]] = []
+        for loss, in_backward in self.free:
+            pair = (loss, in_backward and applies)
+            if (fused or loss != "fused") and pair not in out:
                 out.append(pair)
         return out
+
+    def fused_applies(self, method: Method) -> bool:
+        """Whether the trainer runs the fused loss for this job's model with `method`;
+        `fusedCrossEntropy: true` where it cannot is an invalid spec (EstimatorError)."""
+        applies = self._fused_applies.get(method)
+        if applies is None:
+            lora = self.spec.lora_or_default
+            blocker = fused_ce_blocker(self.arch, method, tuple(lora.target_modules))
+            if blocker is not None and self.spec.training.fused_cross_entropy:
+                raise EstimatorError(
+                    f"training.fusedCrossEntropy is true, but the trainer cannot fuse the "
+                    f"loss of {self.arch.name} with method {method}: {blocker}. To fix: use "
+                    "training.chunkedCrossEntropy instead, or unset it"
+                )
+            applies = self._fused_applies[method] = blocker is None
+        return applies
 
     # ---- the fast walk: the same numbers as `evaluate`, each computed once per job
 
@@ -583,12 +625,12 @@ class _Context:
         sharding: Sharding,
         micro: int,
         ckpt: bool,
-        chunked: bool,
+        loss: Loss,
         offload: bool,
         in_backward: bool = False,
     ) -> VramEstimate:
         """`evaluate`'s memory estimate; it depends on no pool, so every pool shares it."""
-        key = (method, total, sharding, micro, ckpt, chunked, offload, in_backward)
+        key = (method, total, sharding, micro, ckpt, loss, offload, in_backward)
         estimate = self._estimates.get(key)
         if estimate is None:
             estimate = self._estimates[key] = self.fresh_estimate(*key)
@@ -601,7 +643,7 @@ class _Context:
         sharding: Sharding,
         micro: int,
         ckpt: bool,
-        chunked: bool,
+        loss: Loss,
         offload: bool,
         in_backward: bool,
     ) -> VramEstimate:
@@ -613,7 +655,7 @@ class _Context:
             sharding,
             micro,
             ckpt,
-            chunked,
+            loss,
             offload,
             self.attention,
             in_backward,
@@ -871,9 +913,9 @@ def _search(ctx: _Context, pools: Sequence[GPUPool]) -> tuple[list[Candidate], l
                     if forbid and Layout(pool.name, method, total, micro, ckpt) in forbid:
                         report.forbidden += 1
                         continue
-                    for chunked, in_backward in ctx.savers(method, total, sharding, micro):
+                    for loss, in_backward in ctx.savers(method, total, sharding, micro):
                         estimate = ctx.estimate(
-                            method, total, sharding, micro, ckpt, chunked, offload, in_backward
+                            method, total, sharding, micro, ckpt, loss, offload, in_backward
                         )
                         if estimate.per_gpu_bytes * safety <= memory_bytes:
                             break
@@ -1010,6 +1052,10 @@ def _infeasible(ctx: _Context, rejected: list[Rejection]) -> InfeasibleError:
             hints.append("enable training.gradientCheckpointing")
         if ctx.spec.training.chunked_cross_entropy is False:
             hints.append("enable training.chunkedCrossEntropy")
+        if ctx.spec.training.fused_cross_entropy is False and any(
+            ctx.fused_applies(m) for m in _methods(ctx.spec)
+        ):
+            hints.append("enable training.fusedCrossEntropy")
         if ctx.spec.training.activation_offloading is False:
             hints.append("enable training.activationOffloading")
         full = ctx.spec.method in ("full", "auto")

@@ -1,0 +1,177 @@
+"""The fused loss (Liger's fused linear cross-entropy, `training.fused_cross_entropy`) equals
+the plain one: loss and every gradient, on the models and wrappings the trainer builds.
+
+Liger's kernels are Triton kernels; without a GPU they run under Triton's interpreter, which
+executes the same kernel code on CPU tensors one program instance at a time (the arithmetic
+the GPU runs, not its speed). Triton reads `TRITON_INTERPRET=1` when it defines a kernel, its
+own library's included, so the variable must be set before anything imports triton: this
+file runs as a pytest process of its own, started with it by test_trainer_fused_loss.py."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch", reason="trainer tests need the trainer extra (torch)")
+pytest.importorskip("peft", reason="trainer tests need the trainer extra")
+pytest.importorskip("liger_kernel", reason="the fused loss needs liger-kernel (trainer extra)")
+
+import torch
+
+from kubetune_trainer.data import IGNORE_INDEX
+from kubetune_trainer.loss import ChunkedLoss, ChunkedLossUnsupported, loss_sum, sequence_logps
+
+pytestmark = pytest.mark.trainer
+
+# fp32 on CPU: the kernel sums the same per-token terms in another order, and accumulates the
+# weight's gradient chunk by chunk.
+LOSS_RTOL = 1e-5
+GRAD_ATOL = 1e-6
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreted_kernels() -> None:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.fail(
+            "run with TRITON_INTERPRET=1 in the environment (test_trainer_fused_loss.py does): "
+            "Triton's kernels cannot run on this CPU otherwise"
+        )
+
+
+def _batch(vocab: int, rows: int = 2, width: int = 40) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (rows, width), generator=g)
+    labels = ids.clone()
+    labels[:, :7] = IGNORE_INDEX  # a prompt
+    mask = torch.ones_like(ids)
+    mask[1, -9:] = 0  # right padding
+    labels[1, -9:] = IGNORE_INDEX
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask, "position_ids": None}
+
+
+def _model(path: Path, method: str) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    if method == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0))
+        for n, p in model.named_parameters():  # non-zero B so adapter gradients flow
+            if "lora_B" in n:
+                torch.nn.init.normal_(p, std=0.02)
+    return model
+
+
+def _loss_and_grads(model: Any, batch: dict[str, Any], loss: ChunkedLoss | None) -> Any:
+    model.zero_grad(set_to_none=True)
+    value = loss_sum(model, chunked=loss, **batch)
+    value.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return value.detach(), grads
+
+
+def _assert_same(got: Any, want: Any) -> None:
+    (loss, grads), (plain, plain_grads) = got, want
+    assert math.isclose(float(loss), float(plain), rel_tol=LOSS_RTOL), (float(loss), float(plain))
+    assert plain_grads.keys() == grads.keys() and plain_grads
+    for name, g in plain_grads.items():
+        torch.testing.assert_close(grads[name], g, atol=GRAD_ATOL, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("arch", "method"),
+    [
+        ("llama", "full"),  # the output projection trained: its gradient from the kernel
+        ("qwen2", "full"),  # tied embeddings: the kernel's gradient meets the embedding's
+        ("llama", "lora"),  # the projection frozen: no weight gradient
+    ],
+)
+def test_fused_loss_and_gradients_equal_the_plain_path(
+    request: pytest.FixtureRequest, arch: str, method: str
+) -> None:
+    model = _model(request.getfixturevalue(f"tiny_{arch}"), method)
+    batch = _batch(model.config.vocab_size)
+    plain = _loss_and_grads(model, batch, None)
+    fused = ChunkedLoss.install(model, fused=True)
+    kernel, calls = fused.fused, []
+
+    class Counted:  # the kernel really ran, not the chunked fallback
+        @staticmethod
+        def apply(*args: Any) -> Any:
+            calls.append(args[8])
+            return kernel.apply(*args)
+
+    fused.fused = Counted
+    _assert_same(_loss_and_grads(model, batch, fused), plain)
+    assert calls == ["sum"]
+
+
+def test_per_row_log_probabilities_equal_the_plain_path(tiny_llama: Path) -> None:
+    """DPO's per-sequence log-probabilities: one loss per token, gradients made in backward
+    with each row's upstream gradient (here two different weights)."""
+    model = _model(tiny_llama, "full")
+    batch = _batch(model.config.vocab_size)
+    del batch["position_ids"]
+    upstream = torch.tensor([1.0, -0.5])
+
+    def run(loss: ChunkedLoss | None) -> Any:
+        model.zero_grad(set_to_none=True)
+        logps = sequence_logps(model, chunked=loss, **batch)
+        (logps * upstream).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return logps.detach(), grads
+
+    plain_logps, plain_grads = run(None)
+    logps, grads = run(ChunkedLoss.install(model, fused=True))
+    assert logps.shape == (2,)
+    torch.testing.assert_close(logps, plain_logps, rtol=LOSS_RTOL, atol=1e-5)
+    _assert_same((logps.sum(), grads), (plain_logps.sum(), plain_grads))
+
+
+def test_soft_capped_logits_are_refused() -> None:
+    """Gemma 2's final soft-cap: Liger's kernel has one, but Triton's interpreter cannot run
+    that branch (a float argument it does not convert), so it is refused, not trusted."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        final_logit_softcapping=2.0,
+    )
+    with pytest.raises(ChunkedLossUnsupported, match="soft-caps its logits"):
+        ChunkedLoss.install(Gemma2ForCausalLM(config), fused=True)
+
+
+def test_an_adapter_on_the_output_layer_is_refused(tiny_llama: Path) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(
+        _model(tiny_llama, "full"), LoraConfig(r=4, target_modules=["q_proj", "lm_head"])
+    )
+    with pytest.raises(ChunkedLossUnsupported, match="plain linear output projection"):
+        ChunkedLoss.install(model, fused=True)
+
+
+def test_without_a_kernel_device_the_chunked_path_computes_the_sum(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CPU without the interpreter (the local demo) the fused setting falls back."""
+    model = _model(tiny_llama, "full")
+    batch = _batch(model.config.vocab_size)
+    plain = _loss_and_grads(model, batch, None)
+    fused = ChunkedLoss.install(model, fused=True)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    calls: list[Any] = []
+    monkeypatch.setattr(fused, "_fused_forward", lambda *a: calls.append(a))
+    _assert_same(_loss_and_grads(model, batch, fused), plain)
+    assert calls == []
