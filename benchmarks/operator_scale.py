@@ -759,19 +759,35 @@ class Snapshot:
     running_pods: int
     running_without_pods: int
     not_planned_reasons: Counter[str]
+    volume_pending_pods: int = 0
+    """Pending only because the scheduler waits for its volume claims to bind: the test
+    cluster's volume binder still at work, not a place the pod cannot get."""
 
     def settled(self, expected: int) -> bool:
         """Every job in a settled phase with pods for its attempt, and no pod still waiting
-        for a place the operator might yet find it (an older Pending pod found none)."""
+        for a place the operator might yet find it (an older Pending pod found none) or for
+        its volumes to bind (the steady window would measure that backlog's aftermath)."""
         return (
             self.jobs == expected
             and all(phase in SETTLED_PHASES for phase in self.phases.elements())
             and self.young_pending_pods == 0
+            and self.volume_pending_pods == 0
             and self.running_without_pods == 0
         )
 
     def signature(self) -> tuple[Any, ...]:
         return (tuple(sorted(self.phases.items())), self.running_pods, self.pending_pods)
+
+
+def _waits_for_volumes(status: Mapping[str, Any]) -> bool:
+    """The scheduler's PodScheduled=False condition names unbound volume claims (its
+    VolumeBinding plugin: "pod has unbound immediate PersistentVolumeClaims")."""
+    return any(
+        c.get("type") == "PodScheduled"
+        and c.get("status") == "False"
+        and "PersistentVolumeClaim" in str(c.get("message") or "")
+        for c in status.get("conditions") or []
+    )
 
 
 class Timings(NamedTuple):
@@ -810,6 +826,8 @@ class Tracker:
         creation → first pod ends there; the Job controller's part begins."""
         self.pods: dict[tuple[str, str], tuple[tuple[str, str], str, float]] = {}
         """(namespace, pod) → (namespace, job), phase, creation time."""
+        self.waiting_for_volumes: set[tuple[str, str]] = set()
+        """Pending pods the scheduler turned away for unbound PersistentVolumeClaims."""
         self.phase_changes = 0
 
     def on_job(self, kind: str, obj: Mapping[str, Any]) -> None:
@@ -856,11 +874,15 @@ class Tracker:
         key = (str(meta.get("namespace")), str(meta.get("name")))
         with self._lock:
             job, created = self._keep_first(self.first_pod, meta)
+            self.waiting_for_volumes.discard(key)
             if kind == "DELETED" or meta.get("deletionTimestamp"):
                 self.pods.pop(key, None)
             else:
-                phase = str((obj.get("status") or {}).get("phase") or "Pending")
+                status = obj.get("status") or {}
+                phase = str(status.get("phase") or "Pending")
                 self.pods[key] = (job, phase, created)
+                if phase == "Pending" and _waits_for_volumes(status):
+                    self.waiting_for_volumes.add(key)
 
     def on_batch_job(self, kind: str, obj: Mapping[str, Any]) -> None:
         with self._lock:
@@ -885,6 +907,7 @@ class Tracker:
                     if phase == "Pending" and now - created < patience
                 ),
                 running_pods=pod_phases["Running"],
+                volume_pending_pods=len(self.waiting_for_volumes),
                 running_without_pods=sum(1 for k in running_jobs if k not in with_pods),
                 not_planned_reasons=Counter(
                     s.not_planned_reason or "(no Planned condition)"
@@ -1308,7 +1331,7 @@ class Bench:
                     f"[{now - start.when:5.0f}s] planned {snap.planned}/{n} | "
                     + " ".join(f"{k} {v}" for k, v in sorted(snap.phases.items()))
                     + f" | pods running {snap.running_pods} pending {snap.pending_pods}"
-                    + f" (young {snap.young_pending_pods})"
+                    + f" (young {snap.young_pending_pods}, volumes {snap.volume_pending_pods})"
                     + f" | load {load_average()}"
                 )
                 next_print = now + opts.progress_seconds
@@ -1344,6 +1367,7 @@ class Bench:
             running_jobs=(before.phases["Running"] + after.phases["Running"]) / 2,
             running_pods=before.running_pods,
             pending_pods=before.pending_pods,
+            volume_pending_pods=before.volume_pending_pods,
             window_phase_changes=self.tracker.phase_changes - changes,
             rss_peak_mib=max(peak, end.proc.rss_kib) / 1024,
             rss_hwm_mib=end.proc.hwm_kib / 1024,
@@ -1612,7 +1636,8 @@ def report(r: Mapping[str, Any]) -> str:
         f"{fmt(r.get('pod_after_batch_job_p50_s'))}s  p99 "
         f"{fmt(r.get('pod_after_batch_job_p99_s'))}s (the Job controller's)",
         f"  steady: {r['steady']} after {r['to_steady_s']}s; phases {r['phases']}; "
-        f"trainer pods Running {r['running_pods']}, Pending {r['pending_pods']}; "
+        f"trainer pods Running {r['running_pods']}, Pending {r['pending_pods']} "
+        f"({r.get('volume_pending_pods', '?')} of them for volume binding); "
         f"pools {r['pools_chosen']}",
         f"  window {r['window_s']}s ({r['window_phase_changes']} phase changes): operator RSS "
         f"peak {fmt(r['rss_peak_mib'])} MiB (lifetime peak {fmt(r['rss_hwm_mib'])}), CPU "

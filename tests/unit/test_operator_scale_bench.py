@@ -211,7 +211,19 @@ def _ftj(
     }
 
 
-def _pod(name: str, job: str, created: str, phase: str) -> dict[str, Any]:
+def _pod(
+    name: str, job: str, created: str, phase: str, unscheduled: str | None = None
+) -> dict[str, Any]:
+    status: dict[str, Any] = {"phase": phase}
+    if unscheduled is not None:
+        status["conditions"] = [
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "message": unscheduled,
+            }
+        ]
     return {
         "metadata": {
             "namespace": "ns",
@@ -219,7 +231,7 @@ def _pod(name: str, job: str, created: str, phase: str) -> dict[str, Any]:
             "creationTimestamp": created,
             "labels": {bench.LABEL_JOB: job},
         },
-        "status": {"phase": phase},
+        "status": status,
     }
 
 
@@ -242,6 +254,14 @@ def test_tracker_times_planned_and_first_pod_and_knows_when_settled() -> None:
     old = t.snapshot(t0 + 200, patience=100)
     assert (old.pending_pods, old.young_pending_pods) == (1, 0)
     assert old.settled(2), "a pod Pending longer than the operator waits found no place"
+    unbound = "0/200 nodes are available: pod has unbound immediate PersistentVolumeClaims."
+    t.on_pod("MODIFIED", _pod("a-0", "a", "2026-01-01T00:00:05Z", "Pending", unbound))
+    binding = t.snapshot(t0 + 200, patience=100)
+    assert binding.volume_pending_pods == 1
+    assert not binding.settled(2), "a pod waiting for its volume claims to bind will still run"
+    full = "0/200 nodes are available: 200 Insufficient nvidia.com/gpu."
+    t.on_pod("MODIFIED", _pod("a-0", "a", "2026-01-01T00:00:05Z", "Pending", full))
+    assert t.snapshot(t0 + 200, patience=100).settled(2)
     t.on_pod("ADDED", _pod("a-1", "a", "2026-01-01T00:00:04Z", "Running"))
     t.on_pod("DELETED", _pod("a-0", "a", "2026-01-01T00:00:05Z", "Pending"))
     snap = t.snapshot(t0 + 10, patience=100)
