@@ -7,12 +7,12 @@ For each cell: the simulated peak (`kubetune_trainer.simulate`, 1 and 2 blocks e
 steady-state step) and the part of the analytical estimate an allocated-bytes reading measures
 (`comparable_bytes(estimate, "allocated")`), and their relative difference. `--methods` runs
 some methods only, `--merge FILE` adds the cells of an earlier run (results .jsonl) for the
-methods not run, so that one method's cells can be redone without the others.
+(method, GPU count) pairs not run, so that one method's cells, or one method's sharded
+cells, can be redone without the others.
 
 `--gpus 1 2 8` adds cells on several GPUs: rank 0 of N under FSDP2 (`--sharding full`, the
 default, or `grad-op`) over sequence length {512, 2048} × micro-batch {1, 4} × checkpointing
-on/off (a smaller grid: a sharded cell simulates 3 and 4 blocks; QLoRA is simulated on one GPU
-only, docs/simulate.md).
+on/off (a smaller grid: a sharded cell simulates 3 and 4 blocks).
 
 `--objective dpo` runs the trainer's DPO step instead (a micro-batch of preference pairs, two
 rows each; the LoRA reference forward with the adapters off) over sequence length {512, 2048}
@@ -25,7 +25,7 @@ a unit test holds the estimator to, so that a change of the estimator that moves
 (or towards) the simulation shows up in CI until this script is run again.
 
     .venv/bin/python benchmarks/simulate_grid.py [--families llama qwen2 ...] [--objective dpo]
-        [--gpus 1 2 8] [--sharding full|grad-op] [--methods qlora --merge RESULTS.jsonl]
+        [--gpus 1 2 8] [--sharding full|grad-op] [--methods qlora] [--merge RESULTS.jsonl]
 """
 
 from __future__ import annotations
@@ -66,7 +66,6 @@ SAMPLE_EVERY = 7  # odd: the grid alternates checkpointing on and off
 LORA_DROPOUT = 0.0
 
 METHODS = ("full", "lora", "qlora")
-SHARDED_METHODS = ("full", "lora")  # QLoRA is simulated on one GPU only
 SEQ_LENS = (512, 2048, 8192)
 MICRO_BATCHES = (1, 4, 8)
 CHECKPOINTING = (True, False)
@@ -189,8 +188,8 @@ def write_doc(
         "the smallest model of each "
         "family; estimate = `comparable_bytes(estimate, 'allocated')` (what "
         "`torch.cuda.max_memory_allocated` would read: no CUDA context, NCCL or allocator "
-        "slack); error = estimate / simulated − 1. QLoRA (NF4, double quantization, as the "
-        "trainer loads) on one GPU only.",
+        "slack); error = estimate / simulated − 1. QLoRA: NF4, double quantization, as the "
+        "trainer loads; sharded, every rank keeps the whole quantization state.",
         "",
     ]
     if errors:
@@ -278,7 +277,8 @@ def main() -> int:
     parser.add_argument(
         "--merge",
         type=Path,
-        help="an earlier results .jsonl whose cells of the methods not run join this run's",
+        help="an earlier results .jsonl whose cells of the (method, GPU count) pairs not run "
+        "join this run's",
     )
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -304,7 +304,7 @@ def main() -> int:
         for gpus in args.gpus
         for cell in itertools.product(
             families.items(),
-            [m for m in args.methods if gpus == 1 or m in SHARDED_METHODS],
+            args.methods,
             DPO_SEQ_LENS if dpo else SEQ_LENS if gpus == 1 else SHARDED_SEQ_LENS,
             DPO_MICRO_BATCHES if dpo else MICRO_BATCHES if gpus == 1 else SHARDED_MICRO_BATCHES,
             CHECKPOINTING,
@@ -312,7 +312,11 @@ def main() -> int:
     ]
     if args.merge:
         earlier = [json.loads(line) for line in args.merge.read_text().splitlines() if line]
-        rows = [r for r in earlier if r["method"] not in args.methods]
+        rows = [
+            r
+            for r in earlier
+            if r["method"] not in args.methods or r.get("gpus", 1) not in args.gpus
+        ]
     with results.open("w") as out:
         for row in rows:
             out.write(json.dumps(row) + "\n")

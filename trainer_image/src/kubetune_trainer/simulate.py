@@ -279,12 +279,6 @@ def trainer_config(setup: SimulationSetup, source: str = "simulated") -> Trainer
 def _refuse_unsupported(setup: SimulationSetup) -> None:
     if not isinstance(setup.gpus, int) or setup.gpus < 1:
         raise SimulationError(f"gpus must be a positive integer, got {setup.gpus!r}")
-    if setup.method == "qlora" and setup.gpus > 1:
-        raise SimulationError(
-            f"method qlora on {setup.gpus} GPUs is not simulated (FSDP2 would gather the "
-            "4-bit weights, which the simulation keeps as plain parameters); simulate gpus=1 "
-            "or use the analytical estimate (without --simulate)"
-        )
     if setup.gpus > 1 and setup.sharding == "none":
         raise SimulationError(
             f"gpus={setup.gpus} with sharding none (DDP) is not simulated; simulate sharding "
@@ -542,14 +536,26 @@ def _gemm_4bit_as_on_cuda(method: str) -> Iterator[None]:
     output only. Each forward (recomputation included) first dequantizes the weight through
     bitsandbytes' own `dequantize_4bit`, which the tracker tags as `dequant_workspace`, and
     frees it once the output exists. Kept for every size: the fused kernel's choice depends on
-    the GPU, and counting the copy errs on the safe side."""
+    the GPU, and counting the copy errs on the safe side.
+
+    Sharded, FSDP2 gathers each packed weight into a plain parameter that has lost its
+    quantization state; bitsandbytes' `Linear4bit.forward` re-attaches the layer's state by
+    wrapping the gathered tensor in a new `Params4bit`, which a fake tensor cannot become, so
+    here the state is set on the gathered parameter as an attribute (what `Linear4bit` then
+    reads): the same tensors, no copy."""
     if method != "qlora":
         yield
         return
     import bitsandbytes.functional as bnb_functional
+    import bitsandbytes.nn.modules as bnb_modules
     from bitsandbytes.autograd._functions import MatMul4Bit
 
     plain = MatMul4Bit.forward
+    plain_fix = bnb_modules.fix_4bit_weight_quant_state_from_module
+
+    def fix(module: Any) -> None:
+        if getattr(module.weight, "quant_state", None) is None:
+            module.weight.quant_state = module.quant_state
 
     def forward(
         ctx: Any,
@@ -567,10 +573,12 @@ def _gemm_4bit_as_on_cuda(method: str) -> Iterator[None]:
         return result
 
     MatMul4Bit.forward = staticmethod(forward)  # type: ignore[method-assign]
+    bnb_modules.fix_4bit_weight_quant_state_from_module = fix
     try:
         yield
     finally:
         MatMul4Bit.forward = plain  # type: ignore[method-assign]
+        bnb_modules.fix_4bit_weight_quant_state_from_module = plain_fix
 
 
 # --------------------------------------------------------------------------- one run
@@ -607,8 +615,10 @@ def _quantized_weight(module: nn.Module, p: nn.Parameter) -> nn.Parameter:
 
     The result is a plain parameter carrying `Params4bit`'s attributes: a fake tensor cannot
     become a `Params4bit` (a tensor subclass), and `Linear4bit.forward` and PEFT read only
-    the attributes. The state's tensors are the layer's non-persistent buffers, so the memory
-    tracker counts them with the weights, as they are on a GPU."""
+    the attributes. The state's tensors are counted by `_quant_state_bytes`, not by the memory
+    tracker: registered as buffers, they were counted a few bytes to megabytes differently from
+    run to run (the tracker keys storages by object identity, and the quantization's freed
+    temporaries make that identity unreliable), which the per-block extrapolation multiplies."""
     import bitsandbytes.functional as bnb_functional
 
     dtype = getattr(module, "compute_dtype", None) or torch.bfloat16
@@ -626,13 +636,25 @@ def _quantized_weight(module: nn.Module, p: nn.Parameter) -> nn.Parameter:
     weight.bnb_quantized = True  # type: ignore[attr-defined]
     weight.module = module  # type: ignore[attr-defined]
     module.quant_state = state  # type: ignore[assignment]
-    parts = {"absmax": state.absmax, "code": state.code, "offset": state.offset}
-    if state.state2 is not None:
-        parts.update(absmax2=state.state2.absmax, code2=state.state2.code)
-    for name, t in parts.items():
-        if isinstance(t, torch.Tensor):
-            module.register_buffer(f"_quant_state_{name}", t, persistent=False)
     return weight
+
+
+def _quant_state_bytes(model: nn.Module) -> int:
+    """Bytes of the 4-bit layers' quantization states (absmax per block, the code tables;
+    with double quantization the second level's), each tensor once. Every rank holds them
+    whole: they are the layer's, not a parameter FSDP2 shards."""
+    seen: dict[int, int] = {}
+    for module in model.modules():
+        state = getattr(module, "quant_state", None)
+        if state is None:
+            continue
+        parts = [state.absmax, state.code, state.offset]
+        if state.state2 is not None:
+            parts += [state.state2.absmax, state.state2.code]
+        for t in parts:
+            if isinstance(t, torch.Tensor):
+                seen[id(t)] = t.numel() * t.element_size()
+    return sum(seen.values())
 
 
 @contextlib.contextmanager
@@ -816,9 +838,12 @@ def _step(
     lora = adapters if setup.method != "full" else 0
     phases: dict[str, dict[str, int]] = {}
 
+    quant_states = _quant_state_bytes(model)
+
     def take(name: str) -> None:
         snap = tracker.get_tracker_snapshot("current").get(_DEVICE, {})
         phases[name] = _breakdown(snap, tracker.tagged, lora, setup.method)
+        phases[name]["weights"] += quant_states
 
     # FSDPMemTracker sorts the sharded and unsharded parameters only once it is entered;
     # MemTracker already knows them from track_external.
@@ -854,6 +879,7 @@ def _step(
         take("optimizer")
     for name, (_, snap, tagged) in tracker.windows.items():
         phases[f"peak:{name}"] = _breakdown(snap, tagged, lora, setup.method)
+        phases[f"peak:{name}"]["weights"] += quant_states
     return _Run(phases=phases, total_params=total, trainable_params=trainable, blocks=blocks)
 
 
