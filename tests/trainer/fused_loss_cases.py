@@ -22,8 +22,10 @@ pytest.importorskip("liger_kernel", reason="the fused loss needs liger-kernel (t
 
 import torch
 
-from kubetune_trainer.data import IGNORE_INDEX
-from kubetune_trainer.loss import ChunkedLoss, ChunkedLossUnsupported, loss_sum, sequence_logps
+from kubetune_trainer.loss import ChunkedLoss, ChunkedLossUnsupported, sequence_logps
+from support.losses import batch as _batch
+from support.losses import loss_and_grads as _loss_and_grads
+from support.losses import model as _model
 
 pytestmark = pytest.mark.trainer
 
@@ -40,39 +42,6 @@ def interpreted_kernels() -> None:
             "run with TRITON_INTERPRET=1 in the environment (test_trainer_fused_loss.py does): "
             "Triton's kernels cannot run on this CPU otherwise"
         )
-
-
-def _batch(vocab: int, rows: int = 2, width: int = 40) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, vocab, (rows, width), generator=g)
-    labels = ids.clone()
-    labels[:, :7] = IGNORE_INDEX  # a prompt
-    mask = torch.ones_like(ids)
-    mask[1, -9:] = 0  # right padding
-    labels[1, -9:] = IGNORE_INDEX
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask, "position_ids": None}
-
-
-def _model(path: Path, method: str) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    if method == "lora":
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0))
-        for n, p in model.named_parameters():  # non-zero B so adapter gradients flow
-            if "lora_B" in n:
-                torch.nn.init.normal_(p, std=0.02)
-    return model
-
-
-def _loss_and_grads(model: Any, batch: dict[str, Any], loss: ChunkedLoss | None) -> Any:
-    model.zero_grad(set_to_none=True)
-    value = loss_sum(model, chunked=loss, **batch)
-    value.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return value.detach(), grads
 
 
 def _assert_same(got: Any, want: Any) -> None:

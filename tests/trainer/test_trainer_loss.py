@@ -16,13 +16,15 @@ pytest.importorskip("peft", reason="trainer tests need the trainer extra")
 import torch
 
 from kubetune_trainer.contract import loss_chunk_tokens
-from kubetune_trainer.data import IGNORE_INDEX
 from kubetune_trainer.loss import (
     ChunkedLoss,
     ChunkedLossUnsupported,
     OffloadActivations,
     loss_sum,
 )
+from support.losses import batch as _batch
+from support.losses import loss_and_grads as _loss_and_grads
+from support.losses import model as _model
 from support.trainer import read_log, step_losses, trainer_config, write_config
 
 pytestmark = pytest.mark.trainer
@@ -30,30 +32,6 @@ pytestmark = pytest.mark.trainer
 # fp32 on CPU: the chunked sum adds the same per-token terms in another order.
 LOSS_RTOL = 1e-5
 GRAD_ATOL = 1e-6
-
-
-def _batch(vocab: int, rows: int = 2, width: int = 40, packed: bool = False) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, vocab, (rows, width), generator=g)
-    labels = ids.clone()
-    labels[:, :7] = IGNORE_INDEX  # a prompt
-    mask = None
-    pos = None
-    if packed:  # two documents per row, positions restart
-        pos = torch.cat([torch.arange(15), torch.arange(width - 15)]).repeat(rows, 1)
-    else:
-        mask = torch.ones_like(ids)
-        mask[1, -9:] = 0  # right padding
-        labels[1, -9:] = IGNORE_INDEX
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask, "position_ids": pos}
-
-
-def _loss_and_grads(model: Any, batch: dict[str, Any], chunked: ChunkedLoss | None) -> Any:
-    model.zero_grad(set_to_none=True)
-    loss = loss_sum(model, chunked=chunked, **batch)
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return loss.detach(), grads
 
 
 def _compare(model: Any, batch: dict[str, Any], chunk: int = 8) -> None:
@@ -65,21 +43,6 @@ def _compare(model: Any, batch: dict[str, Any], chunk: int = 8) -> None:
     assert plain_grads.keys() == got_grads.keys() and plain_grads
     for name, g in plain_grads.items():
         torch.testing.assert_close(got_grads[name], g, atol=GRAD_ATOL, rtol=1e-4, msg=name)
-
-
-def _model(path: Path, method: str, targets: list[str] | None = None) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    if method == "lora":
-        from peft import LoraConfig, get_peft_model
-
-        cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets)
-        model = get_peft_model(model, cfg)
-        for n, p in model.named_parameters():  # non-zero B so adapter gradients flow
-            if "lora_B" in n:
-                torch.nn.init.normal_(p, std=0.02)
-    return model
 
 
 @pytest.mark.parametrize(

@@ -472,6 +472,25 @@ def test_whole_catalog_equals_the_unoptimised_walk(over: dict[str, Any]) -> None
             assert result.chosen.nodes == 1
 
 
+def _one_gpu_job(
+    arch: ModelArch, seq: int, targets: list[str] | None = None, **training: object
+) -> FineTuneJobSpec:
+    """One sequence per micro-batch of `seq` tokens on one GPU, no activation offloading;
+    `targets`: the LoRA target modules."""
+    return spec(
+        model={"uri": arch.name},
+        **({"lora": {"targetModules": targets}} if targets else {}),
+        training={
+            "sequenceLength": seq,
+            "globalBatchSize": 8,
+            "microBatchSize": 1,
+            "activationOffloading": False,
+            **training,
+        },
+        resources={"gpus": 1},
+    )
+
+
 def test_a_job_fits_a_24_gib_gpu_only_with_chunked_cross_entropy() -> None:
     """Llama-3.2-1B LoRA at 16k tokens on one 24 GiB L4: the plain loss's fp32 logits
     (27 GiB at a 128k vocabulary) do not fit; the chunked loss keeps 8 GiB of them, and the
@@ -482,18 +501,7 @@ def test_a_job_fits_a_24_gib_gpu_only_with_chunked_cross_entropy() -> None:
     assert l4[0].spec.gpu.memory_gib == 24
 
     def job(chunked: bool | None, seq: int = 16384) -> FineTuneJobSpec:
-        return spec(
-            model={"uri": arch.name},
-            training={
-                "sequenceLength": seq,
-                "globalBatchSize": 8,
-                "microBatchSize": 1,
-                "chunkedCrossEntropy": chunked,
-                "fusedCrossEntropy": False,
-                "activationOffloading": False,
-            },
-            resources={"gpus": 1},
-        )
+        return _one_gpu_job(arch, seq, chunkedCrossEntropy=chunked, fusedCrossEntropy=False)
 
     with pytest.raises(InfeasibleError) as refused:
         plan_job(job(False), l4, arch, NO_LIVE)
@@ -521,19 +529,8 @@ def test_a_job_fits_a_24_gib_gpu_only_with_the_fused_cross_entropy() -> None:
     arch = load_arch("meta-llama/Llama-3.2-1B")
     l4 = pools("l4")
 
-    def job(fused: bool | None, seq: int = 32768, **training: object) -> FineTuneJobSpec:
-        return spec(
-            model={"uri": arch.name},
-            training={
-                "sequenceLength": seq,
-                "globalBatchSize": 8,
-                "microBatchSize": 1,
-                "fusedCrossEntropy": fused,
-                "activationOffloading": False,
-                **training,
-            },
-            resources={"gpus": 1},
-        )
+    def job(fused: bool | None, seq: int = 32768) -> FineTuneJobSpec:
+        return _one_gpu_job(arch, seq, fusedCrossEntropy=fused)
 
     with pytest.raises(InfeasibleError) as refused:
         plan_job(job(False), l4, arch, NO_LIVE)
@@ -560,18 +557,7 @@ def test_the_fused_loss_is_not_chosen_where_the_trainer_cannot_run_it() -> None:
     l40s = pools("l40s")
 
     def job(fused: bool | None, targets: list[str]) -> FineTuneJobSpec:
-        return spec(
-            model={"uri": arch.name},
-            lora={"targetModules": targets},
-            training={
-                "sequenceLength": 24576,
-                "globalBatchSize": 8,
-                "microBatchSize": 1,
-                "fusedCrossEntropy": fused,
-                "activationOffloading": False,
-            },
-            resources={"gpus": 1},
-        )
+        return _one_gpu_job(arch, 24576, targets, fusedCrossEntropy=fused)
 
     assert plan_job(job(None, ["q_proj"]), l40s, arch, NO_LIVE).chosen.estimate.setup.fused_ce
     with pytest.raises(InfeasibleError) as refused:
