@@ -205,6 +205,43 @@ def test_qlora_7b_is_far_below_lora() -> None:
     assert qlora.breakdown["dequant_workspace"] > 0
 
 
+def test_sharded_qlora_keeps_the_whole_quantization_state_on_every_rank() -> None:
+    """FSDP2 shards the packed 4-bit weights; their absmax is the layer's, whole on every
+    rank (as the simulated sharded step shows)."""
+    arch = load_arch("meta-llama/Llama-3.1-8B")
+    one = estimate_vram(arch, replace(SINGLE, method="qlora", qlora_double_quant=False))
+    setup = replace(SINGLE, method="qlora", qlora_double_quant=False, gpus=8, sharding="full")
+    eight = estimate_vram(arch, setup)
+    quantized = sum(
+        layer.in_features * layer.out_features * layer.count
+        for layer in arch.linear_layers()
+        if layer.name != "lm_head"
+    )
+    state = quantized * NF4_ABSMAX_BYTES_PER_PARAM
+    assert eight.breakdown["weights"] == pytest.approx(
+        one.breakdown["weights"] / 8 + state * 7 / 8, rel=1e-3
+    )
+
+
+def test_the_trainers_qlora_holds_one_dequantized_copy_while_a_block_runs() -> None:
+    """The trainer's bitsandbytes (the planner's setting): one copy of the largest 4-bit weight,
+    and none when the step's peak is where only the unquantized root works; the published
+    setups (older bitsandbytes, other trainers) keep two at every moment."""
+    arch = load_arch("meta-llama/Llama-3.1-8B")
+    setup = replace(
+        SINGLE, method="qlora", qlora_matmul_keeps_input=TRAINER_QLORA_MATMUL_KEEPS_INPUT
+    )
+    largest = 4096 * 14336 * 2  # gate_proj / up_proj in bf16
+    assert estimate_vram(arch, setup).breakdown["dequant_workspace"] == largest
+    published = estimate_vram(arch, replace(setup, qlora_matmul_keeps_input=True))
+    assert published.breakdown["dequant_workspace"] == 2 * largest
+    # Phi-3-mini on 8 GPUs, 4 x 512 tokens: the peak is the root's all-gather for the output
+    # projection's backward (unquantized), where no 4-bit weight is dequantized.
+    phi3 = load_arch("microsoft/Phi-3-mini-4k-instruct")
+    sharded = replace(setup, gpus=8, sharding="full", micro_batch=4, seq_len=512)
+    assert estimate_vram(phi3, sharded).breakdown["dequant_workspace"] == 0
+
+
 def test_lora_adapters_fp32_by_default_and_bf16_on_request() -> None:
     setup = replace(WHOLE_GRADIENTS, method="lora", lora_rank=8)
     fp32 = estimate_vram(TINY, setup)

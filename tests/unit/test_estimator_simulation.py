@@ -73,7 +73,7 @@ def test_the_sample_covers_every_family_and_every_method() -> None:
 def test_the_sample_covers_several_gpus_sharded() -> None:
     cells = [c for c in _cells() if int(c.get("gpus", 1)) > 1]  # type: ignore[call-overload]
     assert {c["gpus"] for c in cells} >= {2, 8}
-    assert {c["method"] for c in cells} == {"full", "lora"}
+    assert {c["method"] for c in cells} == {"full", "lora", "qlora"}
     assert {c["sharding"] for c in cells} == {"full"}
 
 

@@ -111,9 +111,13 @@ NF4_BLOCK = 64
 NF4_DQ_BLOCK2 = 256
 NF4_ABSMAX_BYTES_PER_PARAM = FP32_BYTES / NF4_BLOCK
 NF4_DQ_ABSMAX_BYTES_PER_PARAM = 1 / NF4_BLOCK + FP32_BYTES / (NF4_BLOCK * NF4_DQ_BLOCK2)
-# bitsandbytes dequantizes a 4-bit weight to the compute dtype for each matmul; the forward
-# (or recomputation) and the backward copy of the largest weight can be alive together.
-DEQUANT_COPIES = 2
+# bitsandbytes dequantizes a 4-bit weight to the compute dtype for each matmul (forward,
+# recomputation and backward alike) and frees it once the matmul is done: one copy of the
+# largest weight at a time in the trainer's step, as the simulation shows (docs/simulate.md).
+# The published QLoRA measurements (older bitsandbytes, other trainers; the setups with
+# `qlora_matmul_keeps_input`) are sized with two, which their calibration rows need.
+DEQUANT_COPIES = 1
+DEQUANT_COPIES_PUBLISHED = 2
 # Whether bitsandbytes' 4-bit matmul (``MatMul4Bit``) keeps its input for backward in the
 # trainer: the bitsandbytes the trainer runs keeps only the packed weight (the input would
 # serve the frozen weight's gradient), which the simulated QLoRA step confirms
@@ -246,6 +250,9 @@ def fused_ce_blocker(
     return None
 
 
+# The moments of the step (`_transient_moments`) at which a 4-bit block runs.
+_DEQUANT_MOMENTS = frozenset({"loss", "first block backward", "last block backward"})
+
 # FSDP keeps the current unit and the prefetched next one unsharded.
 FSDP_GATHERED_UNITS = 2
 # The trainer's FSDP2 policy reduces gradients in fp32 (`MixedPrecisionPolicy(reduce_dtype=
@@ -320,9 +327,10 @@ class TrainingSetup:
     qlora_double_quant: bool = True
     qlora_matmul_keeps_input: bool = True
     """QLoRA: the 4-bit matmul keeps its input for backward, as older bitsandbytes releases do
-    (the published QLoRA measurements); the planner passes the trainer's
+    (the published QLoRA measurements, which are also sized with two dequantized copies of the
+    largest weight, :data:`DEQUANT_COPIES_PUBLISHED`); the planner passes the trainer's
     (``TRAINER_QLORA_MATMUL_KEEPS_INPUT``: it does not), which drops the inputs a frozen base
-    linear drops under LoRA (:func:`_dropped_input_elems`)."""
+    linear drops under LoRA (:func:`_dropped_input_elems`) and holds one copy."""
     attention: Attention = "sdpa"
     chunked_ce: bool = False
     """Loss computed over sequence chunks, never materializing full fp32 logits."""
@@ -667,6 +675,14 @@ def _unquantized_bytes(setup: TrainingSetup) -> int:
     if setup.qlora_upcast_non_quantized or setup.precision == "fp32":
         return FP32_BYTES
     return BF16_BYTES
+
+
+def _quant_state_bytes(p: _Params, setup: TrainingSetup) -> float:
+    """QLoRA: the 4-bit weights' quantization state (absmax per block, with double
+    quantization its second level); part of `_frozen_bytes`."""
+    dq = setup.qlora_double_quant
+    per_param = NF4_DQ_ABSMAX_BYTES_PER_PARAM if dq else NF4_ABSMAX_BYTES_PER_PARAM
+    return float(p.quantized_weights * per_param)
 
 
 def _frozen_bytes(p: _Params, setup: TrainingSetup, *, per_block: bool = False) -> float:
@@ -1157,6 +1173,9 @@ def estimate_vram(arch: ModelArch, setup: TrainingSetup) -> VramEstimate:
         weights = stored / n + unsharded  # SHARD_GRAD_OP keeps gathered params until backward
     else:
         weights = stored
+    if setup.method == "qlora" and (full_shard or grad_op) and not offload:
+        # The quantization state is the layer's, not a parameter: every rank keeps it whole.
+        weights += _quant_state_bytes(p, setup) * (1 - 1 / n)
     if not offload:
         weights += padding * (a if setup.method == "full" else e)
 
@@ -1262,7 +1281,21 @@ def estimate_vram(arch: ModelArch, setup: TrainingSetup) -> VramEstimate:
         # One parameter's gradient at a time, stepped and freed at once (sharded under FSDP).
         one = _largest_gradient(arch, setup, targets) * gradients / trainable
         made = {moment: min(value, one) for moment, value in made.items()}
-    at_peak = max(moments, key=lambda m: sum(moments[m]) + _gradients_at(accumulated, made[m]))
+    # QLoRA: in the trainer's step, one dequantized copy of a 4-bit weight while a block runs
+    # (its forward, with the loss moment standing for the last block's, its recomputation or
+    # its backward) and none while only the unquantized root works (its all-gather, the
+    # chunks' backward, the end). The published setups keep two at every moment (other
+    # trainers quantize more than the blocks, e.g. LitGPT's output projection).
+    published = setup.qlora_matmul_keeps_input
+    copies = DEQUANT_COPIES_PUBLISHED if published else DEQUANT_COPIES
+    dequant = float(copies * p.largest_quantized * e) if setup.method == "qlora" else 0.0
+    dequant_moments = frozenset(moments) if published else _DEQUANT_MOMENTS
+
+    def at(moment: str) -> float:
+        held = dequant if moment in dequant_moments else 0.0
+        return sum(moments[moment]) + _gradients_at(accumulated, made[moment]) + held
+
+    at_peak = max(moments, key=at)
     gradients = _gradients_at(accumulated, made[at_peak])
     activations, logits, fsdp_buffers = moments[at_peak]
     # Each transient term's largest value over the moments: the caching allocator keeps what
@@ -1279,9 +1312,6 @@ def estimate_vram(arch: ModelArch, setup: TrainingSetup) -> VramEstimate:
         # of the fp32 gradients backward then allocates: it stays cached beside them.
         cached += tokens * arch.vocab_size * e
 
-    # ---- QLoRA dequantization buffers
-    dequant = float(DEQUANT_COPIES * p.largest_quantized * e) if setup.method == "qlora" else 0.0
-
     # ---- runtime overheads
     slack = cached + max(
         float(ALLOCATOR_SLACK_MIN_BYTES), ALLOCATOR_SLACK_FRACTION * (largest + dequant)
@@ -1296,7 +1326,7 @@ def estimate_vram(arch: ModelArch, setup: TrainingSetup) -> VramEstimate:
         "activations": activations,
         "logits": logits,
         "fsdp_buffers": fsdp_buffers,
-        "dequant_workspace": dequant,
+        "dequant_workspace": dequant if at_peak in dequant_moments else 0.0,
         "cuda_context": float(CUDA_CONTEXT_BYTES),
         "nccl_buffers": float(NCCL_BYTES if distributed else 0),
         "allocator_slack": slack,
