@@ -762,6 +762,8 @@ class Snapshot:
     volume_pending_pods: int = 0
     """Pending only because the scheduler waits for its volume claims to bind: the test
     cluster's volume binder still at work, not a place the pod cannot get."""
+    pending_reasons: Counter[str] = field(default_factory=Counter)
+    """Why the scheduler turned the Pending pods away (`unscheduled_reason`) → pods."""
 
     def settled(self, expected: int) -> bool:
         """Every job in a settled phase with pods for its attempt, and no pod still waiting
@@ -779,15 +781,19 @@ class Snapshot:
         return (tuple(sorted(self.phases.items())), self.running_pods, self.pending_pods)
 
 
-def _waits_for_volumes(status: Mapping[str, Any]) -> bool:
-    """The scheduler's PodScheduled=False condition names unbound volume claims (its
-    VolumeBinding plugin: "pod has unbound immediate PersistentVolumeClaims")."""
-    return any(
-        c.get("type") == "PodScheduled"
-        and c.get("status") == "False"
-        and "PersistentVolumeClaim" in str(c.get("message") or "")
-        for c in status.get("conditions") or []
-    )
+def unscheduled_reason(status: Mapping[str, Any]) -> str | None:
+    """The scheduler's PodScheduled=False message, its numbers replaced by N so that pods
+    turned away for the same reason count together; None when the pod was not turned away."""
+    for c in status.get("conditions") or []:
+        if c.get("type") == "PodScheduled" and c.get("status") == "False":
+            return re.sub(r"\d+", "N", str(c.get("message") or c.get("reason") or "?"))
+    return None
+
+
+def _waits_for_volumes(reason: str) -> bool:
+    """The scheduler's VolumeBinding plugin: "pod has unbound immediate
+    PersistentVolumeClaims"."""
+    return "PersistentVolumeClaim" in reason
 
 
 class Timings(NamedTuple):
@@ -826,8 +832,8 @@ class Tracker:
         creation → first pod ends there; the Job controller's part begins."""
         self.pods: dict[tuple[str, str], tuple[tuple[str, str], str, float]] = {}
         """(namespace, pod) → (namespace, job), phase, creation time."""
-        self.waiting_for_volumes: set[tuple[str, str]] = set()
-        """Pending pods the scheduler turned away for unbound PersistentVolumeClaims."""
+        self.unscheduled: dict[tuple[str, str], str] = {}
+        """Pending pods the scheduler turned away → its reason (`unscheduled_reason`)."""
         self.phase_changes = 0
 
     def on_job(self, kind: str, obj: Mapping[str, Any]) -> None:
@@ -874,15 +880,16 @@ class Tracker:
         key = (str(meta.get("namespace")), str(meta.get("name")))
         with self._lock:
             job, created = self._keep_first(self.first_pod, meta)
-            self.waiting_for_volumes.discard(key)
+            self.unscheduled.pop(key, None)
             if kind == "DELETED" or meta.get("deletionTimestamp"):
                 self.pods.pop(key, None)
             else:
                 status = obj.get("status") or {}
                 phase = str(status.get("phase") or "Pending")
                 self.pods[key] = (job, phase, created)
-                if phase == "Pending" and _waits_for_volumes(status):
-                    self.waiting_for_volumes.add(key)
+                reason = unscheduled_reason(status) if phase == "Pending" else None
+                if reason is not None:
+                    self.unscheduled[key] = reason
 
     def on_batch_job(self, kind: str, obj: Mapping[str, Any]) -> None:
         with self._lock:
@@ -907,7 +914,10 @@ class Tracker:
                     if phase == "Pending" and now - created < patience
                 ),
                 running_pods=pod_phases["Running"],
-                volume_pending_pods=len(self.waiting_for_volumes),
+                volume_pending_pods=sum(
+                    1 for r in self.unscheduled.values() if _waits_for_volumes(r)
+                ),
+                pending_reasons=Counter(self.unscheduled.values()),
                 running_without_pods=sum(1 for k in running_jobs if k not in with_pods),
                 not_planned_reasons=Counter(
                     s.not_planned_reason or "(no Planned condition)"
@@ -1368,6 +1378,7 @@ class Bench:
             running_pods=before.running_pods,
             pending_pods=before.pending_pods,
             volume_pending_pods=before.volume_pending_pods,
+            pending_reasons=dict(before.pending_reasons.most_common(5)),
             window_phase_changes=self.tracker.phase_changes - changes,
             rss_peak_mib=max(peak, end.proc.rss_kib) / 1024,
             rss_hwm_mib=end.proc.hwm_kib / 1024,
@@ -1637,7 +1648,8 @@ def report(r: Mapping[str, Any]) -> str:
         f"{fmt(r.get('pod_after_batch_job_p99_s'))}s (the Job controller's)",
         f"  steady: {r['steady']} after {r['to_steady_s']}s; phases {r['phases']}; "
         f"trainer pods Running {r['running_pods']}, Pending {r['pending_pods']} "
-        f"({r.get('volume_pending_pods', '?')} of them for volume binding); "
+        f"({r.get('volume_pending_pods', '?')} of them for volume binding; scheduler: "
+        f"{r.get('pending_reasons', '?')}); "
         f"pools {r['pools_chosen']}",
         f"  window {r['window_s']}s ({r['window_phase_changes']} phase changes): operator RSS "
         f"peak {fmt(r['rss_peak_mib'])} MiB (lifetime peak {fmt(r['rss_hwm_mib'])}), CPU "

@@ -261,7 +261,9 @@ def test_tracker_times_planned_and_first_pod_and_knows_when_settled() -> None:
     assert not binding.settled(2), "a pod waiting for its volume claims to bind will still run"
     full = "0/200 nodes are available: 200 Insufficient nvidia.com/gpu."
     t.on_pod("MODIFIED", _pod("a-0", "a", "2026-01-01T00:00:05Z", "Pending", full))
-    assert t.snapshot(t0 + 200, patience=100).settled(2)
+    placed = t.snapshot(t0 + 200, patience=100)
+    assert placed.settled(2)
+    assert placed.pending_reasons == {"N/N nodes are available: N Insufficient nvidia.com/gpu.": 1}
     t.on_pod("ADDED", _pod("a-1", "a", "2026-01-01T00:00:04Z", "Running"))
     t.on_pod("DELETED", _pod("a-0", "a", "2026-01-01T00:00:05Z", "Pending"))
     snap = t.snapshot(t0 + 10, patience=100)
