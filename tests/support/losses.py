@@ -54,3 +54,21 @@ def loss_and_grads(model: Any, batch: dict[str, Any], loss: ChunkedLoss | None) 
     value.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return value.detach(), grads
+
+
+def tiny_gemma2(layers: int) -> Any:
+    """A random Gemma 2 of `layers` blocks with a final logit soft-cap of 2 (low, so that the
+    cap changes the loss)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        final_logit_softcapping=2.0,
+    )
+    return Gemma2ForCausalLM(config)

@@ -26,6 +26,7 @@ from kubetune_trainer.loss import ChunkedLoss, ChunkedLossUnsupported, sequence_
 from support.losses import batch as _batch
 from support.losses import loss_and_grads as _loss_and_grads
 from support.losses import model as _model
+from support.losses import tiny_gemma2 as _tiny_gemma2
 
 pytestmark = pytest.mark.trainer
 
@@ -105,20 +106,8 @@ def test_per_row_log_probabilities_equal_the_plain_path(tiny_llama: Path) -> Non
 def test_soft_capped_logits_are_refused() -> None:
     """Gemma 2's final soft-cap: Liger's kernel has one, but Triton's interpreter cannot run
     that branch (a float argument it does not convert), so it is refused, not trusted."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-
-    config = Gemma2Config(
-        vocab_size=300,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        final_logit_softcapping=2.0,
-    )
     with pytest.raises(ChunkedLossUnsupported, match="soft-caps its logits"):
-        ChunkedLoss.install(Gemma2ForCausalLM(config), fused=True)
+        ChunkedLoss.install(_tiny_gemma2(1), fused=True)
 
 
 def test_an_adapter_on_the_output_layer_is_refused(tiny_llama: Path) -> None:

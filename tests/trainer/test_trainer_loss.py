@@ -25,6 +25,7 @@ from kubetune_trainer.loss import (
 from support.losses import batch as _batch
 from support.losses import loss_and_grads as _loss_and_grads
 from support.losses import model as _model
+from support.losses import tiny_gemma2 as _tiny_gemma2
 from support.trainer import read_log, step_losses, trainer_config, write_config
 
 pytestmark = pytest.mark.trainer
@@ -65,20 +66,8 @@ def test_chunked_loss_and_gradients_equal_the_plain_path(
 
 
 def test_soft_capped_logits_are_capped_per_chunk() -> None:
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-
     torch.manual_seed(0)
-    config = Gemma2Config(
-        vocab_size=300,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        final_logit_softcapping=2.0,  # low, so that the cap changes the loss
-    )
-    model = Gemma2ForCausalLM(config)
+    model = _tiny_gemma2(2)
     _compare(model, _batch(300))
     # Outside the loss the model still returns capped logits.
     logits = model(input_ids=torch.tensor([[5, 6, 7]])).logits

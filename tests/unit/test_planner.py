@@ -475,8 +475,9 @@ def test_whole_catalog_equals_the_unoptimised_walk(over: dict[str, Any]) -> None
 def _one_gpu_job(
     arch: ModelArch, seq: int, targets: list[str] | None = None, **training: object
 ) -> FineTuneJobSpec:
-    """One sequence per micro-batch of `seq` tokens on one GPU, no activation offloading;
-    `targets`: the LoRA target modules."""
+    """One sequence per micro-batch of `seq` tokens on one GPU, a global batch of 8, no
+    activation offloading (`training` overrides any of them); `targets`: the LoRA target
+    modules."""
     return spec(
         model={"uri": arch.name},
         **({"lora": {"targetModules": targets}} if targets else {}),
@@ -584,16 +585,8 @@ def test_activation_offloading_is_the_last_resort_and_is_priced() -> None:
     l40s = pools("l40s")
 
     def job(offload: bool | None, seq: int = 32768) -> FineTuneJobSpec:
-        return spec(
-            model={"uri": arch.name},
-            training={
-                "sequenceLength": seq,
-                "globalBatchSize": 4,
-                "microBatchSize": 1,
-                "chunkedCrossEntropy": True,
-                "activationOffloading": offload,
-            },
-            resources={"gpus": 1},
+        return _one_gpu_job(
+            arch, seq, globalBatchSize=4, chunkedCrossEntropy=True, activationOffloading=offload
         )
 
     with pytest.raises(InfeasibleError) as refused:
