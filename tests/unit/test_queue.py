@@ -3,10 +3,15 @@ operator's shared queue (controller/runtime.GpuQueue)."""
 
 from __future__ import annotations
 
+import asyncio
+from functools import partial
+from typing import Any
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kubetune.control.capacity import NodeInfo
 from kubetune.control.queue import (
     Ticket,
     Waiting,
@@ -16,9 +21,20 @@ from kubetune.control.queue import (
     free_after,
     why_wait,
 )
-from kubetune.controller.runtime import GpuQueue
+from kubetune.control.reconcile import ControllerSettings
+from kubetune.controller.cache import Caches
+from kubetune.controller.runtime import GpuQueue, Runtime
+from kubetune.planning.catalog import default_pools
+from kubetune.sources import load_arch
+from support.reconcile import make_job, run
 
 pytestmark = pytest.mark.unit
+
+NAMESPACE = "team-a"
+
+
+class Store(dict[Any, list[Any]]):
+    """A kopf index as the caches read it: key → the values of every object under it."""
 
 
 def ticket(
@@ -162,3 +178,61 @@ def test_the_sorted_waiting_list_counts_as_the_scan_does(ops: list[object]) -> N
             assert {k for k in waiting.heads(2) if scanned[k[1]].pool == pool} == {
                 t.key for t in front[:2]
             }
+
+
+def test_a_job_that_would_move_takes_free_gpus_but_joins_no_queue() -> None:
+    queue = GpuQueue()
+    mover = ticket("mover", gpus=8)
+
+    assert queue.admit(("team-a", "mover"), mover, [8], queued=False, join=False) is None
+    assert queue.reserved_in("a100") == [mover], "a move reserves its GPUs as a launch does"
+
+    # The GPUs are taken now: the next mover is told no and is not put in the queue.
+    other = ticket("other", gpus=8, created="2026-11-24T00:01:00Z")
+    assert queue.admit(("team-a", "other"), other, [8], queued=False, join=False) is not None
+    assert queue.admit(("team-a", "other"), other, [0], queued=True, join=False) is not None
+    assert ("team-a", "other") not in queue.waiting_keys()
+    assert queue.position(("team-a", "other")) is None
+
+
+def test_a_job_that_would_move_does_not_overtake_the_queue() -> None:
+    queue = GpuQueue()
+    waiting = ticket("waiting", gpus=8, created="2026-11-24T00:00:00Z")
+    queue.admit(("team-a", "waiting"), waiting, [0], queued=True)
+    mover = ticket("mover", gpus=1, created="2026-11-24T00:05:00Z")
+
+    assert queue.admit(("team-a", "mover"), mover, [8], queued=False, join=False) is not None
+    assert queue.reserved_in("a100") == [] and queue.waiting_keys() == {("team-a", "waiting")}
+
+
+async def test_admission_counts_the_capacity_of_its_moment_not_of_the_look() -> None:
+    """A look starts from the capacity of its start; by the time it admits, another job may
+    have launched, got its node and given its reservation back. Admission must count that
+    job's GPUs as held, although the look's own snapshot shows them free."""
+    job, _ = run(make_job())
+    plan = job.status.plan  # type: ignore[union-attr]
+    assert plan is not None and plan.nodes == 1
+    pool = next(p for p in default_pools() if p.name == plan.pool)
+    node = NodeInfo("n1", dict(pool.spec.node_selector), plan.gpus_per_node, True)
+    gpu_pods: Store = Store()
+    rt = Runtime(ControllerSettings(), None, load_arch, lambda *_: None)  # type: ignore[arg-type]
+    pools = Store({pool.name: [pool]})
+    rt.caches = Caches(Store(), Store(), Store({"n1": [node]}), gpu_pods, pools)
+    loop = asyncio.get_running_loop()
+    first, second = (NAMESPACE, "first"), (NAMESPACE, "second")
+    try:
+        _, snapshot = rt.live_pools()  # the second job's look starts here
+        assert snapshot[pool.name]["freeGPUsPerNode"] == [plan.gpus_per_node]
+
+        admit = partial(rt._admit, loop, first, job, plan, False)
+        assert await loop.run_in_executor(rt.executor, admit) is None
+        gpu_pods["n1"] = [plan.gpus_per_node]  # its pod got the node
+        rt.capacity_changed()
+        assert rt.queue.release(first)
+
+        admit = partial(rt._admit, loop, second, job, plan, False)
+        why = await loop.run_in_executor(rt.executor, admit)
+        assert why is not None and "waiting for" in why
+        assert rt.queue.reserved_in(pool.name) == []
+    finally:
+        rt.executor.shutdown()

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from kubetune.api.tenancy import Tenant
-from kubetune.api.v1alpha1 import FineTuneJobStatus, LabelSelector, Recovery
+from kubetune.api.v1alpha1 import FineTuneJobStatus, LabelSelector, PlanStatus, Recovery
 from kubetune.api.vocabulary import ConditionType, PlanReason, Reason, RecoveryReason
 from kubetune.control import conditions as c
 from kubetune.control.builders import BuildSettings, checkpoint_size, quantity_value
@@ -35,6 +35,7 @@ from support.reconcile import (
     T0,
     batch_job,
     busy,
+    load_arch,
     make_job,
     observed,
     pod,
@@ -311,6 +312,27 @@ def test_a_pod_without_room_moves_the_job_to_another_pool() -> None:
     assert d.delete_jobs == ["demo-a1"]
     assert d.create[-1]["metadata"]["name"] == "demo-a2"
     assert Reason.RESCHEDULED in [e.reason for e in d.events]
+
+
+def test_a_move_waits_for_the_queue_of_the_pool_it_would_move_to() -> None:
+    """A move is a launch: the new pool's queue and reservations decide it, and a job that
+    may not go now stays where it is (it joins no queue: it still has its pods)."""
+    job, _ = run(make_job())
+    stuck = observed(batch_job(active=1), [unschedulable("demo-a1-0-bbbbb", T0)])
+    asked: list[tuple[str, bool, bool]] = []
+
+    def queue_full(plan: PlanStatus, queued: bool, join: bool = True) -> str | None:
+        asked.append((plan.pool, queued, join))
+        return "position 3 in the queue"
+
+    late = T0 + timedelta(seconds=SETTINGS.reschedule_seconds + 1)
+    d = reconcile(job, stuck, SETTINGS, now=late, load_arch=load_arch, admit=queue_full)
+
+    assert len(asked) == 1 and asked[0][1:] == (False, False)
+    assert d.create == [] and d.delete_jobs == []
+    s = d.status
+    assert s.attempt == 1 and s.restarts == 0 and s.recoveries == [] and s.phase == "Running"
+    assert s.plan is not None and s.plan.revision == 1
 
 
 def test_a_pod_stuck_on_its_volume_does_not_move() -> None:

@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from fnmatch import fnmatchcase
-from typing import Any
+from typing import Any, Protocol
 
 from kubetune.api.errors import InfeasibleError, SpecError
 from kubetune.api.tenancy import Tenant
@@ -111,13 +111,19 @@ Manifest = dict[str, Any]
 ArchLoader = Callable[[str], ModelArch]
 PlanFn = Callable[[FineTuneJobSpec, Sequence[GPUPool], ModelArch, PlannerSettings], Plan]
 """`planner.plan_job`, or a stand-in with its signature (the operator passes a cached one)."""
-AdmitFn = Callable[[PlanStatus, bool], str | None]
-"""Asked before a new plan launches, with the plan and whether the planner found it must
-wait for capacity: None launches it, a message queues the job with that message. The
-operator passes its queue (controller/runtime.py); `wait_when_busy` is the default."""
 
 
-def wait_when_busy(plan: PlanStatus, queued: bool) -> str | None:
+class AdmitFn(Protocol):
+    """Asked before a new plan launches, with the plan and whether the planner found it must
+    wait for capacity: None launches it, a message queues the job with that message. With
+    `join=False` (a running job that would move to another pool) a message only means "not
+    now": the job joins no queue. The operator passes its queue (controller/runtime.py);
+    `wait_when_busy` is the default."""
+
+    def __call__(self, plan: PlanStatus, queued: bool, join: bool = True) -> str | None: ...
+
+
+def wait_when_busy(plan: PlanStatus, queued: bool, join: bool = True) -> str | None:
     """Launch whenever the planner found room; no queue order."""
     if not queued:
         return None
@@ -1261,8 +1267,6 @@ class _Reconciler:
             return False
         if moved.queued:
             return False
-        if self.out_of_restarts("trainer pods found no room"):
-            return True
         name, since = stuck[0]
         waited = (self.now - since).total_seconds()
         why = f"pod {name} found no room in pool {plan.pool} for {waited:.0f}s"
@@ -1272,6 +1276,13 @@ class _Reconciler:
             reason=PlanReason.UNSCHEDULABLE,
             message=why,
         )
+        # The new pool's free GPUs go to the jobs queued for them first, and are reserved
+        # for this one as for any launch: a move that skipped the queue would take the GPUs
+        # the queue's front is launching into, and one of the two would be stuck in turn.
+        if self.admit(new, False, join=False) is not None:
+            return False
+        if self.out_of_restarts("trainer pods found no room"):
+            return True
         new.memory_scale = plan.memory_scale
         self.set_host_memory(new, plan)
         self.s.restarts += 1

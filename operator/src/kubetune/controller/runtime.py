@@ -29,7 +29,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from functools import partial
@@ -82,6 +82,10 @@ DEEP_QUEUE_SLOWDOWN = 4.0
 REJECTED_RETRY_SECONDS = 5.0
 """A job whose status write was rejected is looked at again after this long, doubling with
 each rejection in a row up to the resync period: finished or not, its status must land."""
+
+ADMIT_TIMEOUT_SECONDS = 60.0
+"""A look that asked the event loop for admission gives up (admitting nothing, its look
+retried) when the loop has not answered in this long."""
 
 ARCH_FAILURE_SECONDS = 300.0
 """An architecture that could not be loaded (e.g. a hub fetch that failed) is not tried
@@ -255,10 +259,22 @@ class GpuQueue:
         """Changes whenever reservations change (part of what a plan depends on)."""
 
     def admit(
-        self, key: JobKey, ticket: Ticket, free_per_node: Sequence[int], queued: bool
+        self,
+        key: JobKey,
+        ticket: Ticket,
+        free_per_node: Sequence[int],
+        queued: bool,
+        join: bool = True,
     ) -> str | None:
-        """None: launch now (GPUs reserved); otherwise the job waits, and why."""
+        """None: launch now (GPUs reserved); otherwise the job waits, and why.
+
+        `join=False` asks without joining the pool's queue: a job that runs elsewhere and
+        would move here (its pods found no room) takes these GPUs only when nobody waits
+        ahead of it and they are free after every reservation, and otherwise stays where it
+        is, out of this queue."""
         with self._lock:
+            if queued and not join:
+                return f"pool {ticket.pool} has no {ticket.gpus} free GPU(s)"
             if queued:
                 self.waiting.put(ticket)
                 position = self.positions[key] = self.waiting.ahead(ticket) + 1
@@ -276,7 +292,7 @@ class GpuQueue:
                 self.positions.pop(key, None)
                 self.reserved[key] = (ticket, time.monotonic())
                 self.version += 1
-            else:
+            elif join:
                 self.waiting.put(ticket)
                 self.positions[key] = ahead + 1
             return why
@@ -540,7 +556,7 @@ class Runtime:
             metrics.observe_job(raw, status.to_wire())
             return None if written else self._after_rejection(state)
         version = self.view_version
-        pools, capacity = self.live_pools()
+        pools, _ = self.live_pools()
         observed = self.caches.observe(job, pools)
         self.note_cache_use(key, job)
         if may_create_stage_in(job, observed, self.settings):
@@ -573,7 +589,7 @@ class Runtime:
             observed = replace(observed, stage_in_metrics=progress)
         submitted = time.monotonic()
         plan = self.plans.planner(str(meta.get("uid")), meta.get("generation"), version)
-        admit = partial(self._admit, asyncio.get_running_loop(), key, job, capacity)
+        admit = partial(self._admit, asyncio.get_running_loop(), key, job)
 
         def decide() -> tuple[Decision, datetime]:
             # The decision's time (condition transitions, events) is when it is made: on a
@@ -631,11 +647,17 @@ class Runtime:
         loop: asyncio.AbstractEventLoop,
         key: JobKey,
         job: FineTuneJob,
-        capacity: Mapping[str, Mapping[str, Any]],
         plan: PlanStatus,
         queued: bool,
+        join: bool = True,
     ) -> str | None:
-        """Admission for `reconcile` (runs in a worker thread)."""
+        """Admission for `reconcile`, which runs in a worker thread: decided on the event
+        loop, against the capacity of that moment.
+
+        The capacity the look started from may be older than a reservation given back since
+        (its job's pods got their node): admitting against it would count those GPUs free
+        twice. On the loop, the caches, the capacity computed from them and the reservations
+        given back move together."""
         ticket = Ticket(
             namespace=key[0],
             name=str(job.metadata.get("name")),
@@ -645,11 +667,30 @@ class Runtime:
             nodes=plan.nodes,
             gpus_per_node=plan.gpus_per_node,
         )
-        free = (capacity.get(plan.pool) or {}).get("freeGPUsPerNode", [])
-        why = self.queue.admit(key, ticket, free, queued)
+        answer: Future[str | None] = Future()
+
+        def on_loop() -> None:
+            if not answer.set_running_or_notify_cancel():
+                return  # the look gave up waiting: admit nothing
+            try:
+                answer.set_result(self._admit_now(key, ticket, queued, join))
+            except BaseException as exc:  # handed to the look's thread
+                answer.set_exception(exc)
+
+        loop.call_soon_threadsafe(on_loop)
+        try:
+            return answer.result(timeout=ADMIT_TIMEOUT_SECONDS)
+        except TimeoutError:
+            answer.cancel()
+            raise
+
+    def _admit_now(self, key: JobKey, ticket: Ticket, queued: bool, join: bool) -> str | None:
+        _, capacity = self.live_pools()
+        free = (capacity.get(ticket.pool) or {}).get("freeGPUsPerNode", [])
+        why = self.queue.admit(key, ticket, free, queued, join)
         if why is None:
             # The next job in the queue may go now (or once this one's pods hold the GPUs).
-            loop.call_soon_threadsafe(self.capacity_changed)
+            self.capacity_changed()
         return why
 
     def _release_when_bound(
