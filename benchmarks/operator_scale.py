@@ -790,6 +790,19 @@ def unscheduled_reason(status: Mapping[str, Any]) -> str | None:
     return None
 
 
+def status_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> str:
+    """What a status write changed, as "<phase>: field, field" (a condition by its type):
+    the steady window's writes counted by what they carried."""
+    changed = sorted(
+        k for k in old.keys() | new.keys() if k != "conditions" and old.get(k) != new.get(k)
+    )
+    conditions = {str(c.get("type")): c for c in old.get("conditions") or []}
+    for c in new.get("conditions") or []:
+        if conditions.get(str(c.get("type"))) != c:
+            changed.append(f"conditions[{c.get('type')}]")
+    return f"{new.get('phase') or '(none)'}: {', '.join(changed) or '(nothing)'}"
+
+
 def _waits_for_volumes(reason: str) -> bool:
     """The scheduler's VolumeBinding plugin: "pod has unbound immediate
     PersistentVolumeClaims"."""
@@ -835,6 +848,12 @@ class Tracker:
         self.unscheduled: dict[tuple[str, str], str] = {}
         """Pending pods the scheduler turned away → its reason (`unscheduled_reason`)."""
         self.phase_changes = 0
+        self.statuses: dict[tuple[str, str], dict[str, Any]] = {}
+        """Each job's status as last seen (`status_changes` compares against it)."""
+        self.counting_writes = False
+        self.writes: Counter[str] = Counter()
+        """While `counting_writes`: what each status change the watch showed changed
+        (`status_changes`) → how many."""
 
     def on_job(self, kind: str, obj: Mapping[str, Any]) -> None:
         meta = obj.get("metadata") or {}
@@ -846,6 +865,10 @@ class Tracker:
             state = self.jobs.get(key)
             if state is None:
                 state = self.jobs[key] = JobState(rfc3339_seconds(meta["creationTimestamp"]))
+            before = self.statuses.get(key)
+            self.statuses[key] = status
+            if self.counting_writes and before is not None and before != status:
+                self.writes[status_changes(before, status)] += 1
             phase = str(status.get("phase") or "")
             if phase != state.phase:
                 self.phase_changes += 1
@@ -1365,11 +1388,13 @@ class Bench:
         assert start.proc is not None
         peak = start.proc.rss_kib
         say(f"steady window: {self.opts.steady_seconds:.0f}s ...")
+        self.tracker.counting_writes = True
         while time.monotonic() - start.when < self.opts.steady_seconds:
             time.sleep(1.0)
             self.cluster.check_alive()
             peak = max(peak, proc_sample(self.pid).rss_kib)
         end = self.mark("steady_end")
+        self.tracker.counting_writes = False
         assert end.proc is not None
         after = self.snapshot()
         self.facts.update(
@@ -1380,6 +1405,7 @@ class Bench:
             volume_pending_pods=before.volume_pending_pods,
             pending_reasons=dict(before.pending_reasons.most_common(5)),
             window_phase_changes=self.tracker.phase_changes - changes,
+            window_status_changes=dict(self.tracker.writes.most_common(8)),
             rss_peak_mib=max(peak, end.proc.rss_kib) / 1024,
             rss_hwm_mib=end.proc.hwm_kib / 1024,
             pools_chosen=self.tracker.pools(),
@@ -1654,6 +1680,8 @@ def report(r: Mapping[str, Any]) -> str:
         f"  window {r['window_s']}s ({r['window_phase_changes']} phase changes): operator RSS "
         f"peak {fmt(r['rss_peak_mib'])} MiB (lifetime peak {fmt(r['rss_hwm_mib'])}), CPU "
         f"{fmt(r['cpu_pct'])}% of a core; {fmt(r['cpu_s_to_steady'])} CPU s creation → steady",
+        f"  status changes in the window, by what they changed: "
+        f"{r.get('window_status_changes', '?')}",
         f"  API: {fmt(r['requests_per_job'])} requests/job creation → steady; steady: "
         f"{fmt(r['list_per_s'], 2)} LIST/s, {fmt(r['req_per_running_job_per_s'], 3)} "
         f"req/running job/s, {fmt(r['status_writes_per_running_job_per_min'], 2)} status "

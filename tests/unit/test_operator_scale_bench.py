@@ -286,6 +286,28 @@ def test_tracker_times_planned_and_first_pod_and_knows_when_settled() -> None:
     assert bench.latencies(first_batch_job, first_pod) == [1.0]
 
 
+def test_status_writes_are_counted_by_what_they_changed_while_asked() -> None:
+    planned = {"type": "Planned", "status": "True", "lastTransitionTime": "2026-01-01T00:00:01Z"}
+    queued = {"type": "Queued", "status": "True", "message": "position 3"}
+    old = {"phase": "Queued", "message": "position 3", "conditions": [planned, queued]}
+    moved = {**queued, "message": "position 2"}
+    new = {"phase": "Queued", "message": "position 2", "conditions": [planned, moved]}
+    assert bench.status_changes(old, new) == "Queued: message, conditions[Queued]"
+    assert bench.status_changes(old, {**old, "cost": {"usd": 1}}) == "Queued: cost"
+
+    t = bench.Tracker()
+    job = {
+        "metadata": {"namespace": "ns", "name": "a", "creationTimestamp": "2026-01-01T00:00:00Z"}
+    }
+    t.on_job("ADDED", {**job, "status": old})
+    t.on_job("MODIFIED", {**job, "status": new})
+    assert not t.writes, "counted only while the steady window asks"
+    t.counting_writes = True
+    t.on_job("MODIFIED", {**job, "status": old})
+    t.on_job("MODIFIED", {**job, "status": old})  # no change: not a write the watch shows
+    assert t.writes == {"Queued: message, conditions[Queued]": 1}
+
+
 def test_every_results_row_fills_every_column() -> None:
     result = {
         "date": "2026-01-01",
