@@ -960,14 +960,11 @@ async def test_looking_again_creates_nothing_and_writes_the_cost_clock_only_when
     loop.state.written_at -= ControllerSettings().progress_write_seconds
     await loop.look()
 
-    # No trainer pod runs here (no kubelet): the clock moves, the cost does not.
-    assert loop.status_patches()[-1] == {
-        "cost": {
-            **first["cost"],
-            "accruedUSD": 0.0,
-            "updatedAt": "2026-11-22T12:01:00Z",
-        }
-    }
+    # No trainer pod runs here (no kubelet): the clock moves, the cost does not, and the
+    # patch carries what changed only.
+    assert first["cost"]["updatedAt"] != "2026-11-22T12:01:00Z"
+    assert loop.status_patches()[-1] == {"cost": {"updatedAt": "2026-11-22T12:01:00Z"}}
+    assert loop.status()["cost"] == {**first["cost"], "updatedAt": "2026-11-22T12:01:00Z"}
 
 
 async def test_a_batch_job_deleted_behind_the_operator_is_created_again(
@@ -1520,3 +1517,41 @@ def test_stage_in_progress_alone_waits_like_progress() -> None:
     assert not only_volatile(staging, {**more, "plan": {"pool": "h100"}})
     assert not only_volatile(staging, {"message": "staging in: pod demo-stagein-x1 is pending"}
                              | {"conditions": []})  # fmt: skip
+
+
+def test_the_status_patch_carries_what_changed_and_nulls_what_went() -> None:
+    merge_patch = runtime_module.merge_patch
+    old = {
+        "phase": "Queued",
+        "plan": {"pool": "a100", "chunkedCrossEntropy": True, "rejected": [{"pool": "l4"}]},
+        "cost": {"accruedUSD": 0.0, "updatedAt": "12:00"},
+    }
+    # A re-plan that no longer chunks the loss: the stored plan must lose that field, which a
+    # merge patch of the whole plan object would leave in place.
+    replanned = {
+        "phase": "Queued",
+        "plan": {"pool": "a100", "rejected": []},
+        "cost": {"accruedUSD": 0.0, "updatedAt": "12:01"},
+    }
+    assert merge_patch(old, replanned) == {
+        "plan": {"chunkedCrossEntropy": None, "rejected": []},
+        "cost": {"updatedAt": "12:01"},
+    }
+    assert merge_patch(old, old) == {}
+    assert merge_patch(old, {"phase": "Running"}) == {
+        "phase": "Running",
+        "plan": None,
+        "cost": None,
+    }
+    assert merge_patch({}, {"plan": {}}) == {"plan": {}}
+
+
+def test_a_stage_in_whose_result_is_known_is_not_progress_alone() -> None:
+    only_volatile = runtime_module.only_volatile
+    done = {
+        "phase": "Planning",
+        "message": "staging in: 4.0 GB of 4.0 GB",
+        "stageIn": {"bytesDone": 4 * 10**9, "modelPath": "/cache/models/m"},
+    }
+    # The patch carries only the field that moved; the result stored before still counts.
+    assert not only_volatile(done, {"stageIn": {"bytesDone": 5 * 10**9}})

@@ -110,10 +110,26 @@ def resource_version(meta: Mapping[str, Any]) -> int | None:
 
 def status_patch(old: Mapping[str, Any], new: FineTuneJobStatus) -> dict[str, Any]:
     """A JSON merge patch turning `old` into `new` (None removes a field)."""
-    wire = new.to_wire()
-    patch: dict[str, Any] = {k: v for k, v in wire.items() if old.get(k) != v}
+    return merge_patch(old, new.to_wire())
+
+
+def merge_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON merge patch (RFC 7396) turning `old` into `new`: what changed, objects
+    compared field by field (a merge patch merges them; lists it replaces whole), and None
+    for each field `new` no longer has. A nested field left out of a patch would stay:
+    a re-plan that drops `plan.chunkedCrossEntropy` must send it as null, or the stored
+    plan keeps it and differs from every later one."""
+    patch: dict[str, Any] = {}
+    for key, value in new.items():
+        before = old.get(key)
+        if isinstance(value, Mapping) and isinstance(before, Mapping):
+            inner = merge_patch(before, value)
+            if inner:
+                patch[key] = inner
+        elif key not in old or before != value:
+            patch[key] = value
     for key in old:
-        if key not in wire:
+        if key not in new:
             patch[key] = None
     return patch
 
@@ -143,7 +159,9 @@ def _only_stage_in_progress(old: Mapping[str, Any], patch: Mapping[str, Any]) ->
     message and the Progress column that say them)."""
     if old.get("phase") != "Planning" or not set(patch) <= VOLATILE | {"message", "stageIn"}:
         return False
-    staged = patch.get("stageIn", old.get("stageIn"))
+    staged = old.get("stageIn")
+    if isinstance(patch.get("stageIn"), Mapping):
+        staged = {**(staged if isinstance(staged, Mapping) else {}), **patch["stageIn"]}
     message = str(patch.get("message", old.get("message")) or "")
     return (
         isinstance(staged, Mapping)
