@@ -668,12 +668,21 @@ def test_estimates_are_shared_by_pools(monkeypatch: pytest.MonkeyPatch) -> None:
     arch = load_arch(s.model.uri)
     one = pools("a100-80gb")
     four = [*pools("a100-80gb", "a100-80gb-spot", "h100"), twin(one[0], 1.1)]
+    planner_module._estimate.cache_clear()  # estimates kept from earlier plans
     plan_job(s, one, arch, NO_LIVE)
     alone = len(calls)
     calls.clear()
+    planner_module._estimate.cache_clear()
     plan_job(s, four, arch, NO_LIVE)
     assert alone > 1
     assert len(calls) == len(set(calls)) == alone
+
+    # Planned again (its pools' capacity changed while it waited): the same questions,
+    # answered from the estimates kept, and the same plan.
+    calls.clear()
+    again = plan_job(s, four, arch, NO_LIVE)
+    assert calls == []
+    assert again == plan_job(s, four, arch, NO_LIVE)
 
 
 def test_a_budget_miss_is_not_reported_as_a_slower_configuration_s_deadline() -> None:

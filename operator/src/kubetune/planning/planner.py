@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
+from functools import lru_cache
 from typing import Literal, NamedTuple
 
 from kubetune.api.errors import InfeasibleError
@@ -82,6 +83,16 @@ the output projection (kubetune_trainer.loss)."""
 DEFAULT_SAFETY_FACTOR = 1.10
 MAX_MICRO_BATCH = 64
 METHOD_ORDER: dict[Method, int] = {"lora": 0, "qlora": 1, "full": 2}
+
+ESTIMATES_KEPT = 16384
+"""Memory estimates kept across plans (about 1.2 KB each, at most about 20 MB): a job that
+waits is planned again whenever capacity changes and asks the same questions, and so do jobs
+alike (an estimate depends on the model and the layout, never on a pool or a dataset)."""
+
+
+@lru_cache(maxsize=ESTIMATES_KEPT)
+def _estimate(arch: ModelArch, setup: TrainingSetup) -> VramEstimate:
+    return estimate_vram(arch, setup)
 
 
 class Layout(NamedTuple):
@@ -660,7 +671,7 @@ class _Context:
             self.attention,
             in_backward,
         )
-        estimate = estimate_vram(self.arch, setup)
+        estimate = _estimate(self.arch, setup)
         if self.settings.memory_scale != 1.0:
             estimate = _scaled(estimate, self.settings.memory_scale)
         return estimate
