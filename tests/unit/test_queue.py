@@ -4,6 +4,7 @@ operator's shared queue (controller/runtime.GpuQueue)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from functools import partial
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kubetune.api.vocabulary import Phase
 from kubetune.control.capacity import NodeInfo
 from kubetune.control.queue import (
     Ticket,
@@ -205,10 +207,11 @@ def test_a_job_that_would_move_does_not_overtake_the_queue() -> None:
     assert queue.reserved_in("a100") == [] and queue.waiting_keys() == {("team-a", "waiting")}
 
 
-async def test_admission_counts_the_capacity_of_its_moment_not_of_the_look() -> None:
+async def test_a_look_from_older_capacity_counts_a_reservation_given_back_since() -> None:
     """A look starts from the capacity of its start; by the time it admits, another job may
-    have launched, got its node and given its reservation back. Admission must count that
-    job's GPUs as held, although the look's own snapshot shows them free."""
+    have launched, got its node and given its reservation back. The look must count that
+    job's GPUs as held, although its own snapshot shows them free; a look that began after
+    the pods were seen bound counts them from the capacity itself."""
     job, _ = run(make_job())
     plan = job.status.plan  # type: ignore[union-attr]
     assert plan is not None and plan.nodes == 1
@@ -220,19 +223,35 @@ async def test_admission_counts_the_capacity_of_its_moment_not_of_the_look() -> 
     rt.caches = Caches(Store(), Store(), Store({"n1": [node]}), gpu_pods, pools)
     loop = asyncio.get_running_loop()
     first, second = (NAMESPACE, "first"), (NAMESPACE, "second")
-    try:
-        _, snapshot = rt.live_pools()  # the second job's look starts here
-        assert snapshot[pool.name]["freeGPUsPerNode"] == [plan.gpus_per_node]
 
-        admit = partial(rt._admit, loop, first, job, plan, False)
-        assert await loop.run_in_executor(rt.executor, admit) is None
+    def look() -> partial[str | None]:
+        """What a look captures at its start, then admits with later (in a worker thread)."""
+        version, _ = rt.view_version
+        _, capacity = rt.live_pools()
+        return partial(rt._admit, loop, second, job, capacity, (version, time.monotonic()))
+
+    try:
+        early = look()  # the second job's look starts here: all GPUs free
+        admit_first = partial(
+            rt._admit, loop, first, job, rt.live_pools()[1], (0, time.monotonic())
+        )
+        assert await loop.run_in_executor(rt.executor, admit_first, plan, False) is None
         gpu_pods["n1"] = [plan.gpus_per_node]  # its pod got the node
         rt.capacity_changed()
-        assert rt.queue.release(first)
+        rt._release_when_bound(
+            first, Phase.RUNNING, [{"spec": {"nodeName": "n1"}}], rt.view_version[0]
+        )
+        assert rt.queue.reserved_in(pool.name) == []
 
-        admit = partial(rt._admit, loop, second, job, plan, False)
-        why = await loop.run_in_executor(rt.executor, admit)
+        why = await loop.run_in_executor(rt.executor, early, plan, False)
+        assert why is not None and "waiting for" in why
+        late = look()
+        why = await loop.run_in_executor(rt.executor, late, plan, False)
         assert why is not None and "waiting for" in why
         assert rt.queue.reserved_in(pool.name) == []
+
+        gpu_pods["n1"] = []  # the first job finished
+        rt.capacity_changed()
+        assert await loop.run_in_executor(rt.executor, look(), plan, False) is None
     finally:
         rt.executor.shutdown()

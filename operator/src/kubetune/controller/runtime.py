@@ -29,7 +29,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from functools import partial
@@ -83,9 +83,9 @@ REJECTED_RETRY_SECONDS = 5.0
 """A job whose status write was rejected is looked at again after this long, doubling with
 each rejection in a row up to the resync period: finished or not, its status must land."""
 
-ADMIT_TIMEOUT_SECONDS = 60.0
-"""A look that asked the event loop for admission gives up (admitting nothing, its look
-retried) when the loop has not answered in this long."""
+RELEASED_KEPT_SECONDS = 120.0
+"""How long the queue remembers a reservation given back (its pods got nodes) for looks that
+began from older capacity; a look older than this when it admits looks again instead."""
 
 ARCH_FAILURE_SECONDS = 300.0
 """An architecture that could not be loaded (e.g. a hub fetch that failed) is not tried
@@ -271,6 +271,10 @@ class GpuQueue:
         self._lock = threading.Lock()
         self.waiting = Waiting()
         self.reserved: dict[JobKey, tuple[Ticket, float]] = {}
+        self.released: dict[JobKey, tuple[Ticket, int, float]] = {}
+        """Reservations given back because their pods got nodes: (ticket, the capacity
+        version whose caches showed them bound, monotonic time). A look that began from
+        older capacity does not see those pods yet and counts the reservation still."""
         self.positions: dict[JobKey, int] = {}
         """Each waiting job's place in its pool's queue, as of its last look."""
         self.version = 0
@@ -283,8 +287,12 @@ class GpuQueue:
         free_per_node: Sequence[int],
         queued: bool,
         join: bool = True,
+        seen: int | None = None,
     ) -> str | None:
         """None: launch now (GPUs reserved); otherwise the job waits, and why.
+
+        `free_per_node` is the pool's capacity as of capacity version `seen` (None: current):
+        reservations given back since, their pods bound in a later version, still count.
 
         `join=False` asks without joining the pool's queue: a job that runs elsewhere and
         would move here (its pods found no room) takes these GPUs only when nobody waits
@@ -303,6 +311,12 @@ class GpuQueue:
             others = [
                 t for k, (t, _) in self.reserved.items() if k != key and t.pool == ticket.pool
             ]
+            if seen is not None:
+                others += [
+                    t
+                    for k, (t, bound_in, _) in self.released.items()
+                    if k != key and t.pool == ticket.pool and bound_in > seen
+                ]
             ahead = self.waiting.ahead(ticket)
             why = wait_reason(ticket, ahead, free_after(free_per_node, others))
             if why is None:
@@ -333,10 +347,20 @@ class GpuQueue:
         with self._lock:
             return [t for t, _ in self.reserved.values() if t.pool == pool]
 
-    def release(self, key: JobKey) -> bool:
+    def release(self, key: JobKey, bound_in: int | None = None) -> bool:
+        """Give the job's reservation back; `bound_in`: the capacity version in which its
+        pods were seen bound (kept for looks that began from older capacity)."""
         with self._lock:
-            if self.reserved.pop(key, None) is None:
+            held = self.reserved.pop(key, None)
+            if held is None:
                 return False
+            now = time.monotonic()
+            if bound_in is not None:
+                self.released[key] = (held[0], bound_in, now)
+            for old in [
+                k for k, (_, _, at) in self.released.items() if now - at > RELEASED_KEPT_SECONDS
+            ]:
+                del self.released[old]
             self.version += 1
             return True
 
@@ -574,8 +598,9 @@ class Runtime:
             metrics.observe_job(raw, status.to_wire())
             return None if written else self._after_rejection(state)
         version = self.view_version
-        pools, _ = self.live_pools()
+        pools, capacity = self.live_pools()
         observed = self.caches.observe(job, pools)
+        seen = (version[0], time.monotonic())
         self.note_cache_use(key, job)
         if may_create_stage_in(job, observed, self.settings):
             observed = replace(observed, cache_in_use=self.cache_in_use(key))
@@ -607,7 +632,7 @@ class Runtime:
             observed = replace(observed, stage_in_metrics=progress)
         submitted = time.monotonic()
         plan = self.plans.planner(str(meta.get("uid")), meta.get("generation"), version)
-        admit = partial(self._admit, asyncio.get_running_loop(), key, job)
+        admit = partial(self._admit, asyncio.get_running_loop(), key, job, capacity, seen)
 
         def decide() -> tuple[Decision, datetime]:
             # The decision's time (condition transitions, events) is when it is made: on a
@@ -628,7 +653,7 @@ class Runtime:
         else:
             self.queued.discard(key)
             self.queue.stop_waiting(key)
-        self._release_when_bound(key, phase, observed.pods)
+        self._release_when_bound(key, phase, observed.pods, seen[0])
         # A job is finished once its status says so; until its last write lands it is not.
         finished = phase in TERMINAL_PHASES and written
         metrics.reconciled(namespace, name, None if finished else time.time())
@@ -665,17 +690,14 @@ class Runtime:
         loop: asyncio.AbstractEventLoop,
         key: JobKey,
         job: FineTuneJob,
+        capacity: Mapping[str, Mapping[str, Any]],
+        seen: tuple[int, float],
         plan: PlanStatus,
         queued: bool,
         join: bool = True,
     ) -> str | None:
-        """Admission for `reconcile`, which runs in a worker thread: decided on the event
-        loop, against the capacity of that moment.
-
-        The capacity the look started from may be older than a reservation given back since
-        (its job's pods got their node): admitting against it would count those GPUs free
-        twice. On the loop, the caches, the capacity computed from them and the reservations
-        given back move together."""
+        """Admission for `reconcile` (runs in a worker thread), against the capacity the
+        look began from: `seen` is its capacity version and when it was read."""
         ticket = Ticket(
             namespace=key[0],
             name=str(job.metadata.get("name")),
@@ -685,34 +707,20 @@ class Runtime:
             nodes=plan.nodes,
             gpus_per_node=plan.gpus_per_node,
         )
-        answer: Future[str | None] = Future()
-
-        def on_loop() -> None:
-            if not answer.set_running_or_notify_cancel():
-                return  # the look gave up waiting: admit nothing
-            try:
-                answer.set_result(self._admit_now(key, ticket, queued, join))
-            except BaseException as exc:  # handed to the look's thread
-                answer.set_exception(exc)
-
-        loop.call_soon_threadsafe(on_loop)
-        try:
-            return answer.result(timeout=ADMIT_TIMEOUT_SECONDS)
-        except TimeoutError:
-            answer.cancel()
-            raise
-
-    def _admit_now(self, key: JobKey, ticket: Ticket, queued: bool, join: bool) -> str | None:
-        _, capacity = self.live_pools()
-        free = (capacity.get(ticket.pool) or {}).get("freeGPUsPerNode", [])
-        why = self.queue.admit(key, ticket, free, queued, join)
+        version, read_at = seen
+        if time.monotonic() - read_at > RELEASED_KEPT_SECONDS:
+            # Older than what the queue remembers of reservations given back: look again.
+            loop.call_soon_threadsafe(self.wake, key)
+            return f"capacity of pool {plan.pool} changed while this look waited; looking again"
+        free = (capacity.get(plan.pool) or {}).get("freeGPUsPerNode", [])
+        why = self.queue.admit(key, ticket, free, queued, join, seen=version)
         if why is None:
             # The next job in the queue may go now (or once this one's pods hold the GPUs).
-            self.capacity_changed()
+            loop.call_soon_threadsafe(self.capacity_changed)
         return why
 
     def _release_when_bound(
-        self, key: JobKey, phase: Phase, pods: Sequence[Mapping[str, Any]]
+        self, key: JobKey, phase: Phase, pods: Sequence[Mapping[str, Any]], seen: int
     ) -> None:
         """Give back a reservation once the job's pods hold their GPUs (or it stopped, or
         its pods found no node for longer than the reschedule time)."""
@@ -723,7 +731,7 @@ class Runtime:
         bound = sum(1 for pod in pods if (pod.get("spec") or {}).get("nodeName"))
         stale = time.monotonic() - since > self.settings.reschedule_seconds
         if phase != Phase.RUNNING or bound >= ticket.nodes or stale:
-            self.queue.release(key)
+            self.queue.release(key, bound_in=seen if bound else None)
             self.capacity_changed()
 
     async def _carry_out(
