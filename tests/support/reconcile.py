@@ -17,6 +17,11 @@ T0 = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)
 SETTINGS = ControllerSettings(poll_seconds=10, queue_retry_seconds=15)
 
 
+class Store(dict[Any, list[Any]]):
+    """A kopf index as the operator's caches read it (controller/cache.Caches): key → the
+    values of every object under it."""
+
+
 def make_job(**spec_over: Any) -> FineTuneJob:
     spec: dict[str, Any] = {
         # A model on a claim, sized by its name: launched without a stage-in step (a hub

@@ -26,6 +26,7 @@ from kubetune.controller.kube import Kube, StatusRejected
 from kubetune.controller.runtime import REJECTED_RETRY_SECONDS, Runtime, _JobState
 from kubetune.planning.catalog import default_pools
 from kubetune.sources import load_arch
+from support.reconcile import Store
 
 pytestmark = pytest.mark.unit
 
@@ -155,10 +156,6 @@ class RejectingKube:
         if self.rejecting and "phase" in patch:
             raise StatusRejected("injected", ["status.phase"])
         return str(len(self.writes))
-
-
-class Store(dict[Any, list[Any]]):
-    """A kopf index as the caches read it: key → the values of every object under it."""
 
 
 def runtime(kube: RejectingKube, events: list[Reason]) -> Runtime:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import time
 from functools import partial
-from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -28,15 +27,11 @@ from kubetune.controller.cache import Caches
 from kubetune.controller.runtime import GpuQueue, Runtime
 from kubetune.planning.catalog import default_pools
 from kubetune.sources import load_arch
-from support.reconcile import make_job, run
+from support.reconcile import Store, make_job, run
 
 pytestmark = pytest.mark.unit
 
 NAMESPACE = "team-a"
-
-
-class Store(dict[Any, list[Any]]):
-    """A kopf index as the caches read it: key → the values of every object under it."""
 
 
 def ticket(
