@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from datetime import UTC, datetime, timedelta
 from functools import partial
 
 import pytest
@@ -32,6 +33,7 @@ from support.reconcile import Store, make_job, run
 pytestmark = pytest.mark.unit
 
 NAMESPACE = "team-a"
+RFC3339 = "%Y-%m-%dT%H:%M:%SZ"
 
 
 def ticket(
@@ -250,3 +252,41 @@ async def test_a_look_from_older_capacity_counts_a_reservation_given_back_since(
         assert await loop.run_in_executor(rt.executor, look(), plan, False) is None
     finally:
         rt.executor.shutdown()
+
+
+def test_a_reservation_holds_until_its_pods_are_turned_away_long_enough() -> None:
+    """In a burst a job's batch Job may be created minutes after admission: its reservation
+    must not lapse before its pods exist, or its GPUs go to the next job as well."""
+    rt = Runtime(ControllerSettings(), None, load_arch, lambda *_: None)  # type: ignore[arg-type]
+    key = (NAMESPACE, "late")
+    rt.queue.admit(key, ticket("late", gpus=8), [8], queued=False)
+    ticket_, _ = rt.queue.reserved[key]
+    # Admitted long ago (longer than the reschedule time), no pod yet: it holds.
+    long_ago = time.monotonic() - ControllerSettings().reschedule_seconds - 5
+    rt.queue.reserved[key] = (ticket_, long_ago)
+    rt._release_when_bound(key, Phase.RUNNING, [], 0)
+    assert rt.queue.reservation(key) is not None
+
+    refused_at = datetime.now(UTC) - timedelta(seconds=ControllerSettings().reschedule_seconds)
+    refused = {
+        "spec": {},
+        "status": {
+            "phase": "Pending",
+            "conditions": [
+                {
+                    "type": "PodScheduled",
+                    "status": "False",
+                    "reason": "Unschedulable",
+                    "lastTransitionTime": (refused_at + timedelta(seconds=30)).strftime(RFC3339),
+                }
+            ],
+        },
+    }
+    rt._release_when_bound(key, Phase.RUNNING, [refused], 0)
+    assert rt.queue.reservation(key) is not None, "turned away, but not for long yet"
+    refused["status"]["conditions"][0]["lastTransitionTime"] = (  # type: ignore[index]
+        refused_at - timedelta(seconds=5)
+    ).strftime(RFC3339)
+    rt._release_when_bound(key, Phase.RUNNING, [refused], 0)
+    assert rt.queue.reservation(key) is None
+    rt.executor.shutdown()

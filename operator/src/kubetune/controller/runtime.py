@@ -50,6 +50,7 @@ from kubetune.api.vocabulary import TERMINAL_PHASES, EventType, Phase, PoolCondi
 from kubetune.control.builders import input_refs
 from kubetune.control.conditions import now_rfc3339
 from kubetune.control.lifecycle import failed, is_finished
+from kubetune.control.pods import unschedulable_since
 from kubetune.control.queue import Ticket, Waiting, free_after, wait_reason
 from kubetune.control.reconcile import (
     ControllerSettings,
@@ -723,13 +724,24 @@ class Runtime:
         self, key: JobKey, phase: Phase, pods: Sequence[Mapping[str, Any]], seen: int
     ) -> None:
         """Give back a reservation once the job's pods hold their GPUs (or it stopped, or
-        its pods found no node for longer than the reschedule time)."""
+        its pods were turned away for longer than the reschedule time).
+
+        The reschedule time counts from the scheduler's refusal, not from admission: in a
+        burst a job's batch Job may be created minutes after it was admitted, and a
+        reservation lapsed by then gives its GPUs to the next job, whose pods and this one's
+        then compete for them. A reservation whose pods never appear lapses after the resync
+        period."""
         held = self.queue.reservation(key)
         if held is None:
             return
         ticket, since = held
         bound = sum(1 for pod in pods if (pod.get("spec") or {}).get("nodeName"))
-        stale = time.monotonic() - since > self.settings.reschedule_seconds
+        refused = [at for pod in pods if (at := unschedulable_since(pod)) is not None]
+        now = datetime.now(UTC)
+        stale = (
+            bool(refused)
+            and (now - min(refused)).total_seconds() > self.settings.reschedule_seconds
+        ) or time.monotonic() - since > self.settings.resync_seconds
         if phase != Phase.RUNNING or bound >= ticket.nodes or stale:
             self.queue.release(key, bound_in=seen if bound else None)
             self.capacity_changed()
