@@ -31,7 +31,7 @@ trainer: setup
 	$(VENV)/bin/pytest -m trainer
 
 integration: setup
-	$(VENV)/bin/pytest -m integration
+	$(VENV)/bin/pytest -m integration --durations=12
 
 e2e: setup
 	$(VENV)/bin/pytest -m e2e
@@ -39,8 +39,8 @@ e2e: setup
 # Every tier, each control-plane tier in a pytest run of its own: the e2e tier starts its own
 # control plane and operator, which must not share the machine with the integration tier's.
 test: lint
-	$(VENV)/bin/pytest -m "unit or trainer"
-	$(VENV)/bin/pytest -m integration
+	$(VENV)/bin/pytest -m "unit or trainer" --durations=15
+	$(VENV)/bin/pytest -m integration --durations=12
 	$(VENV)/bin/pytest -m e2e --durations=12
 	VENV=$(VENV) hack/kind-e2e.sh --if-cached -m "e2e and kubelet" --durations=12
 

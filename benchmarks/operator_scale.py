@@ -52,6 +52,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -215,17 +216,36 @@ benchmark's creates and the Job controller's pod creates."""
 Histograms = dict[tuple[str, tuple[str, ...]], dict[float, float]]
 
 
-def parse_histograms(text: str) -> Histograms:
-    """The `HISTOGRAMS` buckets of a Prometheus text exposition, cumulative counts by upper
-    bound, summed over the labels not kept."""
+OPERATOR_HISTOGRAMS: dict[str, tuple[str, ...]] = {
+    "kubetune_finetunejob_time_to_loop_seconds": (),
+    "kubetune_reconcile_wait_seconds": (),
+    "kubetune_finetunejob_time_to_plan_seconds": (),
+    "kubetune_event_loop_lag_seconds": (),
+}
+"""The operator's own histograms (its /metrics) that split creation → Planned: the API
+server's watch and the operator's event handling (time to loop), the wait for a worker
+thread, and how late its event loop ran what was due."""
+
+
+OPERATOR_VIEW_NAMES = {
+    "kubetune_finetunejob_time_to_loop_seconds": "creation → loop started",
+    "kubetune_reconcile_wait_seconds": "look's wait for a worker",
+    "kubetune_finetunejob_time_to_plan_seconds": "creation → planned",
+    "kubetune_event_loop_lag_seconds": "event-loop lag",
+}
+
+
+def parse_histograms(text: str, kept: Mapping[str, tuple[str, ...]] = HISTOGRAMS) -> Histograms:
+    """The buckets of the histograms `kept` names (default `HISTOGRAMS`) in a Prometheus
+    text exposition, cumulative counts by upper bound, summed over the labels not kept."""
     out: Histograms = {}
     for line in text.splitlines():
         name, brace, rest = line.partition("_bucket{")
-        if not brace or name not in HISTOGRAMS:
+        if not brace or name not in kept:
             continue
         labels_text, _, value = rest.rpartition("} ")
         labels = {k: _unescape(v) for k, v in _LABEL.findall(labels_text)}
-        key = (name, tuple(labels.get(k, "") for k in HISTOGRAMS[name]))
+        key = (name, tuple(labels.get(k, "") for k in kept[name]))
         le = float(labels.get("le", "+Inf"))
         buckets = out.setdefault(key, {})
         buckets[le] = buckets.get(le, 0.0) + float(value)
@@ -251,6 +271,22 @@ def histogram_quantile(buckets: Mapping[float, float], q: float) -> float | None
     return lower
 
 
+def quantiles(buckets: Mapping[float, float]) -> dict[str, Any]:
+    """Count, p50 and p99 of one histogram's cumulative buckets."""
+    p50, p99 = histogram_quantile(buckets, 0.5), histogram_quantile(buckets, 0.99)
+    return {
+        "n": int(buckets.get(math.inf, 0.0)),
+        "p50_s": None if p50 is None else round(p50, 3),
+        "p99_s": None if p99 is None else round(p99, 3),
+    }
+
+
+def operator_view(text: str) -> dict[str, dict[str, Any]]:
+    """`OPERATOR_HISTOGRAMS` from the operator's /metrics, over its whole run."""
+    found = parse_histograms(text, OPERATOR_HISTOGRAMS)
+    return {name: quantiles(found[key]) for key in sorted(found) for name in [key[0]]}
+
+
 def latency_summary(before: Histograms, after: Histograms) -> dict[str, dict[str, Any]]:
     """p50/p99 and count between two scrapes: the `LATENCIES` requests, and the wait in API
     Priority and Fairness' queues of every priority level that served requests."""
@@ -259,19 +295,11 @@ def latency_summary(before: Histograms, after: Histograms) -> dict[str, dict[str
         old = before.get(key, {})
         return {le: n - old.get(le, 0.0) for le, n in after.get(key, {}).items()}
 
-    def summary(buckets: Mapping[float, float]) -> dict[str, Any]:
-        p50, p99 = histogram_quantile(buckets, 0.5), histogram_quantile(buckets, 0.99)
-        return {
-            "n": int(buckets.get(math.inf, 0.0)),
-            "p50_s": None if p50 is None else round(p50, 3),
-            "p99_s": None if p99 is None else round(p99, 3),
-        }
-
-    out = {name: summary(delta(key)) for name, key in LATENCIES.items()}
+    out = {name: quantiles(delta(key)) for name, key in LATENCIES.items()}
     for key in sorted(after):
         metric, (level, execute) = key[0], key[1][:2]
         if metric == "apiserver_flowcontrol_request_wait_duration_seconds" and execute == "true":
-            waited = summary(delta(key))
+            waited = quantiles(delta(key))
             if waited["n"]:
                 out[f"APF wait {level}"] = waited
     return out
@@ -1150,6 +1178,7 @@ class Bench:
         self.marks: dict[str, Mark] = {}
         self.histograms: dict[str, Histograms] = {}
         self.facts: dict[str, Any] = {"load_start": load_average()}
+        self.metrics_port = 0
 
     # ------------------------------------------------------------------ the whole run
 
@@ -1304,7 +1333,12 @@ class Bench:
         source, commit = operator_source(env)
         self.facts.update(operator_source=source, commit=commit)
         say(f"operator: kubetune from {source} at {commit}")
-        self.pid = self.cluster.start_operator(self.opts.operator_env)
+        from kubetune_dev.cluster import free_port
+
+        # Its /metrics on a free port (read at the end of the steady window), unless set.
+        settings = {"KUBETUNE_METRICS_PORT": str(free_port()), **self.opts.operator_env}
+        self.metrics_port = int(settings["KUBETUNE_METRICS_PORT"])
+        self.pid = self.cluster.start_operator(settings)
 
         def pools_seen() -> bool:
             self.cluster.check_alive()
@@ -1397,6 +1431,7 @@ class Bench:
         self.tracker.counting_writes = False
         assert end.proc is not None
         after = self.snapshot()
+        self.facts["operator_view"] = self.operator_metrics()
         self.facts.update(
             phases=dict(before.phases),
             running_jobs=(before.phases["Running"] + after.phases["Running"]) / 2,
@@ -1410,6 +1445,19 @@ class Bench:
             rss_hwm_mib=end.proc.hwm_kib / 1024,
             pools_chosen=self.tracker.pools(),
         )
+
+    def operator_metrics(self) -> dict[str, dict[str, Any]]:
+        """The operator's own split of creation → Planned (`operator_view`); empty when its
+        /metrics cannot be read (said, not fatal: the API server's numbers stand alone)."""
+        if self.metrics_port <= 0:
+            return {}
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        try:
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                return operator_view(resp.read().decode())
+        except OSError as exc:
+            say(f"the operator's /metrics ({url}) could not be read: {exc}")
+            return {}
 
     def background_window(self) -> None:
         """The same cluster without the operator: what the other components do anyway."""
@@ -1665,6 +1713,15 @@ def report(r: Mapping[str, Any]) -> str:
         f"a watch p50 {fmt(r.get('plan_seen_p50_s'))}s p99 {fmt(r.get('plan_seen_p99_s'))}s",
         f"  creation → first pod  p50 {fmt(r['pod_p50_s'])}s  p99 {fmt(r['pod_p99_s'])}s  "
         f"({r['jobs_with_pods']} jobs had pods)",
+        "  the operator's own split (its histograms, whole run, p50 / p99 s): "
+        + (
+            ", ".join(
+                f"{OPERATOR_VIEW_NAMES.get(name, name)} {fmt(v['p50_s'], 2)} / "
+                f"{fmt(v['p99_s'], 2)} ({v['n']})"
+                for name, v in (r.get("operator_view") or {}).items()
+            )
+            or "not read"
+        ),
         f"  jobs never Queued ({r.get('jobs_launched_at_once')}): creation → first pod p50 "
         f"{fmt(r.get('pod_at_once_p50_s'))}s  p99 {fmt(r.get('pod_at_once_p99_s'))}s",
         f"  first Queued because: {r.get('first_queued')}",

@@ -155,6 +155,15 @@ def test_transitions_feed_counters_and_histograms(m: OperatorMetrics) -> None:
     assert value(m, "kubetune_finetunejobs_finished_total", phase="Failed") == 0
 
 
+def test_time_to_loop_counts_each_new_job_from_its_creation(m: OperatorMetrics) -> None:
+    m.loop_started(CREATED, now=T0 + 3)
+    m.loop_started(None, now=T0 + 3)  # no creation time (an emulated API server): nothing
+    m.loop_started(CREATED, now=T0 - 1)  # the operator's clock behind the server's: zero
+    assert value(m, "kubetune_finetunejob_time_to_loop_seconds_count") == 2
+    assert value(m, "kubetune_finetunejob_time_to_loop_seconds_sum") == 3
+    assert value(m, "kubetune_finetunejob_time_to_loop_seconds_bucket", le="2.5") == 1
+
+
 def test_observing_without_a_new_status_restores_state_after_a_restart(
     m: OperatorMetrics,
 ) -> None:

@@ -492,3 +492,26 @@ def test_api_server_latency_between_two_scrapes() -> None:
     assert summary["POST jobs"] == {"n": 0, "p50_s": None, "p99_s": None}
     assert summary["APF wait workload-low"] == {"n": 4, "p50_s": 1.25, "p99_s": 2.0}
     assert bench.histogram_quantile({1.0: 1, math.inf: 2}, 0.99) == 1.0  # falls in +Inf
+
+
+def test_the_operators_split_is_read_from_its_own_exposition() -> None:
+    from prometheus_client import generate_latest
+
+    from kubetune.controller.metrics import OperatorMetrics
+
+    m = OperatorMetrics(runtime=False)
+    created = "2025-01-01T00:00:00Z"
+    for late in (1.0, 2.0, 3.0, 12.0):  # creation → loop started, Unix time of creation + late
+        m.loop_started(created, now=1735689600.0 + late)
+    m.reconcile_wait.observe(0.02)
+    view = bench.operator_view(generate_latest(m.registry).decode())
+    loop = view["kubetune_finetunejob_time_to_loop_seconds"]
+    assert loop["n"] == 4
+    assert loop["p50_s"] == 2.5  # rank 2 ends the 2.5 s bucket (1.0 and 2.0 in it)
+    assert 10.0 < loop["p99_s"] <= 15.0  # the 12 s job, inside the 10-15 s bucket
+    assert view["kubetune_reconcile_wait_seconds"]["n"] == 1
+    assert view["kubetune_finetunejob_time_to_plan_seconds"] == {
+        "n": 0,
+        "p50_s": None,
+        "p99_s": None,
+    }

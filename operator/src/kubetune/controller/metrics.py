@@ -80,7 +80,7 @@ DEFAULT_PORT = 8000
 PORT_ENV = "KUBETUNE_METRICS_PORT"
 
 # Planning takes seconds; launching takes seconds (pods present) to hours (queued for GPUs).
-_PLAN_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_PLAN_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 7.5, 10, 15, 20, 30, 60, 120, 300, 600)
 _WAIT_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400, 43200, 86400)
 LOOP_LAG_EVERY_S = 0.5
 _RECONCILE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -382,6 +382,13 @@ class OperatorMetrics:
             buckets=_PLAN_BUCKETS,
             registry=r,
         )
+        self.time_to_loop = Histogram(
+            "kubetune_finetunejob_time_to_loop_seconds",
+            "From a new job's creation to the start of its loop in the operator: the API "
+            "server's watch and the operator's event handling, before any planning",
+            buckets=_PLAN_BUCKETS,
+            registry=r,
+        )
         self.time_to_running = Histogram(
             "kubetune_finetunejob_time_to_running_seconds",
             "From a job's creation to phase Running for the first time",
@@ -449,6 +456,13 @@ class OperatorMetrics:
             GCCollector(registry=r)
 
     # ------------------------------------------------------------------ jobs
+
+    def loop_started(self, created: Any, now: float | None = None) -> None:
+        """A job the operator has not looked at before got its loop: how long after its
+        creation (`now`: Unix seconds, default the clock)."""
+        at = _parse_time(created)
+        if at is not None:
+            self.time_to_loop.observe(max(0.0, (time.time() if now is None else now) - at))
 
     def observe_job(
         self,
@@ -657,6 +671,10 @@ def forget_job(namespace: str, name: str) -> None:
 
 def reconciled(namespace: str, name: str, when: float | None) -> None:
     METRICS.reconciled(namespace, name, when)
+
+
+def loop_started(created: str | None) -> None:
+    METRICS.loop_started(created)
 
 
 def reconcile_waited(seconds: float) -> None:

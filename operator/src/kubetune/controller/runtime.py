@@ -499,6 +499,8 @@ class Runtime:
         key = job_key_of(meta)
         state = _JobState(name=str(meta.get("name")))
         self.jobs[key] = state
+        if not (body.get("status") or {}).get("phase"):  # new: never looked at before
+            metrics.loop_started(meta.get("creationTimestamp"))
         try:
             while not stopped:
                 state.wake.clear()
