@@ -752,6 +752,41 @@ class Watch(threading.Thread):
                 conn.sock.shutdown(socket.SHUT_RDWR)
 
 
+def first_events(kubeconfig: Path, out: Path) -> None:
+    """Run as a process of its own (`--first-events`) until killed: write when a watch of
+    FineTuneJobs first shows each job, one JSON line per job, after a first line once the
+    watch's initial list is done. Nothing else shares this process, so the times are the API
+    server's delivery of watch events, apart from the operator's event handling and from the
+    benchmark's own creating clients."""
+    api = Api(kubeconfig, OwnRequests())
+    seen: set[str] = set()
+    with out.open("w", buffering=1) as f:
+
+        def on_event(kind: str, obj: Mapping[str, Any]) -> None:
+            meta = obj.get("metadata") or {}
+            key = f"{meta.get('namespace')}/{meta.get('name')}"
+            if key not in seen:
+                seen.add(key)
+                f.write(json.dumps({"job": key, "at": time.time()}) + "\n")
+
+        watch = Watch(api, f"/apis/{GROUP}/{VERSION}/finetunejobs", "finetunejobs", on_event)
+        watch.start()
+        watch.synced.wait()
+        f.write(json.dumps({"synced": True}) + "\n")
+        watch.join()
+
+
+def first_seen(path: Path) -> dict[tuple[str, str], float]:
+    """What `first_events` wrote: (namespace, job) → when a watch first showed it."""
+    out: dict[tuple[str, str], float] = {}
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        if "job" in record:
+            namespace, _, name = str(record["job"]).partition("/")
+            out[(namespace, name)] = float(record["at"])
+    return out
+
+
 # ============================================================================ what happens
 
 
@@ -1179,6 +1214,8 @@ class Bench:
         self.histograms: dict[str, Histograms] = {}
         self.facts: dict[str, Any] = {"load_start": load_average()}
         self.metrics_port = 0
+        self.first_events: subprocess.Popen[bytes] | None = None
+        self.first_events_file: Path | None = None
 
     # ------------------------------------------------------------------ the whole run
 
@@ -1215,6 +1252,7 @@ class Bench:
                 self.prepare()
                 self.start_operator()
                 self.start_watches()
+                self.start_first_events(Path(work) / "first-events.jsonl")
                 self.create_and_settle()
                 self.steady_window()
                 self.background_window()
@@ -1222,6 +1260,9 @@ class Bench:
             finally:
                 for w in self.watches:
                     w.stop()
+                if self.first_events is not None:
+                    self.first_events.kill()
+                    self.first_events.wait()
                 left = self.cluster.stop()
                 say(f"WARNING: processes survived: {left}" if left else "cluster stopped")
                 if done and not left and self.opts.root is None:
@@ -1350,6 +1391,20 @@ class Bench:
 
         wait("the operator to report every GPUPool's nodes", pools_seen, 120, 1.0)
 
+    def start_first_events(self, out: Path) -> None:
+        """A watch of FineTuneJobs in a process of its own (`first_events`), started before
+        the creation burst."""
+        argv = [sys.executable, __file__, "--first-events", str(self.cluster.kubeconfig), str(out)]
+        self.first_events = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+        self.first_events_file = out
+
+        def synced() -> bool:
+            if self.first_events is not None and self.first_events.poll() is not None:
+                raise RuntimeError(f"the watch process exited ({self.first_events.returncode})")
+            return out.exists() and bool(out.read_text().strip())
+
+        wait("the independent watch to list FineTuneJobs", synced, 60, 0.5)
+
     def start_watches(self) -> None:
         self.watches = [
             Watch(
@@ -1409,6 +1464,13 @@ class Bench:
         # Planned-ness is judged here, at steady state or at the timeout.
         self.facts.update(steady=steady, not_planned_reasons=dict(snap.not_planned_reasons))
         self.timings = self.tracker.timings()
+        if self.first_events_file is not None:
+            delivered = latencies(self.timings[0], first_seen(self.first_events_file))
+            self.facts.update(
+                delivered_n=len(delivered),
+                delivered_p50_s=percentile(delivered, 50) if delivered else None,
+                delivered_p99_s=percentile(delivered, 99) if delivered else None,
+            )
         took = time.monotonic() - start.when
         if steady:
             say(f"steady after {took:.0f}s (nothing changed for {opts.settle_seconds:.0f}s)")
@@ -1713,6 +1775,9 @@ def report(r: Mapping[str, Any]) -> str:
         f"a watch p50 {fmt(r.get('plan_seen_p50_s'))}s p99 {fmt(r.get('plan_seen_p99_s'))}s",
         f"  creation → first pod  p50 {fmt(r['pod_p50_s'])}s  p99 {fmt(r['pod_p99_s'])}s  "
         f"({r['jobs_with_pods']} jobs had pods)",
+        f"  creation → first seen by a watch in a process of its own (the API server's "
+        f"delivery) p50 {fmt(r.get('delivered_p50_s'))}s p99 {fmt(r.get('delivered_p99_s'))}s "
+        f"({r.get('delivered_n')} jobs)",
         "  the operator's own split (its histograms, whole run, p50 / p99 s): "
         + (
             ", ".join(
@@ -1880,6 +1945,10 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["--first-events"] and len(args) == 3:  # the independent watch's process
+        first_events(Path(args[1]), Path(args[2]))
+        return 0
     opts = parse_args(argv)
     if opts.rescore is not None:
         for record in rescore(opts.rescore):

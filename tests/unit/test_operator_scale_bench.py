@@ -515,3 +515,15 @@ def test_the_operators_split_is_read_from_its_own_exposition() -> None:
         "p50_s": None,
         "p99_s": None,
     }
+
+
+def test_first_seen_reads_the_independent_watchs_file(tmp_path: Path) -> None:
+    out = tmp_path / "first-events.jsonl"
+    out.write_text(
+        '{"synced": true}\n{"job": "scale-00/ftj-00001", "at": 12.5}\n'
+        '{"job": "scale-01/ftj-00002", "at": 14.0}\n'
+    )
+    seen = bench.first_seen(out)
+    assert seen == {("scale-00", "ftj-00001"): 12.5, ("scale-01", "ftj-00002"): 14.0}
+    created = {("scale-00", "ftj-00001"): 10.0, ("scale-02", "ftj-00003"): 11.0}
+    assert bench.latencies(created, seen) == [2.5]  # only jobs the run created and the watch saw
