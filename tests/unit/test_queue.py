@@ -28,12 +28,11 @@ from kubetune.controller.cache import Caches
 from kubetune.controller.runtime import GpuQueue, Runtime
 from kubetune.planning.catalog import default_pools
 from kubetune.sources import load_arch
-from support.reconcile import Store, make_job, run
+from support.reconcile import Store, make_job, run, unschedulable
 
 pytestmark = pytest.mark.unit
 
 NAMESPACE = "team-a"
-RFC3339 = "%Y-%m-%dT%H:%M:%SZ"
 
 
 def ticket(
@@ -268,25 +267,11 @@ def test_a_reservation_holds_until_its_pods_are_turned_away_long_enough() -> Non
     assert rt.queue.reservation(key) is not None
 
     refused_at = datetime.now(UTC) - timedelta(seconds=ControllerSettings().reschedule_seconds)
-    refused = {
-        "spec": {},
-        "status": {
-            "phase": "Pending",
-            "conditions": [
-                {
-                    "type": "PodScheduled",
-                    "status": "False",
-                    "reason": "Unschedulable",
-                    "lastTransitionTime": (refused_at + timedelta(seconds=30)).strftime(RFC3339),
-                }
-            ],
-        },
-    }
-    rt._release_when_bound(key, Phase.RUNNING, [refused], 0)
+    rt._release_when_bound(
+        key, Phase.RUNNING, [unschedulable("late-0", refused_at + timedelta(seconds=30))], 0
+    )
     assert rt.queue.reservation(key) is not None, "turned away, but not for long yet"
-    refused["status"]["conditions"][0]["lastTransitionTime"] = (  # type: ignore[index]
-        refused_at - timedelta(seconds=5)
-    ).strftime(RFC3339)
+    refused = unschedulable("late-0", refused_at - timedelta(seconds=5))
     rt._release_when_bound(key, Phase.RUNNING, [refused], 0)
     assert rt.queue.reservation(key) is None
     rt.executor.shutdown()
