@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kubetune.api.v1alpha1 import FineTuneJobStatus
 from kubetune.api.vocabulary import Phase
 from kubetune.control.capacity import NodeInfo
 from kubetune.control.queue import (
@@ -25,7 +26,7 @@ from kubetune.control.queue import (
 )
 from kubetune.control.reconcile import ControllerSettings
 from kubetune.controller.cache import Caches
-from kubetune.controller.runtime import GpuQueue, Runtime
+from kubetune.controller.runtime import SMALL_MOVE_SLOWDOWN, GpuQueue, Runtime, _JobState
 from kubetune.planning.catalog import default_pools
 from kubetune.sources import load_arch
 from support.reconcile import Store, make_job, run, unschedulable
@@ -274,4 +275,57 @@ def test_a_reservation_holds_until_its_pods_are_turned_away_long_enough() -> Non
     refused = unschedulable("late-0", refused_at - timedelta(seconds=5))
     rt._release_when_bound(key, Phase.RUNNING, [refused], 0)
     assert rt.queue.reservation(key) is None
+    rt.executor.shutdown()
+
+
+class _StatusWrites:
+    """The status subresource of a Kube, recording each patch."""
+
+    def __init__(self) -> None:
+        self.patches: list[dict[str, object]] = []
+
+    async def patch_status(self, namespace: str, name: str, patch: dict[str, object]) -> str:
+        self.patches.append(patch)
+        return str(len(self.patches))
+
+
+def _queued(position: int) -> FineTuneJobStatus:
+    where = f"position {position} in the queue of pool a100"
+    return FineTuneJobStatus.model_validate(
+        {
+            "phase": "Queued",
+            "message": f"{where}: {position - 1} job(s) ahead (higher priority, or created "
+            "earlier) go first",
+        }
+    )
+
+
+async def test_a_deep_position_is_written_after_every_tenth_of_the_way() -> None:
+    """Each admission moves every job behind it by one place: written each time, a queue of
+    N jobs costs N status writes per admission. A job deep in a queue writes a move of less
+    than a tenth ten times less often; a larger move, and any move near the front, at the
+    usual pace."""
+    settings = ControllerSettings()
+    writes = _StatusWrites()
+    rt = Runtime(settings, writes, load_arch, lambda *_: None)  # type: ignore[arg-type]
+    state = _JobState(name="deep")
+
+    async def write(shown: int, now: int, seconds_ago: float) -> bool:
+        """Whether the job, its status showing position `shown`, writes position `now`
+        `seconds_ago` after its last write."""
+        state.written_at = time.monotonic() - seconds_ago
+        before = len(writes.patches)
+        old = _queued(shown).to_wire()
+        assert await rt._write_status(NAMESPACE, "deep", state, old, _queued(now), {})
+        return len(writes.patches) > before
+
+    pace = settings.progress_write_seconds
+    assert not await write(200, 199, pace + 1)  # one place: waits
+    assert not await write(200, 181, pace + 1)  # less than a tenth: waits
+    assert await write(200, 181, pace * SMALL_MOVE_SLOWDOWN + 1)  # ... until ten paces passed
+    assert await write(200, 180, pace + 1)  # a tenth: the usual pace
+    assert not await write(200, 180, pace - 1)
+    assert await write(10, 9, pace + 1)  # within the first ten every move, at the usual pace
+    assert writes.patches[-1]["message"] == _queued(9).message
+    assert not await write(11, 10, pace + 1)
     rt.executor.shutdown()

@@ -12,7 +12,8 @@ kopf: a write that fails is tried again on the next look and can never stop the 
 write the apiserver rejects as invalid (422) is logged with its fields and reported on the
 job (a Warning Event and `status.message`), and the job is looked at again soon
 (`REJECTED_RETRY_SECONDS`, backing off), even when the rejected write was its last.
-Progress and cost alone are written at most every `progress_write_seconds`; any other
+Progress and cost alone are written at most every `progress_write_seconds`, a queued job's
+position that moved by less than a tenth `SMALL_MOVE_SLOWDOWN` times less often; any other
 change of the status is written at once.
 
 GPUPools get a loop too: it writes a pool's live capacity when it changed, and marks a pool
@@ -79,6 +80,13 @@ WAKE_PER_POOL = 8
 
 DEEP_QUEUE_SLOWDOWN = 4.0
 """Jobs further back in a queue than WAKE_PER_POOL look again this many queue retries apart."""
+
+SMALL_MOVE_SLOWDOWN = 10.0
+"""A queued job's position that moved by less than a tenth of the one shown is written this
+many `progress_write_seconds` apart (a move by more, or any within the first ten places, at
+the usual pace). Each admission moves every job behind it in its queue by one: written at
+once, a queue of N jobs costs N status writes per admission; this way a job deep in it
+writes after every tenth of its way, and the front stays exact."""
 
 REJECTED_RETRY_SECONDS = 5.0
 """A job whose status write was rejected is looked at again after this long, doubling with
@@ -153,6 +161,20 @@ def only_volatile(old: Mapping[str, Any], patch: Mapping[str, Any]) -> bool:
         return _QUEUE_NUMBERS.sub("#", json.dumps(value, sort_keys=True))
 
     return all(masked(patch[k]) == masked(old.get(k)) for k in patch if k not in VOLATILE)
+
+
+_POSITION = re.compile(r"position (\d+) in the queue")
+
+
+def small_move(old: Mapping[str, Any], patch: Mapping[str, Any]) -> bool:
+    """True when the patch moves a queued job's position by less than a tenth of the one
+    its status shows (never within the first ten places)."""
+    shown = _POSITION.search(str(old.get("message") or ""))
+    moved = _POSITION.search(str(patch.get("message") or ""))
+    if shown is None or moved is None:
+        return False
+    before, after = int(shown.group(1)), int(moved.group(1))
+    return after != before and abs(after - before) * 10 < before
 
 
 def _only_stage_in_progress(old: Mapping[str, Any], patch: Mapping[str, Any]) -> bool:
@@ -876,11 +898,12 @@ class Runtime:
         if not patch:
             state.rejections = 0
             return True
-        if (
-            only_volatile(old, patch)
-            and time.monotonic() - state.written_at < self.settings.progress_write_seconds
-        ):
-            return True
+        if only_volatile(old, patch):
+            every = self.settings.progress_write_seconds
+            if small_move(old, patch):
+                every *= SMALL_MOVE_SLOWDOWN
+            if time.monotonic() - state.written_at < every:
+                return True
         try:
             rv = await self.kube.patch_status(namespace, name, patch)
         except StatusRejected as exc:
