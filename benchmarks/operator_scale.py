@@ -867,6 +867,25 @@ def status_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> str:
     return f"{new.get('phase') or '(none)'}: {', '.join(changed) or '(nothing)'}"
 
 
+_POSITION = re.compile(r"position (\d+) in the queue")
+
+
+def position_move(old: Mapping[str, Any], new: Mapping[str, Any]) -> str | None:
+    """How a queued job's position moved between two statuses, by direction and by how far
+    against the position shown before (the operator writes a move of less than a tenth
+    less often); None unless both show one."""
+    before = _POSITION.search(str(old.get("message") or ""))
+    after = _POSITION.search(str(new.get("message") or ""))
+    if before is None or after is None:
+        return None
+    shown, now = int(before.group(1)), int(after.group(1))
+    if now == shown:
+        return "unmoved"
+    way = "forward" if now < shown else "back"
+    far = "a tenth or more" if abs(now - shown) * 10 >= shown else "less than a tenth"
+    return f"{way} {far}"
+
+
 def _waits_for_volumes(reason: str) -> bool:
     """The scheduler's VolumeBinding plugin: "pod has unbound immediate
     PersistentVolumeClaims"."""
@@ -918,6 +937,11 @@ class Tracker:
         self.writes: Counter[str] = Counter()
         """While `counting_writes`: what each status change the watch showed changed
         (`status_changes`) → how many."""
+        self.moves: Counter[str] = Counter()
+        """While `counting_writes`: queued jobs' position moves (`position_move`) → how
+        many."""
+        self.last_phase_change = 0.0
+        """When (monotonic) the watch last showed a job change phase."""
 
     def on_job(self, kind: str, obj: Mapping[str, Any]) -> None:
         meta = obj.get("metadata") or {}
@@ -933,9 +957,12 @@ class Tracker:
             self.statuses[key] = status
             if self.counting_writes and before is not None and before != status:
                 self.writes[status_changes(before, status)] += 1
+                if (move := position_move(before, status)) is not None:
+                    self.moves[move] += 1
             phase = str(status.get("phase") or "")
             if phase != state.phase:
                 self.phase_changes += 1
+                self.last_phase_change = time.monotonic()
                 state.phase = phase
             if phase == "Queued" and not state.queued:
                 state.queued = True
@@ -1482,6 +1509,7 @@ class Bench:
         before = self.snapshot()
         changes = self.tracker.phase_changes
         start = self.mark("steady")
+        since_phase_change = start.when - self.tracker.last_phase_change
         assert start.proc is not None
         peak = start.proc.rss_kib
         say(f"steady window: {self.opts.steady_seconds:.0f}s ...")
@@ -1504,6 +1532,8 @@ class Bench:
             pending_reasons=dict(before.pending_reasons.most_common(5)),
             window_phase_changes=self.tracker.phase_changes - changes,
             window_status_changes=dict(self.tracker.writes.most_common(8)),
+            window_position_moves=dict(self.tracker.moves),
+            window_after_phase_change_s=round(since_phase_change, 1),
             rss_peak_mib=max(peak, end.proc.rss_kib) / 1024,
             rss_hwm_mib=end.proc.hwm_kib / 1024,
             pools_chosen=self.tracker.pools(),
@@ -1804,7 +1834,9 @@ def report(r: Mapping[str, Any]) -> str:
         f"peak {fmt(r['rss_peak_mib'])} MiB (lifetime peak {fmt(r['rss_hwm_mib'])}), CPU "
         f"{fmt(r['cpu_pct'])}% of a core; {fmt(r['cpu_s_to_steady'])} CPU s creation → steady",
         f"  status changes in the window, by what they changed: "
-        f"{r.get('window_status_changes', '?')}",
+        f"{r.get('window_status_changes', '?')}; queued jobs' position moves: "
+        f"{r.get('window_position_moves', '?')}, the window beginning "
+        f"{r.get('window_after_phase_change_s', '?')} s after the last phase change",
         f"  API: {fmt(r['requests_per_job'])} requests/job creation → steady; steady: "
         f"{fmt(r['list_per_s'], 2)} LIST/s, {fmt(r['req_per_running_job_per_s'], 3)} "
         f"req/running job/s, {fmt(r['status_writes_per_running_job_per_min'], 2)} status "

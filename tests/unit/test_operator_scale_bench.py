@@ -288,10 +288,10 @@ def test_tracker_times_planned_and_first_pod_and_knows_when_settled() -> None:
 
 def test_status_writes_are_counted_by_what_they_changed_while_asked() -> None:
     planned = {"type": "Planned", "status": "True", "lastTransitionTime": "2026-01-01T00:00:01Z"}
-    queued = {"type": "Queued", "status": "True", "message": "position 3"}
-    old = {"phase": "Queued", "message": "position 3", "conditions": [planned, queued]}
-    moved = {**queued, "message": "position 2"}
-    new = {"phase": "Queued", "message": "position 2", "conditions": [planned, moved]}
+    queued = {"type": "Queued", "status": "True", "message": "position 3 in the queue"}
+    old = {"phase": "Queued", "message": "position 3 in the queue", "conditions": [planned, queued]}
+    moved = {**queued, "message": "position 2 in the queue"}
+    new = {"phase": "Queued", "message": "position 2 in the queue", "conditions": [planned, moved]}
     assert bench.status_changes(old, new) == "Queued: message, conditions[Queued]"
     assert bench.status_changes(old, {**old, "cost": {"usd": 1}}) == "Queued: cost"
 
@@ -306,6 +306,19 @@ def test_status_writes_are_counted_by_what_they_changed_while_asked() -> None:
     t.on_job("MODIFIED", {**job, "status": old})
     t.on_job("MODIFIED", {**job, "status": old})  # no change: not a write the watch shows
     assert t.writes == {"Queued: message, conditions[Queued]": 1}
+    assert t.moves == {"back a tenth or more": 1}, "position 2 → 3"
+
+
+def test_position_moves_are_told_by_direction_and_how_far() -> None:
+    def at(position: int) -> dict[str, str]:
+        return {"message": f"position {position} in the queue of pool a100: waiting"}
+
+    assert bench.position_move(at(200), at(199)) == "forward less than a tenth"
+    assert bench.position_move(at(200), at(180)) == "forward a tenth or more"
+    assert bench.position_move(at(200), at(201)) == "back less than a tenth"
+    assert bench.position_move(at(2), at(1)) == "forward a tenth or more"
+    assert bench.position_move(at(7), at(7)) == "unmoved"
+    assert bench.position_move(at(7), {"message": "launched"}) is None
 
 
 def test_every_results_row_fills_every_column() -> None:
