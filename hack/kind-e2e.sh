@@ -130,6 +130,8 @@ trap cleanup EXIT
 # (…-build:e2e), or the pruning below would take them as dangling and the next run would
 # build llama.cpp again.
 stamp "building images"
+built=("$OPERATOR_IMAGE" "$TRAINER_IMAGE" "${OPERATOR_IMAGE%:*}-build:e2e" "${TRAINER_IMAGE%:*}-build:e2e")
+replaced=$(docker image inspect --format '{{.Id}}' "${built[@]}" 2>/dev/null || true)
 # shellcheck disable=SC2086
 docker build ${DOCKER_BUILD_ARGS:-} ${OPERATOR_BASE_IMAGE:+--build-arg BASE_IMAGE="$OPERATOR_BASE_IMAGE"} \
   -f operator/Dockerfile --target build -t "${OPERATOR_IMAGE%:*}-build:e2e" .
@@ -145,8 +147,18 @@ docker build ${DOCKER_BUILD_ARGS:-} ${TRAINER_BASE_IMAGE:+--build-arg BASE_IMAGE
 
 # Each rebuild of the trainer image leaves the previous one dangling (6.4 GB where its
 # dependency layer changed); they are never used again, and a machine that runs this often
-# fills its disk with them. Tagged images (base, node, kind's own) are kept.
-docker image prune --force >/dev/null
+# fills its disk with them. In the project's own engine (hack/docker-engine.sh, under
+# ~/.cache/kubetune) every dangling image goes, those of earlier runs too; in any other
+# engine only the images these builds replaced. Tagged images (base, node, kind's own) stay.
+case "$root_dir" in
+  "$CACHE"/*) docker image prune --force >/dev/null ;;
+  *)
+    for id in $replaced; do
+      [ "$(docker image inspect --format '{{len .RepoTags}}' "$id" 2>/dev/null)" = 0 ] &&
+        docker rmi "$id" >/dev/null 2>&1 || true
+    done
+    ;;
+esac
 # What the cluster will take: the trainer image unpacked in each worker, once more while one
 # import is in flight (its layers are discarded after unpacking), and the nodes themselves.
 trainer_gb=$(( ($(docker image inspect --format '{{.Size}}' "$TRAINER_IMAGE") + 1073741823) / 1073741824 ))
