@@ -47,6 +47,14 @@ SHARED_DIR="$WORK/shared"
 stamp() { echo "== $(date -u +%H:%M:%S) $*"; }
 need() { command -v "$1" >/dev/null 2>&1 || { echo "kind-e2e: $1 not found on PATH ($2)" >&2; exit 2; }; }
 skip() { echo "kind-e2e: SKIPPED, the kind e2e suite did not run: $1"; rm -rf "$WORK"; exit 0; }
+# GB free under the engine's data root ($root_dir, set once the engine answers).
+free_gb() { echo $(( $(df -Pk "$root_dir" 2>/dev/null | awk 'NR == 2 {print $4}') / 1048576 )); }
+# Too little disk: skip with why under --if-cached, else fail with why (exit 2).
+short_of_disk() {
+  [ "$IF_CACHED" = 1 ] && skip "$1"
+  echo "kind-e2e: $1" >&2
+  exit 2
+}
 t0=$(date +%s)
 if [ ! -x "$VENV/bin/pytest" ]; then
   [ "$IF_CACHED" = 1 ] && { echo "kind-e2e: $VENV/bin/pytest missing: run make setup" >&2; exit 2; }
@@ -104,14 +112,10 @@ if kind get clusters 2>/dev/null | grep -qx "$CLUSTER"; then
   kind delete cluster --name "$CLUSTER"
 fi
 root_dir=$(docker info --format '{{.DockerRootDir}}' 2>/dev/null || echo /)
-free_gb=$(( $(df -Pk "$root_dir" 2>/dev/null | awk 'NR == 2 {print $4}') / 1048576 ))
-if [ "$free_gb" -lt "$MIN_FREE_GB" ]; then
-  msg="only ${free_gb} GB free under $root_dir; the cluster needs about ${MIN_FREE_GB} GB (the \
-trainer image unpacked in two nodes); free some space or set KIND_MIN_FREE_GB"
-  [ "$IF_CACHED" = 1 ] && skip "$msg"
-  echo "kind-e2e: $msg" >&2
-  exit 2
-fi
+free=$(free_gb)
+[ "$free" -ge "$MIN_FREE_GB" ] || short_of_disk "only ${free} GB free under $root_dir; the \
+cluster needs about ${MIN_FREE_GB} GB (the trainer image unpacked in two nodes); free some \
+space or set KIND_MIN_FREE_GB"
 
 cleanup() {
   if [ "${KEEP:-0}" = 1 ]; then
@@ -163,16 +167,11 @@ esac
 # import is in flight (its layers are discarded after unpacking), and the nodes themselves.
 trainer_gb=$(( ($(docker image inspect --format '{{.Size}}' "$TRAINER_IMAGE") + 1073741823) / 1073741824 ))
 need_gb=$(( 3 * trainer_gb + 4 ))
-free_gb=$(( $(df -Pk "$root_dir" 2>/dev/null | awk 'NR == 2 {print $4}') / 1048576 ))
-stamp "disk: ${free_gb} GB free under $root_dir, the cluster needs about ${need_gb} GB (trainer image ${trainer_gb} GB)"
-if [ "$free_gb" -lt "$need_gb" ]; then
-  msg="only ${free_gb} GB free under $root_dir after building the images; the cluster needs \
-about ${need_gb} GB (the ${trainer_gb} GB trainer image unpacked in two workers, and one import \
-in flight); free some space"
-  [ "$IF_CACHED" = 1 ] && skip "$msg"
-  echo "kind-e2e: $msg" >&2
-  exit 2
-fi
+free=$(free_gb)
+stamp "disk: ${free} GB free under $root_dir, the cluster needs about ${need_gb} GB (trainer image ${trainer_gb} GB)"
+[ "$free" -ge "$need_gb" ] || short_of_disk "only ${free} GB free under $root_dir after building \
+the images; the cluster needs about ${need_gb} GB (the ${trainer_gb} GB trainer image unpacked in \
+two workers, and one import in flight); free some space"
 
 stamp "creating kind cluster $CLUSTER (one control plane, two workers as GPU pools local-cpu, local-cpu-b)"
 # failCgroupV1: false lets kubelet run on hosts still on cgroup v1 (it changes nothing on v2).
