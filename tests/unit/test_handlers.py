@@ -16,12 +16,14 @@ import asyncio
 import copy
 import json
 import logging
+import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta, tzinfo
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx2
@@ -1009,6 +1011,30 @@ async def test_a_child_owned_by_someone_else_fails_the_job(
     # The batch Job comes after the objects its pods use: with one of them foreign, no
     # trainer is started.
     assert children(apiserver)["job"] == []
+
+
+@pytest.mark.parametrize("uptime", [30.0, 100_000.0])
+async def test_children_are_created_whatever_the_machine_uptime(
+    apiserver: ApiServerEmulator, loop: Loop, monkeypatch: pytest.MonkeyPatch, uptime: float
+) -> None:
+    """The monotonic clock counts from boot: on a node up for less than the resync period,
+    "never created" must not read as "created a moment ago" (an operator on a new node
+    would create no child for its first ten minutes)."""
+    start = time.monotonic()
+    young = SimpleNamespace(monotonic=lambda: time.monotonic() - start + uptime, time=time.time)
+    monkeypatch.setattr(runtime_module, "time", young)
+    seed(apiserver, *example_cluster(), tiny_job())
+
+    await loop.look()
+
+    names = child_names("tiny-cpu-lora", 1)
+    assert children(apiserver) == {
+        "pvc": [names.pvc],
+        "configmap": [names.config_map],
+        "service": [names.service],
+        "job": [names.job],
+    }
+    assert len(loop.status_patches()) == 1  # and the status went out at once
 
 
 async def test_job_with_no_pools_waits_for_them(apiserver: ApiServerEmulator, loop: Loop) -> None:

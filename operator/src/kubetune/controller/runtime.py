@@ -407,7 +407,9 @@ class _JobState:
     written_rv: int | None = None
     written_status: dict[str, Any] | None = None
     """The status this loop last wrote, until the watch delivers a version that has it."""
-    written_at: float = 0.0
+    written_at: float = -math.inf
+    """When this loop last wrote the status (monotonic; the clock starts at boot, so "never"
+    must not be a number a young machine's clock may be near)."""
     created: dict[str, float] = field(default_factory=dict)
     """Children created by this process ("Kind/name" → monotonic time)."""
     due_at: float | None = None
@@ -864,7 +866,8 @@ class Runtime:
         kind = str(manifest["kind"])
         name = str(manifest["metadata"]["name"])
         ident = f"{kind}/{name}"
-        if state.created.get(ident, -1.0) > time.monotonic() - self.settings.resync_seconds:
+        created = state.created.get(ident)
+        if created is not None and time.monotonic() - created < self.settings.resync_seconds:
             return None
         if kind == "Job" and self.caches.has_batch_job(job_key(job), name, uid):
             state.created[ident] = time.monotonic()
