@@ -42,6 +42,7 @@ from kubetune.api.v1alpha1 import FineTuneJob, GPUPool, StageInStatus
 from kubetune.api.vocabulary import ConditionType, EventType, Reason
 from kubetune.control.builders import BuildSettings, child_names, labels, owner_reference
 from kubetune.control.capacity import node_info
+from kubetune.control.queue import Ticket
 from kubetune.control.reconcile import ControllerSettings
 from kubetune.controller import handlers
 from kubetune.controller import kube as kube_module
@@ -1052,6 +1053,48 @@ async def test_job_with_no_pools_waits_for_them(apiserver: ApiServerEmulator, lo
     # Waiting for pools counts as queued: a new pool wakes it; otherwise it retries.
     assert loop.key in loop.runtime.queued
     assert delay == ControllerSettings().queue_retry_seconds
+
+
+async def test_a_job_deep_in_a_queue_waits_for_events(
+    apiserver: ApiServerEmulator, loop: Loop
+) -> None:
+    """At the front of a queue a job looks again at its queue retry; further back nothing
+    but its place moving can change what it does or shows, and that wakes it: it sleeps
+    until the resync, or until a status write it held back is due."""
+    busy = [
+        pod(f"holds-{n['metadata']['name']}", node_name=n["metadata"]["name"], gpus=(8,))
+        for n in pool_nodes()
+    ]
+    seed(apiserver, *example_cluster(), *busy, tiny_job())
+    settings = ControllerSettings()
+
+    assert await loop.look() == settings.queue_retry_seconds
+    status = loop.status()
+    assert status["phase"] == "Queued" and "position 1 in the queue" in status["message"]
+
+    # Ten go before it (the job has no creationTimestamp here: same time, earlier names).
+    pool_name = status["plan"]["pool"]
+    ahead = [Ticket(NAMESPACE, f"early-{i:02d}", 0, "", pool_name, 1, 1) for i in range(10)]
+    for t in ahead:
+        loop.runtime.queue.admit(t.key, t, [0], queued=True)
+    pace = settings.progress_write_seconds
+
+    # Its new place alone is written at the progress pace: the look comes back when due.
+    delay = await loop.look()
+    assert delay is not None and pace - 5 < delay <= pace
+    assert "position 1 in the queue" in loop.status()["message"]
+    loop.state.written_at -= pace
+    assert await loop.look() == settings.resync_seconds
+    assert "position 11 in the queue" in loop.status()["message"]
+
+    # Two leave: a move by two of eleven is shown at once, at the progress pace.
+    for t in ahead[:2]:
+        loop.runtime.queue.stop_waiting(t.key)
+    delay = await loop.look()
+    assert delay is not None and pace - 5 < delay <= pace
+    loop.state.written_at -= pace
+    assert await loop.look() == settings.resync_seconds
+    assert "position 9 in the queue" in loop.status()["message"]
 
 
 async def test_a_job_whose_claim_is_missing_is_held_until_it_exists(

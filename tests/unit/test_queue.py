@@ -130,6 +130,79 @@ def test_a_change_of_capacity_wakes_the_front_of_each_queue() -> None:
     }
 
 
+def _waiting_runtime(jobs: int) -> tuple[Runtime, list[tuple[str, str]]]:
+    """A runtime whose queue of pool a100 holds `jobs` jobs, each looked at once."""
+    rt = Runtime(ControllerSettings(), None, load_arch, lambda *_: None)  # type: ignore[arg-type]
+    keys = []
+    for i in range(jobs):
+        t = ticket(f"q{i:02d}", created=f"2026-11-24T00:{i:02d}:00Z")
+        rt.queue.admit(t.key, t, [0], queued=True)
+        rt.jobs[t.key] = _JobState(name=t.name)
+        keys.append(t.key)
+    return rt, keys
+
+
+def _woken(rt: Runtime) -> set[str]:
+    woken = {state.name for state in rt.jobs.values() if state.wake.is_set()}
+    for state in rt.jobs.values():
+        state.wake.clear()
+    return woken
+
+
+def test_jobs_deep_in_a_queue_are_woken_when_their_place_moved_by_a_tenth() -> None:
+    """Deep in a queue a job looks again only when what it shows would change at once: its
+    place moved by a tenth of the place it last saw, or into the first ten places."""
+    rt, keys = _waiting_runtime(40)
+    for key in keys[:3]:  # three leave the front: the others move up by three
+        assert rt.queue.stop_waiting(key)
+    assert not rt.queue.stop_waiting(keys[0])
+    rt.queue_changed()  # no event loop: the wake pass runs at once
+
+    # q03..q10 are the first eight now; q11..q29 saw places 12..30, of which three is a
+    # tenth or more; q30..q39 saw 31..40 and wait.
+    assert _woken(rt) == {f"q{i:02d}" for i in range(3, 30)}
+
+    for i in range(3, 30):  # their looks see their new places
+        t = ticket(f"q{i:02d}", created=f"2026-11-24T00:{i:02d}:00Z")
+        rt.queue.admit(t.key, t, [0], queued=True)
+    rt.queue_changed()
+    assert _woken(rt) == {f"q{i:02d}" for i in range(3, 11)}  # the front only
+
+    # One joins ahead of all of them (higher priority): everyone moves back by one, which
+    # only those within the first ten places show at once.
+    first = ticket("urgent", priority=5, created="2026-11-24T01:00:00Z")
+    rt.queue.admit(first.key, first, [0], queued=True)
+    rt.queue_changed()
+    assert _woken(rt) == {f"q{i:02d}" for i in range(3, 13)}
+    rt.executor.shutdown()
+
+
+def test_a_pool_nobody_waits_for_getting_free_gpus_wakes_every_waiting_job() -> None:
+    """A job deep in one pool's queue may move to another pool once that one has room; the
+    first of its queue may not be allowed there. Free GPUs in a pool without a queue wake the
+    waiting jobs, once per rise."""
+    rt, _ = _waiting_runtime(20)
+    pool = default_pools()[0]
+    node = NodeInfo("n1", dict(pool.spec.node_selector), 8, True)
+    gpu_pods: Store = Store({"n1": [8]})
+    rt.caches = Caches(
+        Store(), Store(), Store({"n1": [node]}), gpu_pods, Store({pool.name: [pool]})
+    )
+    assert pool.name not in rt.queue.waiting_pools()
+
+    rt.capacity_changed()
+    assert _woken(rt) == {f"q{i:02d}" for i in range(8)}  # the pool is full: the front only
+    gpu_pods["n1"] = [2]
+    rt.capacity_changed()
+    assert _woken(rt) == {f"q{i:02d}" for i in range(20)}  # six GPUs free up: everyone
+    rt.capacity_changed()
+    assert _woken(rt) == {f"q{i:02d}" for i in range(8)}  # no more than before
+    gpu_pods["n1"] = []
+    rt.capacity_changed()
+    assert _woken(rt) == {f"q{i:02d}" for i in range(20)}  # two more
+    rt.executor.shutdown()
+
+
 def test_positions_are_kept_for_the_waiting_only() -> None:
     queue = GpuQueue()
     for i in range(3):

@@ -83,6 +83,16 @@ class Waiting:
             for _, _, namespace, name in orders[:per_pool]
         }
 
+    def places(self) -> Iterator[tuple[tuple[str, str], int]]:
+        """Each waiting job with its place (1 first) in its pool's queue."""
+        for orders in self._orders.values():
+            for place, (_, _, namespace, name) in enumerate(orders, start=1):
+                yield (namespace, name), place
+
+    def pools(self) -> set[str]:
+        """The pools somebody waits for."""
+        return set(self._orders)
+
     def __contains__(self, key: object) -> bool:
         return key in self._tickets
 
@@ -137,6 +147,13 @@ def count_ahead(ticket: Ticket, waiting: Iterable[Ticket]) -> int:
 def why_wait(ticket: Ticket, waiting: Iterable[Ticket], free: Sequence[int]) -> str | None:
     """None when the job may launch now; otherwise what it waits for, with its position."""
     return wait_reason(ticket, count_ahead(ticket, waiting), free)
+
+
+def small_move(shown: int, now: int) -> bool:
+    """Whether a queued job's move from place `shown` to `now` is by less than a tenth of
+    the place shown (never so within the first ten places): such a move need not be shown
+    at once."""
+    return now != shown and abs(now - shown) * 10 < shown
 
 
 def wait_reason(ticket: Ticket, ahead: int, free: Sequence[int]) -> str | None:

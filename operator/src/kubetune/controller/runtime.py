@@ -53,6 +53,7 @@ from kubetune.control.conditions import now_rfc3339
 from kubetune.control.lifecycle import failed, is_finished
 from kubetune.control.pods import unschedulable_since
 from kubetune.control.queue import Ticket, Waiting, free_after, wait_reason
+from kubetune.control.queue import small_move as small_place_move
 from kubetune.control.reconcile import (
     ControllerSettings,
     Decision,
@@ -78,8 +79,6 @@ VOLATILE = frozenset({"progress", "cost"})
 WAKE_PER_POOL = 8
 """How many jobs at the front of a pool's queue a change of capacity wakes at once."""
 
-DEEP_QUEUE_SLOWDOWN = 4.0
-"""Jobs further back in a queue than WAKE_PER_POOL look again this many queue retries apart."""
 
 SMALL_MOVE_SLOWDOWN = 10.0
 """A queued job's position that moved by less than a tenth of the one shown is written this
@@ -173,8 +172,7 @@ def small_move(old: Mapping[str, Any], patch: Mapping[str, Any]) -> bool:
     moved = _POSITION.search(str(patch.get("message") or ""))
     if shown is None or moved is None:
         return False
-    before, after = int(shown.group(1)), int(moved.group(1))
-    return after != before and abs(after - before) * 10 < before
+    return small_place_move(int(shown.group(1)), int(moved.group(1)))
 
 
 def _only_stage_in_progress(old: Mapping[str, Any], patch: Mapping[str, Any]) -> bool:
@@ -366,6 +364,22 @@ class GpuQueue:
         with self._lock:
             return set(self.waiting)
 
+    def waiting_pools(self) -> set[str]:
+        with self._lock:
+            return self.waiting.pools()
+
+    def moved(self) -> set[JobKey]:
+        """Waiting jobs whose place moved since their last look by as much as their status
+        shows at once (`small_move`): jobs ahead left, or one joined ahead."""
+        with self._lock:
+            return {
+                key
+                for key, place in self.waiting.places()
+                if (last := self.positions.get(key)) is not None
+                and last != place
+                and not small_place_move(last, place)
+            }
+
     def reserved_in(self, pool: str) -> list[Ticket]:
         with self._lock:
             return [t for t, _ in self.reserved.values() if t.pool == pool]
@@ -391,10 +405,14 @@ class GpuQueue:
         with self._lock:
             return self.reserved.get(key)
 
-    def stop_waiting(self, key: JobKey) -> None:
+    def stop_waiting(self, key: JobKey) -> bool:
+        """The job waits no more; True when it did (the jobs behind it moved)."""
         with self._lock:
-            self.waiting.drop(key)
             self.positions.pop(key, None)
+            if key not in self.waiting:
+                return False
+            self.waiting.drop(key)
+            return True
 
 
 # ---------------------------------------------------------------------- per-job state
@@ -414,6 +432,8 @@ class _JobState:
     """Children created by this process ("Kind/name" → monotonic time)."""
     due_at: float | None = None
     """When the next look is due (monotonic); None while the job waits only for events."""
+    held_until: float | None = None
+    """When a status write held back (progress, a queue position) is due; None: none is."""
     failures: int = 0
     rejections: int = 0
     """Status writes the apiserver rejected in a row."""
@@ -456,6 +476,8 @@ class Runtime:
         self.capacity_version = 0
         self._pools: tuple[Any, list[GPUPool], dict[str, dict[str, Any]]] | None = None
         self._wake_pending = False
+        self._idle_free: dict[str, int] = {}
+        """Free GPUs of each pool nobody waited for, at the last wake pass."""
         self.last_success = time.monotonic()
 
     # ------------------------------------------------------------------ cache changes
@@ -464,23 +486,48 @@ class Runtime:
         """Nodes, GPU-holding pods or pools changed: pools rewrite their capacity, queued
         jobs look again (once per burst of changes)."""
         self.capacity_version += 1
+        self.queue_changed()
+
+    def queue_changed(self) -> None:
+        """Capacity changed or a job left a queue: wake whom it concerns (once per burst)."""
         if self._wake_pending:
             return
         self._wake_pending = True
         try:
-            asyncio.get_running_loop().call_later(0.5, self._wake_after_capacity_change)
+            asyncio.get_running_loop().call_later(0.5, self._wake_after_change)
         except RuntimeError:  # no loop: called outside the operator (tests)
-            self._wake_after_capacity_change()
+            self._wake_after_change()
 
-    def _wake_after_capacity_change(self) -> None:
+    def _wake_after_change(self) -> None:
+        """Pools rewrite their capacity. Of the queued jobs look again: the first few of each
+        pool's queue (nobody behind them can go), those whose place moved by as much as
+        their status shows at once, every job waiting for any pool at all, and every waiting
+        job when a pool nobody waits for has more free GPUs than before (a job may re-plan
+        onto it). The rest of a queue waits for these events and the resync."""
         self._wake_pending = False
         for event in self.pool_wakers.values():
             event.set()
-        # Jobs in a pool's queue: only its first few can go; the others look again at their
-        # queue retry. Jobs waiting for any pool at all: every one.
         waiting = self.queue.waiting_keys()
-        for key in self.queue.heads(WAKE_PER_POOL) | (self.queued - waiting):
+        wake = self.queue.heads(WAKE_PER_POOL) | self.queue.moved() | (self.queued - waiting)
+        if waiting and self._idle_pool_grew():
+            wake |= waiting
+        for key in wake:
             self.wake(key)
+
+    def _idle_pool_grew(self) -> bool:
+        """Whether a pool nobody waits for has more free GPUs (after reservations) than at
+        the last wake pass."""
+        if self.caches is None:
+            return False
+        live, _ = self.live_pools()
+        queued = self.queue.waiting_pools()
+        before = self._idle_free
+        self._idle_free = {
+            pool.name: pool.status.free_gpus
+            for pool in live
+            if pool.name not in queued and pool.status is not None
+        }
+        return any(free > before.get(name, 0) for name, free in self._idle_free.items())
 
     def wake(self, key: JobKey) -> None:
         state = self.jobs.get(key)
@@ -535,7 +582,8 @@ class Runtime:
                 del self.jobs[key]
                 self.cache_users.pop(key, None)
             self.queued.discard(key)
-            self.queue.stop_waiting(key)
+            if self.queue.stop_waiting(key):
+                self.queue_changed()
             if self.queue.release(key):
                 self.capacity_changed()
             self.plans.forget(str(meta.get("uid")))
@@ -679,7 +727,8 @@ class Runtime:
             self.queued.add(key)
         else:
             self.queued.discard(key)
-            self.queue.stop_waiting(key)
+            if self.queue.stop_waiting(key):
+                self.queue_changed()
         self._release_when_bound(key, phase, observed.pods, seen[0])
         # A job is finished once its status says so; until its last write lands it is not.
         finished = phase in TERMINAL_PHASES and written
@@ -689,10 +738,13 @@ class Runtime:
             delay = self.settings.resync_seconds
         position = self.queue.position(key)
         if delay is not None and position is not None and position > WAKE_PER_POOL:
-            # Deep in a queue nothing can let it in but the jobs ahead leaving, and a change
-            # of capacity wakes the front of the queue: look less often (its position shown
-            # may lag by this much).
-            delay = max(delay, self.settings.queue_retry_seconds * DEEP_QUEUE_SLOWDOWN)
+            # Deep in a queue nothing lets it in but the jobs ahead leaving, and nothing
+            # changes what it shows but its place moving: both wake it (_wake_after_change),
+            # and so does a pool it might move to getting free GPUs.
+            delay = self.settings.resync_seconds
+        if delay is not None and state.held_until is not None:
+            # A status write held back is written when due.
+            delay = min(delay, max(state.held_until - time.monotonic(), 0.0))
         if not written:
             delay = min(math.inf if delay is None else delay, self._after_rejection(state))
         return delay
@@ -898,6 +950,7 @@ class Runtime:
     ) -> bool:
         """Write what changed of the status; False when the apiserver rejected it (422)."""
         patch = status_patch(old, new)
+        state.held_until = None
         if not patch:
             state.rejections = 0
             return True
@@ -906,6 +959,7 @@ class Runtime:
             if small_move(old, patch):
                 every *= SMALL_MOVE_SLOWDOWN
             if time.monotonic() - state.written_at < every:
+                state.held_until = state.written_at + every
                 return True
         try:
             rv = await self.kube.patch_status(namespace, name, patch)
