@@ -509,16 +509,22 @@ class Runtime:
             event.set()
         waiting = self.queue.waiting_keys()
         wake = self.queue.heads(WAKE_PER_POOL) | self.queue.moved() | (self.queued - waiting)
-        if waiting and self._idle_pool_grew():
+        grew = self._idle_pools_grown()
+        if waiting and grew:
+            log.info(
+                "free GPUs in %s, which no job waits for: the %d queued jobs look again",
+                ", ".join(sorted(grew)),
+                len(waiting),
+            )
             wake |= waiting
         for key in wake:
             self.wake(key)
 
-    def _idle_pool_grew(self) -> bool:
-        """Whether a pool nobody waits for has more free GPUs (after reservations) than at
+    def _idle_pools_grown(self) -> list[str]:
+        """The pools nobody waits for that have more free GPUs (after reservations) than at
         the last wake pass."""
         if self.caches is None:
-            return False
+            return []
         live, _ = self.live_pools()
         queued = self.queue.waiting_pools()
         before = self._idle_free
@@ -527,7 +533,7 @@ class Runtime:
             for pool in live
             if pool.name not in queued and pool.status is not None
         }
-        return any(free > before.get(name, 0) for name, free in self._idle_free.items())
+        return [name for name, free in self._idle_free.items() if free > before.get(name, 0)]
 
     def wake(self, key: JobKey) -> None:
         state = self.jobs.get(key)
