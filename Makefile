@@ -3,6 +3,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP_FLAGS ?= -q --disable-pip-version-check
 PY_PATHS := $(wildcard operator trainer_image tests hack benchmarks)
+# Processes for the unit and trainer tiers (pytest-xdist): one per core, at most four (each
+# imports torch, about 1 GB).
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ "$$n" -gt 4 ] && n=4; echo $$n)
 
 .PHONY: setup test lint unit trainer integration e2e crds docs demo plan-examples
 
@@ -42,7 +45,7 @@ e2e: setup
 # under a real kubelet, are left out of the local target's run (about 7 minutes); where kind
 # is skipped (no cached images, too little disk) the local target runs every scenario.
 test: lint
-	$(VENV)/bin/pytest -m "unit or trainer" --durations=15
+	$(VENV)/bin/pytest -m "unit or trainer" -n $(TEST_WORKERS) --durations=15
 	$(VENV)/bin/pytest -m integration --durations=12
 	@passed=$$(mktemp); rm -f "$$passed"; \
 	VENV=$(VENV) KIND_PASSED_FILE="$$passed" hack/kind-e2e.sh --if-cached -m "e2e and kubelet" \
