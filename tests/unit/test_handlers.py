@@ -831,6 +831,17 @@ def children(server: kmock.KubernetesEmulator) -> dict[str, list[str]]:
     }
 
 
+def first_attempt() -> dict[str, list[str]]:
+    """`children` once the tiny job's first attempt launched."""
+    names = child_names("tiny-cpu-lora", 1)
+    return {
+        "pvc": [names.pvc],
+        "configmap": [names.config_map],
+        "service": [names.service],
+        "job": [names.job],
+    }
+
+
 def condition(status: dict[str, Any], type_: str) -> dict[str, Any]:
     return next(x for x in status["conditions"] if x["type"] == type_)
 
@@ -841,12 +852,7 @@ async def test_new_job_is_planned_and_launched(apiserver: ApiServerEmulator, loo
     delay = await loop.look()
 
     names = child_names("tiny-cpu-lora", 1)
-    assert children(apiserver) == {
-        "pvc": [names.pvc],
-        "configmap": [names.config_map],
-        "service": [names.service],
-        "job": [names.job],
-    }
+    assert children(apiserver) == first_attempt()
     owner = {
         "apiVersion": "kubetune.io/v1alpha1",
         "kind": "FineTuneJob",
@@ -1028,13 +1034,7 @@ async def test_children_are_created_whatever_the_machine_uptime(
 
     await loop.look()
 
-    names = child_names("tiny-cpu-lora", 1)
-    assert children(apiserver) == {
-        "pvc": [names.pvc],
-        "configmap": [names.config_map],
-        "service": [names.service],
-        "job": [names.job],
-    }
+    assert children(apiserver) == first_attempt()
     assert len(loop.status_patches()) == 1  # and the status went out at once
 
 
@@ -1417,15 +1417,9 @@ async def test_operator_launches_an_applied_job(
     status = apiserver.objects[FTJ, NAMESPACE, "tiny-cpu-lora"]["status"]
     assert status["attempt"] == 1
     assert condition(status, ConditionType.PLANNED)["status"] == "True"
-    names = child_names("tiny-cpu-lora", 1)
     # The status goes out with the first creates; the batch Job follows them.
     await eventually(lambda: bool(children(apiserver)["job"]))
-    assert children(apiserver) == {
-        "pvc": [names.pvc],
-        "configmap": [names.config_map],
-        "service": [names.service],
-        "job": [names.job],
-    }
+    assert children(apiserver) == first_attempt()
     # The status goes through the status subresource, as the CRD declares it.
     status_patches = [r for r in apiserver if r.method == "PATCH" and r.subresource == "status"]
     assert any(r.name == "tiny-cpu-lora" for r in status_patches)
