@@ -130,13 +130,19 @@ def test_a_change_of_capacity_wakes_the_front_of_each_queue() -> None:
     }
 
 
+def _looks_queued(rt: Runtime, i: int) -> Ticket:
+    """Job q<i> looks and queues in pool a100 (the i-th created)."""
+    t = ticket(f"q{i:02d}", created=f"2026-11-24T00:{i:02d}:00Z")
+    rt.queue.admit(t.key, t, [0], queued=True)
+    return t
+
+
 def _waiting_runtime(jobs: int) -> tuple[Runtime, list[tuple[str, str]]]:
     """A runtime whose queue of pool a100 holds `jobs` jobs, each looked at once."""
     rt = Runtime(ControllerSettings(), None, load_arch, lambda *_: None)  # type: ignore[arg-type]
     keys = []
     for i in range(jobs):
-        t = ticket(f"q{i:02d}", created=f"2026-11-24T00:{i:02d}:00Z")
-        rt.queue.admit(t.key, t, [0], queued=True)
+        t = _looks_queued(rt, i)
         rt.jobs[t.key] = _JobState(name=t.name)
         keys.append(t.key)
     return rt, keys
@@ -163,8 +169,7 @@ def test_jobs_deep_in_a_queue_are_woken_when_their_place_moved_by_a_tenth() -> N
     assert _woken(rt) == {f"q{i:02d}" for i in range(3, 30)}
 
     for i in range(3, 30):  # their looks see their new places
-        t = ticket(f"q{i:02d}", created=f"2026-11-24T00:{i:02d}:00Z")
-        rt.queue.admit(t.key, t, [0], queued=True)
+        _looks_queued(rt, i)
     rt.queue_changed()
     assert _woken(rt) == {f"q{i:02d}" for i in range(3, 11)}  # the front only
 

@@ -149,7 +149,7 @@ def why_wait(ticket: Ticket, waiting: Iterable[Ticket], free: Sequence[int]) -> 
     return wait_reason(ticket, count_ahead(ticket, waiting), free)
 
 
-def small_move(shown: int, now: int) -> bool:
+def small_place_move(shown: int, now: int) -> bool:
     """Whether a queued job's move from place `shown` to `now` is by less than a tenth of
     the place shown (never so within the first ten places): such a move need not be shown
     at once."""

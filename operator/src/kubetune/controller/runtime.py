@@ -52,8 +52,7 @@ from kubetune.control.builders import input_refs
 from kubetune.control.conditions import now_rfc3339
 from kubetune.control.lifecycle import failed, is_finished
 from kubetune.control.pods import unschedulable_since
-from kubetune.control.queue import Ticket, Waiting, free_after, wait_reason
-from kubetune.control.queue import small_move as small_place_move
+from kubetune.control.queue import Ticket, Waiting, free_after, small_place_move, wait_reason
 from kubetune.control.reconcile import (
     ControllerSettings,
     Decision,
@@ -78,7 +77,6 @@ VOLATILE = frozenset({"progress", "cost"})
 
 WAKE_PER_POOL = 8
 """How many jobs at the front of a pool's queue a change of capacity wakes at once."""
-
 
 SMALL_MOVE_SLOWDOWN = 10.0
 """A queued job's position that moved by less than a tenth of the one shown is written this
@@ -370,7 +368,7 @@ class GpuQueue:
 
     def moved(self) -> set[JobKey]:
         """Waiting jobs whose place moved since their last look by as much as their status
-        shows at once (`small_move`): jobs ahead left, or one joined ahead."""
+        shows at once (`small_place_move`): jobs ahead left, or one joined ahead."""
         with self._lock:
             return {
                 key
