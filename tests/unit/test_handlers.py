@@ -1235,6 +1235,26 @@ async def test_the_latest_written_status_wins_over_a_stale_cache(
     assert len(stored(apiserver, JOBS, NAMESPACE)) == 1
 
 
+def test_a_job_is_validated_again_only_when_what_it_is_made_of_changed() -> None:
+    """Most looks of a running job see the same object and status: the model made of them
+    is reused, and made anew from whatever changed."""
+    state = _JobState(name="tiny")
+    body = tiny_job()
+    first = Runtime._validated(state, body)
+    assert Runtime._validated(state, copy.deepcopy(body)) is first
+    # The spec changed: a new model, with the change.
+    changed = copy.deepcopy(body)
+    changed["metadata"].update(resourceVersion="2", generation=2)
+    changed["spec"]["suspend"] = True
+    second = Runtime._validated(state, changed)
+    assert second is not first and second.spec.suspend
+    # Only the status changed (the status this loop wrote, before the watch delivers it).
+    written = {**changed, "status": {"phase": "Running"}}
+    third = Runtime._validated(state, written)
+    assert third is not second and third.status is not None and third.status.phase == "Running"
+    assert Runtime._validated(state, copy.deepcopy(written)) is third
+
+
 # ---------------------------------------------------------------------- health
 
 

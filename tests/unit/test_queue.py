@@ -394,7 +394,7 @@ async def test_a_deep_position_is_written_after_every_tenth_of_the_way() -> None
         state.written_at = time.monotonic() - seconds_ago
         before = len(writes.patches)
         old = _queued(shown).to_wire()
-        assert await rt._write_status(NAMESPACE, "deep", state, old, _queued(now), {})
+        assert await rt._write_status(NAMESPACE, "deep", state, old, _queued(now).to_wire(), {})
         return len(writes.patches) > before
 
     pace = settings.progress_write_seconds

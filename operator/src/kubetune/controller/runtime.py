@@ -114,11 +114,6 @@ def resource_version(meta: Mapping[str, Any]) -> int | None:
     return int(raw) if raw.isdigit() else None
 
 
-def status_patch(old: Mapping[str, Any], new: FineTuneJobStatus) -> dict[str, Any]:
-    """A JSON merge patch turning `old` into `new` (None removes a field)."""
-    return merge_patch(old, new.to_wire())
-
-
 def merge_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
     """The JSON merge patch (RFC 7396) turning `old` into `new`: what changed, objects
     compared field by field (a merge patch merges them; lists it replaces whole), and None
@@ -438,6 +433,8 @@ class _JobState:
     generation: Any = None
     outdated: bool = False
     """The job has fields this operator does not know, and it said so."""
+    validated: tuple[dict[str, Any], FineTuneJob] | None = None
+    """The job as last validated, and what it was made of."""
 
 
 class Runtime:
@@ -636,6 +633,18 @@ class Runtime:
         log.warning("%s/%s: %s", body["metadata"].get("namespace"), state.name, message)
         self.post_event(body, EventType.WARNING, Reason.OPERATOR_OUTDATED, message)
 
+    @staticmethod
+    def _validated(state: _JobState, raw: dict[str, Any]) -> FineTuneJob:
+        """The job as a model, validated again only when what it is made of changed: most
+        looks of a running job see the same object and status. (Comparing the two dicts
+        costs a small part of validating them; a reconcile does not change the job it is
+        given, it decides on a copy of its status.)"""
+        if state.validated is not None and state.validated[0] == raw:
+            return state.validated[1]
+        job = FineTuneJob.model_validate(raw)
+        state.validated = (raw, job)
+        return job
+
     def _status_of(self, state: _JobState, body: Mapping[str, Any]) -> dict[str, Any] | None:
         """The job's latest status: the live object's, or what this loop wrote last when the
         watch has not delivered that version yet."""
@@ -659,7 +668,7 @@ class Runtime:
         raw = {"metadata": meta, "spec": dict(body.get("spec") or {}), "status": old_status}
         now = datetime.now(UTC)
         try:
-            job = FineTuneJob.model_validate(raw)
+            job = self._validated(state, raw)
         except ValidationError as exc:
             unknown = [e for e in exc.errors() if e["type"] == "extra_forbidden"]
             if len(unknown) == len(exc.errors()):
@@ -669,12 +678,10 @@ class Runtime:
                 return self.settings.resync_seconds
             # Admission normally catches this; an older CRD or a hand-edited status may not.
             message = f"invalid FineTuneJob: {exc.errors()[0]['msg']} at {exc.errors()[0]['loc']}"
-            status = failed(FineTuneJobStatus(), Reason.INVALID_SPEC, message, now)
+            wire = failed(FineTuneJobStatus(), Reason.INVALID_SPEC, message, now).to_wire()
             self.post_event(body, EventType.WARNING, Reason.INVALID_SPEC, message)
-            written = await self._write_status(
-                namespace, name, state, old_status or {}, status, body
-            )
-            metrics.observe_job(raw, status.to_wire())
+            written = await self._write_status(namespace, name, state, old_status or {}, wire, body)
+            metrics.observe_job(raw, wire)
             return None if written else self._after_rejection(state)
         version = self.view_version
         pools, capacity = self.live_pools()
@@ -724,8 +731,8 @@ class Runtime:
 
         async with self.slots.hold(self._priority(key, job)):
             decision, now = await asyncio.get_running_loop().run_in_executor(self.executor, decide)
-        written = await self._carry_out(job, state, decision, body, now, old_status or {})
-        metrics.observe_job(raw, decision.status.to_wire())
+        written, wire = await self._carry_out(job, state, decision, body, now, old_status or {})
+        metrics.observe_job(raw, wire)
         phase = decision.status.phase
         if phase == Phase.QUEUED or (phase == Phase.PLANNING and not observed.pools):
             self.queued.add(key)
@@ -836,8 +843,9 @@ class Runtime:
         body: Mapping[str, Any],
         now: datetime,
         old_status: Mapping[str, Any],
-    ) -> bool:
-        """Write the decision's status and create its children; True when the status landed.
+    ) -> tuple[bool, dict[str, Any]]:
+        """Write the decision's status and create its children; whether the status landed,
+        and the status written (wire form).
 
         The status goes out together with the objects the trainer's pods use (volume,
         config, Service), in one round trip: on a busy API server a user sees the plan as
@@ -850,7 +858,8 @@ class Runtime:
         namespace, name = str(job.metadata["namespace"]), str(job.metadata["name"])
         first = [m for m in d.create if m["kind"] != "Job"]
         last = [m for m in d.create if m["kind"] == "Job"]
-        write = self._write_status(namespace, name, state, old_status, d.status, body)
+        wire = d.status.to_wire()
+        write = self._write_status(namespace, name, state, old_status, wire, body)
         written, conflict = await asyncio.gather(
             write, self._create_children(job, state, first), return_exceptions=True
         )
@@ -866,8 +875,9 @@ class Runtime:
             d.status = failed(d.status, reason, message, now)
             d.events.clear()
             self.post_event(body, EventType.WARNING, reason, message)
+            wire = d.status.to_wire()
             written = await self._write_status(
-                namespace, name, state, self._status_of(state, body) or {}, d.status, body
+                namespace, name, state, self._status_of(state, body) or {}, wire, body
             )
         for batch_job in d.delete_jobs:
             await self.kube.delete_batch_job(namespace, batch_job)
@@ -887,7 +897,7 @@ class Runtime:
             self.post_event(body, event.type, event.reason, event.message)
         if d.delete_self:
             await self.kube.delete_finetunejob(namespace, name)
-        return written
+        return bool(written), wire
 
     async def _create_children(
         self, job: FineTuneJob, state: _JobState, manifests: Sequence[Mapping[str, Any]]
@@ -949,11 +959,12 @@ class Runtime:
         name: str,
         state: _JobState,
         old: Mapping[str, Any],
-        new: FineTuneJobStatus,
+        new: dict[str, Any],
         body: Mapping[str, Any],
     ) -> bool:
-        """Write what changed of the status; False when the apiserver rejected it (422)."""
-        patch = status_patch(old, new)
+        """Write what changed of the status (`new` in wire form); False when the apiserver
+        rejected it (422)."""
+        patch = merge_patch(old, new)
         state.held_until = None
         if not patch:
             state.rejections = 0
@@ -991,7 +1002,7 @@ class Runtime:
         state.rejections = 0
         if rv is not None:
             state.written_rv = resource_version({"resourceVersion": rv})
-            state.written_status = new.to_wire()
+            state.written_status = new
         return True
 
     # ------------------------------------------------------------------ pool loops
