@@ -1321,7 +1321,7 @@ class Bench:
         its reschedule delay, two polls for noticing, and a margin."""
         env = self.opts.operator_env
         reschedule = float(env.get("KUBETUNE_RESCHEDULE_SECONDS") or 120)
-        poll = float(env.get("KUBETUNE_POLL_SECONDS") or 10)
+        poll = float(env.get("KUBETUNE_POLL_SECONDS") or 30)
         return reschedule + 2 * poll + 15
 
     def mark(self, name: str) -> Mark:

@@ -139,7 +139,7 @@ class ControllerSettings:
     allow_network: bool = False
     """Fetch config.json of unknown hub models at plan time."""
     queue_retry_seconds: float = 15.0
-    poll_seconds: float = 10.0
+    poll_seconds: float = 30.0
     reschedule_seconds: float = 120.0
     """A trainer pod unschedulable this long makes the job re-plan onto another pool."""
     resync_seconds: float = 600.0

@@ -26,7 +26,7 @@ KUBETUNE_CACHE_VOLUME               JSON object: a pod volume source shared by e
                                     the cache, instead of a claim per namespace ({})
 KUBETUNE_STAGE_IN_HUB               fetch hub models and datasets in the stage-in step (true)
 KUBETUNE_HF_ENDPOINT                HF_ENDPOINT of stage-in and trainer pods (huggingface.co)
-KUBETUNE_POLL_SECONDS               how often a running job's trainer metrics are read (10)
+KUBETUNE_POLL_SECONDS               how often a running job's trainer metrics are read (30)
 KUBETUNE_QUEUE_RETRY_SECONDS        how often queued jobs are re-planned without events (15)
 KUBETUNE_RESCHEDULE_SECONDS         unschedulable trainer pods this long: move pools (120)
 KUBETUNE_RESYNC_SECONDS             every unfinished job is looked at at least this often (600)
@@ -287,7 +287,7 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> ControllerSetting
                 None, (p.strip() for p in env.get("KUBETUNE_ALLOWED_TRAINER_IMAGES", "").split(","))
             )
         ),
-        poll_seconds=_float(env, "KUBETUNE_POLL_SECONDS", 10.0),
+        poll_seconds=_float(env, "KUBETUNE_POLL_SECONDS", 30.0),
         queue_retry_seconds=_float(env, "KUBETUNE_QUEUE_RETRY_SECONDS", 15.0),
         reschedule_seconds=_float(env, "KUBETUNE_RESCHEDULE_SECONDS", 120.0),
         resync_seconds=_positive(env, "KUBETUNE_RESYNC_SECONDS", ControllerSettings.resync_seconds),
