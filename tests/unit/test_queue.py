@@ -182,6 +182,57 @@ def test_jobs_deep_in_a_queue_are_woken_when_their_place_moved_by_a_tenth() -> N
     rt.executor.shutdown()
 
 
+async def test_a_job_that_joins_ahead_wakes_those_whose_place_it_moved() -> None:
+    """A job that queues ahead of jobs already waiting (a higher priority) moves each of
+    them back a place: those within the first ten show that at once, so the join itself
+    must wake them; nothing else might happen for minutes. A job that joins at the end moves
+    nobody and wakes nobody."""
+    job, _ = run(make_job())
+    plan = job.status.plan  # type: ignore[union-attr]
+    assert plan is not None
+    rt = Runtime(ControllerSettings(), None, load_arch, lambda *_: None)  # type: ignore[arg-type]
+    loop = asyncio.get_running_loop()
+    full = {plan.pool: {"freeGPUsPerNode": [0] * plan.nodes}}
+
+    async def queues(name: str, minute: int, priority: int = 0) -> None:
+        meta = {
+            **job.metadata,
+            "name": name,
+            "creationTimestamp": f"2026-11-24T00:{minute:02d}:00Z",
+        }
+        spec = job.spec.model_copy(
+            update={"resources": job.spec.resources.model_copy(update={"priority": priority})}
+        )
+        one = job.model_copy(update={"metadata": meta, "spec": spec})
+        admit = partial(rt._admit, loop, (NAMESPACE, name), one, full, (0, time.monotonic()))
+        why = await loop.run_in_executor(rt.executor, admit, plan, True)
+        assert why is not None and "position" in why
+        rt.jobs.setdefault((NAMESPACE, name), _JobState(name=name))
+
+    async def woken_after_a_burst() -> set[str]:
+        await asyncio.sleep(0.7)  # the wake pass runs once per burst of changes, 0.5 s on
+        return _woken(rt)
+
+    try:
+        for i in range(12):
+            await queues(f"q{i:02d}", i)
+        await woken_after_a_burst()
+        await queues("last", 30)
+        assert await woken_after_a_burst() == set(), "joining at the end moves nobody"
+
+        await queues("urgent", 40, priority=5)
+        assert rt.queue.position((NAMESPACE, "urgent")) == 1
+        # Everyone moved back a place, which the ten that had the first ten places show at
+        # once (q00..q09); q10 and q11 moved by less than a tenth (and the first eight of a
+        # queue, the new job among them, are woken on any change).
+        assert await woken_after_a_burst() == {"urgent", *(f"q{i:02d}" for i in range(10))}
+
+        await queues("urgent", 40, priority=5)  # its next look: the same ticket
+        assert await woken_after_a_burst() == set()
+    finally:
+        rt.executor.shutdown()
+
+
 def test_a_pool_nobody_waits_for_getting_free_gpus_wakes_every_waiting_job() -> None:
     """A job deep in one pool's queue may move to another pool once that one has room; the
     first of its queue may not be allowed there. Free GPUs in a pool without a queue wake the

@@ -66,6 +66,14 @@ class Waiting:
         if not orders:
             del self._orders[ticket.pool]
 
+    def ticket(self, key: tuple[str, str]) -> Ticket | None:
+        """The ticket the job waits with, if it waits."""
+        return self._tickets.get(key)
+
+    def length(self, pool: str) -> int:
+        """How many jobs wait for the pool."""
+        return len(self._orders.get(pool, ()))
+
     def ahead(self, ticket: Ticket) -> int:
         """How many waiting jobs of the ticket's pool go before it (itself never counted)."""
         mine = ticket.order()

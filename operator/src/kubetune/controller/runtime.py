@@ -293,6 +293,10 @@ class GpuQueue:
         """Each waiting job's place in its pool's queue, as of its last look."""
         self.version = 0
         """Changes whenever reservations change (part of what a plan depends on)."""
+        self.pushed_back = 0
+        """Counts the joins that moved jobs already waiting: a job joined a queue ahead of
+        some, or its ticket changed (another pool, another priority) and the jobs behind its
+        old place moved up. Their statuses show their old places until they look again."""
 
     def admit(
         self,
@@ -316,8 +320,7 @@ class GpuQueue:
             if queued and not join:
                 return f"pool {ticket.pool} has no {ticket.gpus} free GPU(s)"
             if queued:
-                self.waiting.put(ticket)
-                position = self.positions[key] = self.waiting.ahead(ticket) + 1
+                position = self.positions[key] = self._join(ticket)
                 return (
                     f"position {position} in the queue of pool {ticket.pool}: waiting for "
                     f"{ticket.gpus} free GPU(s); re-planning as capacity changes"
@@ -339,9 +342,18 @@ class GpuQueue:
                 self.reserved[key] = (ticket, time.monotonic())
                 self.version += 1
             elif join:
-                self.waiting.put(ticket)
-                self.positions[key] = ahead + 1
+                self.positions[key] = self._join(ticket)
             return why
+
+    def _join(self, ticket: Ticket) -> int:
+        """The job waits with this ticket; its place (1 first). Counts in `pushed_back`
+        when that moved jobs already waiting."""
+        old = self.waiting.ticket(ticket.key)
+        self.waiting.put(ticket)
+        place = self.waiting.ahead(ticket) + 1
+        if old != ticket and (old is not None or place < self.waiting.length(ticket.pool)):
+            self.pushed_back += 1
+        return place
 
     def position(self, key: JobKey) -> int | None:
         with self._lock:
@@ -803,10 +815,15 @@ class Runtime:
             loop.call_soon_threadsafe(self.wake, key)
             return f"capacity of pool {plan.pool} changed while this look waited; looking again"
         free = (capacity.get(plan.pool) or {}).get("freeGPUsPerNode", [])
+        pushed_back = self.queue.pushed_back
         why = self.queue.admit(key, ticket, free, queued, join, seen=version)
         if why is None:
             # The next job in the queue may go now (or once this one's pods hold the GPUs).
             loop.call_soon_threadsafe(self.capacity_changed)
+        elif self.queue.pushed_back != pushed_back:
+            # It joined ahead of jobs that wait (or left their queue for another): those
+            # whose status now shows a wrong place look again (_wake_after_change).
+            loop.call_soon_threadsafe(self.queue_changed)
         return why
 
     def _release_when_bound(
