@@ -56,7 +56,7 @@ from kubetune.controller.cache import (
     trimmed_pod,
 )
 from kubetune.controller.kube import Fenced, FineTuneJobResource, Kube, StatusRejected
-from kubetune.controller.runtime import Runtime, _JobState
+from kubetune.controller.runtime import SMALL_MOVE_SLOWDOWN, Runtime, _JobState
 from kubetune.sources import load_arch
 from support.kmock_apiserver import ApiServerEmulator, declare_resources
 from support.reconcile import make_job
@@ -1095,6 +1095,36 @@ async def test_a_job_deep_in_a_queue_waits_for_events(
     loop.state.written_at -= pace
     assert await loop.look() == settings.resync_seconds
     assert "position 9 in the queue" in loop.status()["message"]
+
+
+async def test_a_small_move_deep_in_a_queue_is_shown_after_ten_progress_writes(
+    apiserver: ApiServerEmulator, kube: Kube, clock: type[Clock]
+) -> None:
+    """A move by less than a tenth of a deep place wakes nobody, yet the status must show it
+    in time: a job deep in a queue looks every SMALL_MOVE_SLOWDOWN progress writes (never
+    less often than the resync; at the defaults both are ten minutes)."""
+    loop = Loop(apiserver, kube, progress_write_seconds=2.0)
+    busy = [
+        pod(f"holds-{n['metadata']['name']}", node_name=n["metadata"]["name"], gpus=(8,))
+        for n in pool_nodes()
+    ]
+    seed(apiserver, *example_cluster(), *busy, tiny_job())
+    await loop.look()
+    pool_name = loop.status()["plan"]["pool"]
+    ahead = [Ticket(NAMESPACE, f"early-{i:02d}", 0, "", pool_name, 1, 1) for i in range(21)]
+    for t in ahead[:20]:
+        loop.runtime.queue.admit(t.key, t, [0], queued=True)
+    loop.state.written_at -= 2.0
+    assert await loop.look() == SMALL_MOVE_SLOWDOWN * 2.0
+    assert "position 21 in the queue" in loop.status()["message"]
+
+    loop.runtime.queue.admit(ahead[20].key, ahead[20], [0], queued=True)  # 21 → 22
+    assert loop.key not in loop.runtime.queue.moved()  # too small to wake it
+    delay = await loop.look()  # the look it makes anyway, one such period later
+    assert delay is not None and delay <= SMALL_MOVE_SLOWDOWN * 2.0
+    loop.state.written_at -= SMALL_MOVE_SLOWDOWN * 2.0
+    await loop.look()
+    assert "position 22 in the queue" in loop.status()["message"]
 
 
 async def test_a_job_whose_claim_is_missing_is_held_until_it_exists(

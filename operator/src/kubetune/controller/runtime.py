@@ -762,9 +762,14 @@ class Runtime:
         position = self.queue.position(key)
         if delay is not None and position is not None and position > WAKE_PER_POOL:
             # Deep in a queue nothing lets it in but the jobs ahead leaving, and nothing
-            # changes what it shows but its place moving: both wake it (_wake_after_change),
-            # and so does a pool it might move to getting free GPUs.
-            delay = self.settings.resync_seconds
+            # changes what it shows but its place moving: both wake it (_wake_after_change)
+            # when the move shows at once, and so does a pool it might move to getting free
+            # GPUs. A smaller move is shown after SMALL_MOVE_SLOWDOWN progress writes: it
+            # looks that often (at the defaults, the resync period).
+            delay = min(
+                self.settings.resync_seconds,
+                SMALL_MOVE_SLOWDOWN * self.settings.progress_write_seconds,
+            )
         if delay is not None and state.held_until is not None:
             # A status write held back is written when due.
             delay = min(delay, max(state.held_until - time.monotonic(), 0.0))
