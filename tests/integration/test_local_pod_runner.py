@@ -428,9 +428,10 @@ def test_deleted_pod_gets_sigterm_first_and_is_removed(
 
 
 def test_sigkill_after_grace_period_is_reported_before_the_final_delete(
-    cluster: Cluster, runner: Runner, namespace: str
+    cluster: Cluster, runner: Runner, namespace: str, tmp_path: Path
 ) -> None:
     finalizer = "kubetune.io/test-keep"
+    marker_dir = tmp_path / "markers"
     apply(
         cluster,
         namespace,
@@ -448,13 +449,28 @@ def test_sigkill_after_grace_period_is_reported_before_the_final_delete(
                     {
                         "name": "main",
                         "image": "ignored",
-                        "command": ["sh", "-c", 'trap "" TERM; while true; do sleep 0.1; done'],
+                        "command": [
+                            "sh",
+                            "-c",
+                            'trap "" TERM; echo started > /markers/started; '
+                            "while true; do sleep 0.1; done",
+                        ],
+                        "volumeMounts": [{"name": "markers", "mountPath": "/markers"}],
+                    }
+                ],
+                "volumes": [
+                    {
+                        "name": "markers",
+                        "hostPath": {"path": str(marker_dir), "type": "DirectoryOrCreate"},
                     }
                 ],
             },
         },
     )
     wait_pod_phase(cluster, runner, "stubborn", namespace, "Running")
+    # Running means the process started, not that the shell has set its trap yet: a SIGTERM
+    # before that would end it (143) instead of leaving it to the SIGKILL.
+    wait_for("the trap to be set", (marker_dir / "started").exists, timeout=TIMEOUT)
     cluster.kubectl("delete", "pod", "stubborn", "-n", namespace, "--wait=false")
     try:
         status = wait_pod_phase(cluster, runner, "stubborn", namespace, "Failed")
