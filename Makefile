@@ -43,7 +43,7 @@ e2e: setup
 # control plane and operator, which must not share the machine with the integration tier's.
 # The integration tier's workers each start a cluster of their own and take whole files
 # (--dist loadfile): a file's tests share its fixtures, and its waits overlap another file's
-# work (12.6 minutes on one process, 8 on two, on two cores).
+# work (12.6 minutes on one process, 9 to 10 on two, on two cores).
 # The kind step goes first among the e2e runs: the scenarios marked kubelet that pass there,
 # under a real kubelet, are left out of the local target's run (about 7 minutes); where kind
 # is skipped (no cached images, too little disk) the local target runs every scenario.
