@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -374,44 +375,48 @@ def test_pod_sees_its_environment_like_in_a_cluster(
     wait_for("workingDir removed", lambda: not workdir.parent.exists(), timeout=10)
 
 
+def trapping_pod(
+    name: str, runner: Runner, marker_dir: Path, on_term: str, grace: int
+) -> dict[str, Any]:
+    """A pod whose shell runs `on_term` on SIGTERM ("": ignores it), then writes
+    `marker_dir/started` once its trap is set, and loops until stopped."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            **placement(runner.node),
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": grace,
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "ignored",
+                    "command": [
+                        "sh",
+                        "-c",
+                        f"trap {shlex.quote(on_term)} TERM; echo started > /markers/started; "
+                        "while true; do sleep 0.1; done",
+                    ],
+                    "volumeMounts": [{"name": "markers", "mountPath": "/markers"}],
+                }
+            ],
+            "volumes": [
+                {
+                    "name": "markers",
+                    "hostPath": {"path": str(marker_dir), "type": "DirectoryOrCreate"},
+                }
+            ],
+        },
+    }
+
+
 def test_deleted_pod_gets_sigterm_first_and_is_removed(
     cluster: Cluster, runner: Runner, namespace: str, tmp_path: Path
 ) -> None:
     marker_dir = tmp_path / "markers"
-    apply(
-        cluster,
-        namespace,
-        {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": "graceful"},
-            "spec": {
-                **placement(runner.node),
-                "restartPolicy": "Never",
-                "terminationGracePeriodSeconds": 60,
-                "containers": [
-                    {
-                        "name": "main",
-                        "image": "ignored",
-                        "command": [
-                            "sh",
-                            "-c",
-                            'trap "echo TERM > /markers/term; exit 42" TERM; '
-                            "echo started > /markers/started; "
-                            "while true; do sleep 0.1; done",
-                        ],
-                        "volumeMounts": [{"name": "markers", "mountPath": "/markers"}],
-                    }
-                ],
-                "volumes": [
-                    {
-                        "name": "markers",
-                        "hostPath": {"path": str(marker_dir), "type": "DirectoryOrCreate"},
-                    }
-                ],
-            },
-        },
-    )
+    pod = trapping_pod("graceful", runner, marker_dir, "echo TERM > /markers/term; exit 42", 60)
+    apply(cluster, namespace, pod)
     status = wait_pod_phase(cluster, runner, "graceful", namespace, "Running")
     assert status["containerStatuses"][0]["ready"] is True
     wait_for("the process to start", (marker_dir / "started").exists, timeout=TIMEOUT)
@@ -432,41 +437,11 @@ def test_sigkill_after_grace_period_is_reported_before_the_final_delete(
 ) -> None:
     finalizer = "kubetune.io/test-keep"
     marker_dir = tmp_path / "markers"
-    apply(
-        cluster,
-        namespace,
-        {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            # The finalizer keeps the object after the runner's final delete, so that the
-            # status it reported can be read.
-            "metadata": {"name": "stubborn", "finalizers": [finalizer]},
-            "spec": {
-                **placement(runner.node),
-                "restartPolicy": "Never",
-                "terminationGracePeriodSeconds": 2,
-                "containers": [
-                    {
-                        "name": "main",
-                        "image": "ignored",
-                        "command": [
-                            "sh",
-                            "-c",
-                            'trap "" TERM; echo started > /markers/started; '
-                            "while true; do sleep 0.1; done",
-                        ],
-                        "volumeMounts": [{"name": "markers", "mountPath": "/markers"}],
-                    }
-                ],
-                "volumes": [
-                    {
-                        "name": "markers",
-                        "hostPath": {"path": str(marker_dir), "type": "DirectoryOrCreate"},
-                    }
-                ],
-            },
-        },
-    )
+    pod = trapping_pod("stubborn", runner, marker_dir, "", 2)
+    # The finalizer keeps the object after the runner's final delete, so that the status it
+    # reported can be read.
+    pod["metadata"]["finalizers"] = [finalizer]
+    apply(cluster, namespace, pod)
     wait_pod_phase(cluster, runner, "stubborn", namespace, "Running")
     # Running means the process started, not that the shell has set its trap yet: a SIGTERM
     # before that would end it (143) instead of leaving it to the SIGKILL.
