@@ -287,7 +287,7 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> ControllerSetting
                 None, (p.strip() for p in env.get("KUBETUNE_ALLOWED_TRAINER_IMAGES", "").split(","))
             )
         ),
-        poll_seconds=_float(env, "KUBETUNE_POLL_SECONDS", 30.0),
+        poll_seconds=_float(env, "KUBETUNE_POLL_SECONDS", ControllerSettings.poll_seconds),
         queue_retry_seconds=_float(env, "KUBETUNE_QUEUE_RETRY_SECONDS", 15.0),
         reschedule_seconds=_float(env, "KUBETUNE_RESCHEDULE_SECONDS", 120.0),
         resync_seconds=_positive(env, "KUBETUNE_RESYNC_SECONDS", ControllerSettings.resync_seconds),
