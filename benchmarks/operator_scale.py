@@ -1319,9 +1319,13 @@ class Bench:
     def patience(self) -> float:
         """How long a trainer pod may stay Pending before the operator gives up moving it:
         its reschedule delay, two polls for noticing, and a margin."""
+        from kubetune.control.reconcile import ControllerSettings  # the operator benchmarked
+
         env = self.opts.operator_env
-        reschedule = float(env.get("KUBETUNE_RESCHEDULE_SECONDS") or 120)
-        poll = float(env.get("KUBETUNE_POLL_SECONDS") or 30)
+        reschedule = float(
+            env.get("KUBETUNE_RESCHEDULE_SECONDS") or ControllerSettings.reschedule_seconds
+        )
+        poll = float(env.get("KUBETUNE_POLL_SECONDS") or ControllerSettings.poll_seconds)
         return reschedule + 2 * poll + 15
 
     def mark(self, name: str) -> Mark:

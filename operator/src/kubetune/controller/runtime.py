@@ -548,6 +548,12 @@ class Runtime:
             state.wake.set()
 
     @property
+    def small_move_write_seconds(self) -> float:
+        """How often a queued job's position that moved by less than a tenth is written
+        (and a job deep in a queue looks again, so that it is)."""
+        return SMALL_MOVE_SLOWDOWN * self.settings.progress_write_seconds
+
+    @property
     def view_version(self) -> tuple[int, int]:
         """Changes whenever what the planner sees changes: capacity or reservations."""
         return (self.capacity_version, self.queue.version)
@@ -766,10 +772,7 @@ class Runtime:
             # when the move shows at once, and so does a pool it might move to getting free
             # GPUs. A smaller move is shown after SMALL_MOVE_SLOWDOWN progress writes: it
             # looks that often (at the defaults, the resync period).
-            delay = min(
-                self.settings.resync_seconds,
-                SMALL_MOVE_SLOWDOWN * self.settings.progress_write_seconds,
-            )
+            delay = min(self.settings.resync_seconds, self.small_move_write_seconds)
         if delay is not None and state.held_until is not None:
             # A status write held back is written when due.
             delay = min(delay, max(state.held_until - time.monotonic(), 0.0))
@@ -992,9 +995,11 @@ class Runtime:
             state.rejections = 0
             return True
         if only_volatile(old, patch):
-            every = self.settings.progress_write_seconds
-            if small_move(old, patch):
-                every *= SMALL_MOVE_SLOWDOWN
+            every = (
+                self.small_move_write_seconds
+                if small_move(old, patch)
+                else self.settings.progress_write_seconds
+            )
             if time.monotonic() - state.written_at < every:
                 state.held_until = state.written_at + every
                 return True
