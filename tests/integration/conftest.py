@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def local_cluster(
     tmp_path_factory: pytest.TempPathFactory, binaries: Binaries
 ) -> Iterator[LocalCluster]:
-    cluster = LocalCluster(tmp_path_factory.mktemp("cluster"), binaries)
+    cluster = LocalCluster(tmp_path_factory.mktemp("cluster"), binaries, die_with_caller=True)
     t0 = time.monotonic()
     cluster.start()
     cluster.apply([yaml.safe_load(text) for text in render_all().values()])

@@ -774,7 +774,7 @@ def test_pools_of_a_first_install_without_the_crds_are_adopted_by_the_next_upgra
     (same UID, status kept) and later upgrades patch them in place.
 
     A control plane of its own (about 10 s to start): the session's has the CRDs."""
-    fresh = LocalCluster(tmp_path / "fresh", binaries)
+    fresh = LocalCluster(tmp_path / "fresh", binaries, die_with_caller=True)
     fresh.start()
     try:
         kube = Cluster(fresh)

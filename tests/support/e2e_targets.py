@@ -210,7 +210,7 @@ class LocalTarget(Target):
         from kubetune_dev.cluster import LocalCluster
         from kubetune_dev.demo import prepare_data
 
-        self.cluster = LocalCluster(root, binaries)
+        self.cluster = LocalCluster(root, binaries, die_with_caller=True)
         t0 = time.monotonic()
         self.cluster.start()
         try:

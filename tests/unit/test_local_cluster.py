@@ -3,8 +3,14 @@ lines it starts kwok and kube-apiserver with."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -136,3 +142,51 @@ def test_controller_manager_args_extend_the_controller_list(tmp_path: Path) -> N
         off,
     ]
     assert argv[-1] == off
+
+
+SPAWNER = """
+import sys, time
+from pathlib import Path
+from kubetune_dev.binaries import Binaries
+from kubetune_dev.cluster import LocalCluster
+
+root = Path(sys.argv[1])
+tool = root / "bin/tool"
+cluster = LocalCluster(root, Binaries(*[tool] * 7, "v0"), die_with_caller=sys.argv[2] == "tied")
+cluster.logs.mkdir(parents=True)
+cluster._spawn("sleeper", ["sleep", "300"])
+print(cluster.state.pids["sleeper"], flush=True)
+time.sleep(300)
+"""
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie waits for whoever adopted it to reap it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="no util-linux setpriv here")
+@pytest.mark.parametrize("tied", [True, False])
+def test_components_die_with_a_caller_killed_outright_when_tied(tmp_path: Path, tied: bool) -> None:
+    """A test run stopped by SIGKILL never reaches its teardown: tied components still go."""
+    caller = subprocess.Popen(
+        [sys.executable, "-c", SPAWNER, str(tmp_path), "tied" if tied else "free"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert caller.stdout is not None
+    component = int(caller.stdout.readline())
+    try:
+        caller.kill()
+        caller.wait(timeout=10)
+        deadline = time.monotonic() + (10 if tied else 1)  # a free one is given 1 s to go
+        while running(component) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert running(component) is not tied
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(component, signal.SIGKILL)

@@ -177,6 +177,7 @@ class LocalCluster:
         apiserver_args: Sequence[str] = (),
         controller_manager_args: Sequence[str] = (),
         scheduler_config: Mapping[str, Any] | None = None,
+        die_with_caller: bool = False,
     ) -> None:
         """`kwok_stages` replaces the Stage objects kwok runs (default: the release's "fast"
         set next to the kwok binary). `kwok_args`, `apiserver_args` and
@@ -185,7 +186,14 @@ class LocalCluster:
         extends it (`--controllers=-endpoints-controller` turns one more controller off).
         `scheduler_config` is a KubeSchedulerConfiguration (kubescheduler.config.k8s.io/v1)
         for kube-scheduler, e.g. its profiles and client rate limits; the connection's
-        kubeconfig and leader election are filled in here."""
+        kubeconfig and leader election are filled in here.
+
+        `die_with_caller` ties every component to the thread that starts it (the kernel's
+        parent-death signal, set by util-linux `setpriv`): they get SIGTERM when it dies,
+        even by SIGKILL, so a test run or benchmark stopped before its teardown leaves no
+        control plane behind. Only for a caller that starts components from a thread that
+        lives as long as the cluster should (a test session's main thread); `kubetune dev
+        up` leaves it off, its cluster outliving the command."""
         self.root = root
         self.binaries = binaries
         self.progress = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -194,6 +202,7 @@ class LocalCluster:
         self.apiserver_args = tuple(apiserver_args)
         self.controller_manager_args = tuple(controller_manager_args)
         self.scheduler_config = None if scheduler_config is None else dict(scheduler_config)
+        self.die_with_caller = die_with_caller
         self.pki = Pki(root / "pki")
         self.logs = root / "logs"
         self.kubeconfig = root / "kubeconfig"
@@ -263,6 +272,9 @@ class LocalCluster:
 
     def _spawn(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None) -> None:
         log = (self.logs / f"{name}.log").open("ab")
+        setpriv = shutil.which("setpriv") if self.die_with_caller else None
+        if setpriv is not None:  # it sets the signal, then execs argv (same pid)
+            argv = [setpriv, "--pdeathsig", "TERM", "--", *argv]
         proc = subprocess.Popen(
             list(argv),
             stdout=log,
