@@ -1094,6 +1094,23 @@ def load_average() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
+def running_apiservers(proc: Path = Path("/proc")) -> list[int]:
+    """The pids of the kube-apiservers running on this machine: another control plane (a
+    test run stopped before its teardown, a second benchmark) shares the cores and makes a
+    run's latencies incomparable, so a run counts them before it starts its own."""
+    pids = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv0 = (entry / "cmdline").read_bytes().split(b"\0", 1)[0]
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if Path(argv0.decode(errors="replace")).name == "kube-apiserver":
+            pids.append(int(entry.name))
+    return sorted(pids)
+
+
 # ============================================================================ the run
 
 
@@ -1240,7 +1257,10 @@ class Bench:
         self.jobs: list[JobPlan] = []
         self.marks: dict[str, Mark] = {}
         self.histograms: dict[str, Histograms] = {}
-        self.facts: dict[str, Any] = {"load_start": load_average()}
+        self.facts: dict[str, Any] = {
+            "load_start": load_average(),
+            "other_apiservers": len(running_apiservers()),
+        }
         self.metrics_port = 0
         self.first_events: subprocess.Popen[bytes] | None = None
         self.first_events_file: Path | None = None
@@ -1252,6 +1272,12 @@ class Bench:
         from kubetune_dev.cluster import LocalCluster, default_root
 
         self.jobs = self.plan_jobs()
+        if self.facts["other_apiservers"]:
+            say(
+                f"warning: {self.facts['other_apiservers']} other kube-apiserver(s) running "
+                f"(pids {running_apiservers()}): they share the cores, and the row says so; "
+                "stop them first for comparable numbers (`kubetune dev down --root DIR`)"
+            )
         binaries = ensure_binaries(say)
         root = self.opts.root
         if root is None:  # a folder of its own: runs by others on this machine keep theirs
@@ -1275,6 +1301,7 @@ class Bench:
                     *self.opts.controller_manager_args,
                 ],
                 scheduler_config=self.scheduler_config(),
+                die_with_caller=True,  # a run killed outright leaves no control plane behind
             )
             try:
                 self.prepare()
@@ -1733,7 +1760,12 @@ def row_values(r: Mapping[str, Any]) -> dict[str, str]:
         "req_run": fmt(r["req_per_running_job_per_s"], 3),
         "status": fmt(r["status_writes_per_running_job_per_min"], 2),
         "post409": str(r["job_post_409"]),
-        "load": f"{r['load_start']} → {r['load_end']}",
+        "load": f"{r['load_start']} → {r['load_end']}"
+        + (
+            f"; {r['other_apiservers']} other control plane(s) running"
+            if r.get("other_apiservers")
+            else ""
+        ),
     }
 
 

@@ -360,6 +360,23 @@ def test_every_results_row_fills_every_column() -> None:
     assert "| – / – | 4 / 9 |" in row, "rows from before the batch Job column show dashes"
     tuned = bench.table_row({**result, "client_qps": 100, "bin_packing": True})
     assert "4×50×8, 20, 32; controller-manager and scheduler QPS 100; GPU bin packing |" in tuned
+    assert "other control plane" not in row
+    shared = bench.table_row({**result, "other_apiservers": 1})
+    assert "| 1.0 1.0 1.0 → 3.0 2.0 1.0; 1 other control plane(s) running |" in shared
+
+
+def test_other_control_planes_are_counted_by_their_apiserver(tmp_path: Path) -> None:
+    def process(pid: str, argv: list[str]) -> None:
+        (tmp_path / pid).mkdir()
+        (tmp_path / pid / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
+
+    process("41", ["/root/.cache/kubetune/bin/v1/kube-apiserver", "--etcd-servers=x"])
+    process("7", ["/usr/bin/python3", "kube-apiserver"])  # the name as an argument only
+    process("9", ["/opt/kube-apiserver.d/etcd"])
+    process("12", ["kube-apiserver"])
+    (tmp_path / "self").mkdir()  # not a pid
+    (tmp_path / "13").mkdir()  # a process gone between listing and reading
+    assert bench.running_apiservers(tmp_path) == [12, 41]
 
 
 def test_scheduler_config_of_the_control_plane_knobs() -> None:
