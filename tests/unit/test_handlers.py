@@ -576,10 +576,68 @@ def test_a_finished_pod_leaves_the_gpu_index() -> None:
     running = pod("p", node_name="h100-0", gpus=(8,))
     done = pod("p", node_name="h100-0", gpus=(8,), phase="Succeeded")
 
-    assert handlers.gpu_pods(body=kopf.Body(running)) == {"h100-0": 8}
-    assert handlers.gpu_pods(body=kopf.Body(done)) == {}
-    assert handlers.ftj_pods(body=kopf.Body(pod("unlabelled"))) == {}
-    assert handlers.ftj_batch_jobs(body=kopf.Body(pod("unlabelled"))) == {}
+    assert asyncio.run(handlers.gpu_pods(body=kopf.Body(running))) == {"h100-0": 8}
+    assert asyncio.run(handlers.gpu_pods(body=kopf.Body(done))) == {}
+    assert asyncio.run(handlers.ftj_pods(body=kopf.Body(pod("unlabelled")))) == {}
+    assert asyncio.run(handlers.ftj_batch_jobs(body=kopf.Body(pod("unlabelled")))) == {}
+
+
+def test_the_wake_ups_run_on_the_event_loop_as_kopf_calls_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """kopf runs a plain function in a worker thread; the wake-ups set asyncio Events and
+    debounce their pass with the loop's timers, which only the loop's thread may touch. Each
+    is called here the way kopf calls a handler, and reports where it ran."""
+    from kopf._core.actions.invocation import invoke
+
+    where: list[tuple[str, bool]] = []
+
+    def noted(what: str) -> Callable[..., None]:
+        def note(*_: Any) -> None:
+            try:
+                asyncio.get_running_loop()
+                where.append((what, True))
+            except RuntimeError:
+                where.append((what, False))
+
+        return note
+
+    job = tiny_job()
+    key = (job["metadata"]["namespace"], job["metadata"]["name"])
+    state = SimpleNamespace(generation=0, wake=SimpleNamespace(set=noted("job wake")))
+    runtime = SimpleNamespace(
+        wake=noted("wake"),
+        capacity_changed=noted("capacity_changed"),
+        pool_generations={},
+        jobs={key: state},
+    )
+    monkeypatch.setattr(handlers._State, "runtime", runtime)
+    monkeypatch.setattr(handlers._State, "gpu_pods", {})
+    monkeypatch.setattr(handlers._State, "nodes", {})
+    bound = pod("p", node_name="h100-0", gpus=(8,))
+    bound["metadata"]["labels"] = labels(FineTuneJob.model_validate(job))
+    node = {"metadata": {"name": "h100-0", "labels": {}}, "status": {"allocatable": {}}}
+    pool = {"metadata": {"name": "h100", "generation": 1}, "spec": {}}
+    job["metadata"]["generation"] = 1
+
+    async def deliver() -> None:
+        for fn, body in (
+            (handlers.child_changed, bound),
+            (handlers.pod_changed, bound),
+            (handlers.node_changed, node),
+            (handlers.pool_changed, pool),
+            (handlers.finetunejob_changed, job),
+        ):
+            await invoke(fn, kwargs={"body": kopf.Body(body), "type": "ADDED"})
+
+    asyncio.run(deliver())
+    assert where == [
+        ("wake", True),
+        ("capacity_changed", True),
+        ("capacity_changed", True),
+        ("capacity_changed", True),
+        ("job wake", True),
+    ]
 
 
 def test_observe_reads_the_checkpoint_claim_from_its_index() -> None:
@@ -596,7 +654,7 @@ def test_observe_reads_the_checkpoint_claim_from_its_index() -> None:
         },
         "status": {"phase": "Bound", "capacity": {"storage": "1Gi"}},
     }
-    indexed = handlers.ftj_claims(body=kopf.Body(claim))
+    indexed = asyncio.run(handlers.ftj_claims(body=kopf.Body(claim)))
     assert list(indexed) == [(NAMESPACE, name)]
     caches = Caches({}, {}, {}, {}, {}, claims={k: [v] for k, v in indexed.items()})
 
@@ -612,13 +670,14 @@ def test_observe_reads_the_checkpoint_claim_from_its_index() -> None:
     assert Caches({}, {}, {}, {}, {}, claims={}).observe(job, []).checkpoint_claim is None
     # Whether the claim's StorageClass allows expansion, from the StorageClass index.
     claim["spec"]["storageClassName"] = "fast"
-    claims = {k: [v] for k, v in handlers.ftj_claims(body=kopf.Body(claim)).items()}
+    claims = {k: [v] for k, v in asyncio.run(handlers.ftj_claims(body=kopf.Body(claim))).items()}
     for allow, expected in ((True, True), (False, False), (None, False)):
         storage_class = {"metadata": {"name": "fast"}, "provisioner": "example.com/csi"}
         if allow is not None:
             storage_class["allowVolumeExpansion"] = allow
         classes = {
-            k: [v] for k, v in handlers.storage_classes(body=kopf.Body(storage_class)).items()
+            k: [v]
+            for k, v in asyncio.run(handlers.storage_classes(body=kopf.Body(storage_class))).items()
         }
         caches = Caches({}, {}, {}, {}, {}, claims=claims, storage_classes=classes)
         assert caches.observe(job, []).checkpoint_class_expands is expected

@@ -165,49 +165,54 @@ def reconciles(**_: Any) -> dict[str, Any]:
 # An index function returns {} (never None) for an object that no longer belongs in the
 # index: kopf keeps an object's previous values when its function returns None, so a pod
 # that finished would hold its GPUs in the cache until it is deleted.
+#
+# The index functions and the wake-up handlers below are coroutines although none awaits:
+# kopf runs a plain function in a worker thread, one hop per function per watch event
+# (several per pod event), and the wake-ups touch the loop's state (asyncio Events, the
+# debounced wake pass), which only the loop's own thread may.
 
 
 @kopf.index(*BATCH_JOBS, labels=CHILD)
-def ftj_batch_jobs(body: kopf.Body, **_: Any) -> dict[Any, Any]:
+async def ftj_batch_jobs(body: kopf.Body, **_: Any) -> dict[Any, Any]:
     key = child_key(body)
     return {} if key is None else {key: trimmed_batch_job(body)}
 
 
 @kopf.index(*PODS, labels=CHILD)
-def ftj_pods(body: kopf.Body, **_: Any) -> dict[Any, Any]:
+async def ftj_pods(body: kopf.Body, **_: Any) -> dict[Any, Any]:
     key = child_key(body)
     return {} if key is None else {key: trimmed_pod(body)}
 
 
 @kopf.index(*CLAIMS, labels=CHILD)
-def ftj_claims(body: kopf.Body, **_: Any) -> dict[Any, Any]:
+async def ftj_claims(body: kopf.Body, **_: Any) -> dict[Any, Any]:
     meta = body.get("metadata") or {}
     key = (str(meta.get("namespace") or "default"), str(meta.get("name") or ""))
     return {key: trimmed_claim(body)}
 
 
 @kopf.index(*STORAGE_CLASSES)
-def storage_classes(body: kopf.Body, **_: Any) -> dict[str, bool]:
+async def storage_classes(body: kopf.Body, **_: Any) -> dict[str, bool]:
     return {str(body.metadata.name): body.get("allowVolumeExpansion") is True}
 
 
 @kopf.index(*PODS)
-def gpu_pods(body: kopf.Body, **_: Any) -> dict[str, int]:
+async def gpu_pods(body: kopf.Body, **_: Any) -> dict[str, int]:
     return gpu_usage(body) or {}
 
 
 @kopf.index(*NODES)
-def nodes(body: kopf.Body, **_: Any) -> dict[str, NodeInfo]:
+async def nodes(body: kopf.Body, **_: Any) -> dict[str, NodeInfo]:
     return {str(body.metadata.name): node_info(body)}
 
 
 @kopf.index(*POOLS)
-def pools(body: kopf.Body, **_: Any) -> dict[str, Any]:
+async def pools(body: kopf.Body, **_: Any) -> dict[str, Any]:
     return {str(body.metadata.name): parse_pool(body)}
 
 
 @kopf.index(*NAMESPACES)
-def namespaces(body: kopf.Body, **_: Any) -> dict[str, Tenant]:
+async def namespaces(body: kopf.Body, **_: Any) -> dict[str, Tenant]:
     return {str(body.metadata.name): tenant_of(body)}
 
 
@@ -234,14 +239,14 @@ logging.getLogger("kopf.objects").addFilter(QuietWakeUps())
 
 @kopf.on.event(*BATCH_JOBS, labels=CHILD)
 @kopf.on.event(*PODS, labels=CHILD)
-def child_changed(body: kopf.Body, **_: Any) -> None:
+async def child_changed(body: kopf.Body, **_: Any) -> None:
     key = child_key(body)
     if key is not None and _State.runtime is not None:
         _State.runtime.wake(key)
 
 
 @kopf.on.event(*PODS)
-def pod_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
+async def pod_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
     uid = str(body.metadata.uid)
     held = None if type == "DELETED" else gpu_usage(body)
     if _State.gpu_pods.get(uid) != held:
@@ -254,7 +259,7 @@ def pod_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
 
 
 @kopf.on.event(*NODES)
-def node_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
+async def node_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
     name = str(body.metadata.name)
     info = None if type == "DELETED" else node_info(body)
     if _State.nodes.get(name) != info:
@@ -267,7 +272,7 @@ def node_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
 
 
 @kopf.on.event(*POOLS)
-def pool_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
+async def pool_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
     if type == "DELETED":
         metrics.forget_pool(str(body.metadata.name))
     runtime = _State.runtime
@@ -281,7 +286,7 @@ def pool_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
 
 
 @kopf.on.event(*FTJ)
-def finetunejob_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
+async def finetunejob_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
     """A new spec (generation) or a deletion wakes the job's loop; status writes do not."""
     if type == "DELETED":
         metrics.forget_job(str(body.metadata.namespace), str(body.metadata.name))
