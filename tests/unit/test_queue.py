@@ -99,6 +99,27 @@ def test_two_jobs_never_launch_into_the_same_free_gpus() -> None:
     assert queue.admit(("team-a", "second"), second, [8], queued=False) is None
 
 
+def test_a_reservation_given_back_counts_for_looks_from_the_same_capacity_version() -> None:
+    """kopf updates the pod index before the handler that moves the capacity version runs:
+    a look at version 7 may see the first job's pod bound (and give its reservation back)
+    while another look at version 7 holds capacity computed before the binding. Only a look
+    from a later version (its capacity holds the pod) may take those GPUs."""
+    queue = GpuQueue()
+    first, second = (
+        ticket("first", gpus=8),
+        ticket("second", gpus=8, created="2026-11-24T00:01:00Z"),
+    )
+    assert queue.admit(("team-a", "first"), first, [8], queued=False, seen=6) is None
+    assert queue.release(("team-a", "first"), bound_in=7)
+
+    for seen in (6, 7):  # capacity from before the binding: 8 free that are not
+        why = queue.admit(("team-a", "second"), second, [8], queued=False, seen=seen)
+        assert why is not None and "waiting for 8 free GPU(s)" in why, seen
+    assert queue.admit(("team-a", "second"), second, [0], queued=False, seen=8) is not None
+    # A later version whose capacity shows 8 free: the first job's pod finished meanwhile.
+    assert queue.admit(("team-a", "second"), second, [8], queued=False, seen=9) is None
+
+
 def test_jobs_the_planner_queued_hold_their_place() -> None:
     queue = GpuQueue()
     old = ticket("old", gpus=8)

@@ -287,8 +287,10 @@ class GpuQueue:
         self.reserved: dict[JobKey, tuple[Ticket, float]] = {}
         self.released: dict[JobKey, tuple[Ticket, int, float]] = {}
         """Reservations given back because their pods got nodes: (ticket, the capacity
-        version whose caches showed them bound, monotonic time). A look that began from
-        older capacity does not see those pods yet and counts the reservation still."""
+        version of the look that saw them bound, monotonic time). A look that began from
+        that version or an older one counts the reservation still: its capacity may predate
+        the pods' binding, since kopf updates the pod index before the handler that moves
+        the capacity version runs (with awaits between, where other looks begin)."""
         self.positions: dict[JobKey, int] = {}
         """Each waiting job's place in its pool's queue, as of its last look."""
         self.version = 0
@@ -310,7 +312,8 @@ class GpuQueue:
         """None: launch now (GPUs reserved); otherwise the job waits, and why.
 
         `free_per_node` is the pool's capacity as of capacity version `seen` (None: current):
-        reservations given back since, their pods bound in a later version, still count.
+        reservations given back by looks that began from this version or a later one still
+        count (`released`).
 
         `join=False` asks without joining the pool's queue: a job that runs elsewhere and
         would move here (its pods found no room) takes these GPUs only when nobody waits
@@ -332,7 +335,7 @@ class GpuQueue:
                 others += [
                     t
                     for k, (t, bound_in, _) in self.released.items()
-                    if k != key and t.pool == ticket.pool and bound_in > seen
+                    if k != key and t.pool == ticket.pool and bound_in >= seen
                 ]
             ahead = self.waiting.ahead(ticket)
             why = wait_reason(ticket, ahead, free_after(free_per_node, others))
