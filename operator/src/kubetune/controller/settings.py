@@ -288,8 +288,12 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> ControllerSetting
             )
         ),
         poll_seconds=_float(env, "KUBETUNE_POLL_SECONDS", ControllerSettings.poll_seconds),
-        queue_retry_seconds=_float(env, "KUBETUNE_QUEUE_RETRY_SECONDS", 15.0),
-        reschedule_seconds=_float(env, "KUBETUNE_RESCHEDULE_SECONDS", 120.0),
+        queue_retry_seconds=_float(
+            env, "KUBETUNE_QUEUE_RETRY_SECONDS", ControllerSettings.queue_retry_seconds
+        ),
+        reschedule_seconds=_float(
+            env, "KUBETUNE_RESCHEDULE_SECONDS", ControllerSettings.reschedule_seconds
+        ),
         resync_seconds=_positive(env, "KUBETUNE_RESYNC_SECONDS", ControllerSettings.resync_seconds),
         progress_write_seconds=_float(
             env, "KUBETUNE_PROGRESS_WRITE_SECONDS", ControllerSettings.progress_write_seconds
