@@ -1257,9 +1257,10 @@ class Bench:
         self.jobs: list[JobPlan] = []
         self.marks: dict[str, Mark] = {}
         self.histograms: dict[str, Histograms] = {}
+        self.other_apiservers = running_apiservers()
         self.facts: dict[str, Any] = {
             "load_start": load_average(),
-            "other_apiservers": len(running_apiservers()),
+            "other_apiservers": len(self.other_apiservers),
         }
         self.metrics_port = 0
         self.first_events: subprocess.Popen[bytes] | None = None
@@ -1272,10 +1273,10 @@ class Bench:
         from kubetune_dev.cluster import LocalCluster, default_root
 
         self.jobs = self.plan_jobs()
-        if self.facts["other_apiservers"]:
+        if self.other_apiservers:
             say(
-                f"warning: {self.facts['other_apiservers']} other kube-apiserver(s) running "
-                f"(pids {running_apiservers()}): they share the cores, and the row says so; "
+                f"warning: {len(self.other_apiservers)} other kube-apiserver(s) running "
+                f"(pids {self.other_apiservers}): they share the cores, and the row says so; "
                 "stop them first for comparable numbers (`kubetune dev down --root DIR`)"
             )
         binaries = ensure_binaries(say)

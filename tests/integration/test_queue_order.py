@@ -86,17 +86,20 @@ def job(i: int) -> dict[str, Any]:
     return doc
 
 
+def gpus_asked(pod: dict[str, Any]) -> int:
+    return sum(
+        int(c["resources"]["limits"].get("nvidia.com/gpu", 0)) for c in pod["spec"]["containers"]
+    )
+
+
 def pod_line(pod: dict[str, Any]) -> str:
     """One pod as a failure message shows it: what it asks, where, since when, in which state."""
     meta, status = pod["metadata"], pod["status"]
-    gpus = sum(
-        int(c["resources"]["limits"].get("nvidia.com/gpu", 0)) for c in pod["spec"]["containers"]
-    )
     scheduled = next(
         (c for c in status.get("conditions") or [] if c.get("type") == "PodScheduled"), {}
     )
     return (
-        f"{meta['name']} gpus={gpus} node={pod['spec'].get('nodeName')} "
+        f"{meta['name']} gpus={gpus_asked(pod)} node={pod['spec'].get('nodeName')} "
         f"phase={status.get('phase')} created={meta['creationTimestamp']} "
         f"deleting={meta.get('deletionTimestamp')} scheduled={scheduled.get('status')}/"
         f"{scheduled.get('reason')}@{scheduled.get('lastTransitionTime')}"
@@ -152,13 +155,7 @@ def test_jobs_queue_in_order_and_never_ask_for_gpus_that_are_not_free(
         # GPUs asked for by trainer pods that have not finished, bound or still pending.
         pods = cluster.list("pod", namespace, selector="kubetune.io/job")
         asking = [p for p in pods if p["status"].get("phase") not in ("Succeeded", "Failed")]
-        demand.append(
-            sum(
-                int(c["resources"]["limits"].get("nvidia.com/gpu", 0))
-                for p in asking
-                for c in p["spec"]["containers"]
-            )
-        )
+        demand.append(sum(gpus_asked(p) for p in asking))
         if demand[-1] > 16 and not over:
             over.extend(pod_line(p) for p in asking)
         phases = [

@@ -618,7 +618,6 @@ def test_the_wake_ups_run_on_the_event_loop_as_kopf_calls_them(
     bound["metadata"]["labels"] = labels(FineTuneJob.model_validate(job))
     node = {"metadata": {"name": "h100-0", "labels": {}}, "status": {"allocatable": {}}}
     pool = {"metadata": {"name": "h100", "generation": 1}, "spec": {}}
-    job["metadata"]["generation"] = 1
 
     async def deliver() -> None:
         for fn, body in (
