@@ -18,7 +18,10 @@ the process's peak `torch.cuda.max_memory_allocated` / `max_memory_reserved`, wh
 decides an out-of-memory, and every step's loss. Cases come in "before" / "after" pairs: the
 same setup without and with the memory savers and the variable-length attention path
 (`Case`). Before the cases, `probe_varlen` checks the variable-length kernel against
-per-document SDPA on the GPU; if it fails, the cases that would use it run on the mask.
+per-document SDPA on the GPU; if it fails, the cases that would use it run on the mask;
+`probe_fused` checks the fused loss's kernel (its soft-capped branch too) against the plain
+loss before the cases that use it. `--time-budget` stops starting cases once a time-boxed GPU
+lease is nearly spent.
 `report` adds `kubetune estimate` and the simulated step (`--simulate`) beside each case.
 """
 
@@ -34,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -105,12 +109,16 @@ class Case:
     chunked_ce: bool = False
     activation_offload: bool = False
     packed_attention: str = "mask"
+    fused_ce: bool = False
+    optimizer_in_backward: bool = False
 
     def savers(self) -> str:
         """The savers and attention path in a few words, for the table."""
         words = [] if self.packed_attention == "mask" else [self.packed_attention]
         words += ["chunked CE"] if self.chunked_ce else []
+        words += ["fused CE"] if self.fused_ce else []
         words += ["offload"] if self.activation_offload else []
+        words += ["step in backward"] if self.optimizer_in_backward else []
         return ", ".join(words) or "-"
 
 
@@ -166,6 +174,41 @@ CASES: dict[str, Case] = {
     "llama8b-lora-ckpt": Case(LLAMA8B, "lora", 4, 2048, True),
     "llama8b-qlora-ckpt": Case(LLAMA8B, "qlora", 4, 2048, True),
     "llama8b-full-ckpt-8bit": Case(LLAMA8B, "full", 2, 2048, True, "adamw-8bit"),
+    # The fused loss (Liger's kernel) and the optimizer step in backward, each beside the
+    # chunked-loss case it replaces or adds to.
+    "llama1b-full-fused": Case(
+        LLAMA1B, "full", 4, 2048, False, fused_ce=True, packed_attention="varlen"
+    ),
+    "llama1b-lora-fused": Case(
+        LLAMA1B, "lora", 8, 2048, False, fused_ce=True, packed_attention="varlen"
+    ),
+    "llama1b-lora-16k-savers": Case(
+        LLAMA1B, "lora", 1, 16384, False, chunked_ce=True, packed_attention="varlen"
+    ),
+    "llama1b-lora-16k-fused": Case(
+        LLAMA1B, "lora", 1, 16384, False, fused_ce=True, packed_attention="varlen"
+    ),
+    "llama1b-full-inbwd": Case(
+        LLAMA1B,
+        "full",
+        4,
+        2048,
+        False,
+        chunked_ce=True,
+        packed_attention="varlen",
+        optimizer_in_backward=True,
+    ),
+    "llama8b-full-ckpt-8bit-inbwd": Case(
+        LLAMA8B,
+        "full",
+        2,
+        2048,
+        True,
+        "adamw-8bit",
+        chunked_ce=True,
+        packed_attention="varlen",
+        optimizer_in_backward=True,
+    ),
 }
 DEFAULT_CASES = list(CASES)[:10]
 LORA = {"rank": 16, "alpha": 32, "dropout": 0.05, "target_modules": ["all-linear"]}
@@ -228,6 +271,8 @@ def trainer_config(work: Path, model_dir: Path, data: Path, case: str, steps: in
             "chunked_cross_entropy": c.chunked_ce,
             "activation_offloading": c.activation_offload,
             "packed_attention": c.packed_attention,
+            "fused_cross_entropy": c.fused_ce,
+            "optimizer_in_backward": c.optimizer_in_backward,
         },
         "checkpoint": {"dir": str(work / "ckpt"), "interval_minutes": 0},
         "output": {"dir": str(work / "out")},
@@ -368,6 +413,68 @@ def probe_varlen(device: str = "cuda") -> dict[str, Any]:
     return out
 
 
+def probe_fused(
+    device: str = "cuda", tokens: int = 4096, hidden: int = 2048, vocab: int = 32768
+) -> dict[str, Any]:
+    """Liger's fused linear cross-entropy, as the trainer calls it, against the plain loss
+    computed in fp32 from the same inputs on this GPU: the loss and the gradients of the
+    hidden states and of the weight, in fp32 and bf16, without and with a logit soft-cap
+    (Gemma 2's 30.0; the trainer refuses soft-capped models with the fused loss until that
+    branch has run on a GPU). Largest differences are relative to the largest value."""
+    import torch
+    import torch.nn.functional as F
+
+    from kubetune_trainer.data import IGNORE_INDEX
+    from kubetune_trainer.loss import fused_kernel
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        a, b = a.detach().float(), b.detach().float()
+        return float((a - b).abs().max() / b.abs().max())
+
+    def fused(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, cap: float | None) -> Any:
+        return fused_kernel().apply(h, w, t, None, None, IGNORE_INDEX, 0.0, 0.0, "sum", cap)[0]
+
+    def plain(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, cap: float | None) -> Any:
+        logits = h.float() @ w.float().T
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return F.cross_entropy(logits, t, ignore_index=IGNORE_INDEX, reduction="sum")
+
+    def loss_and_grads(
+        loss_of: Callable[..., torch.Tensor], h: torch.Tensor, w: torch.Tensor, *rest: Any
+    ) -> list[torch.Tensor]:
+        h, w = h.detach().requires_grad_(), w.detach().requires_grad_()
+        loss = loss_of(h, w, *rest)
+        loss.backward()  # type: ignore[no-untyped-call]
+        assert h.grad is not None and w.grad is not None
+        return [loss.detach(), h.grad, w.grad]
+
+    out: dict[str, Any] = {}
+    g = torch.Generator(device=device).manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
+        for softcap in (None, 30.0):
+            name = f"{str(dtype).split('.')[-1]}{'' if softcap is None else ' softcap 30'}"
+            h = torch.randn(tokens, hidden, device=device, generator=g).to(dtype)
+            w = (torch.randn(vocab, hidden, device=device, generator=g) * hidden**-0.5).to(dtype)
+            target = torch.randint(0, vocab, (tokens,), device=device, generator=g)
+            target[::7] = IGNORE_INDEX
+            try:  # each variant on its own: one failing kernel branch hides no other
+                got = loss_and_grads(fused, h, w, target, softcap)
+                want = loss_and_grads(plain, h, w, target, softcap)
+            except Exception as e:
+                out[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:400]}
+                continue
+            diffs = [rel(a, b) for a, b in zip(got, want, strict=True)]
+            out[name] = {
+                "loss_rel_diff": diffs[0],
+                "hidden_grad_rel_diff": diffs[1],
+                "weight_grad_rel_diff": diffs[2],
+                "ok": max(diffs) < tol,
+            }
+    out["ok"] = all(v["ok"] for v in out.values())
+    return out
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     import peft
     import torch
@@ -402,16 +509,29 @@ def cmd_run(args: argparse.Namespace) -> int:
         host["bitsandbytes"] = bitsandbytes.__version__
     except ImportError:
         host["bitsandbytes"] = None
+    try:
+        from importlib.metadata import version
+
+        host["liger_kernel"] = version("liger-kernel")
+    except ImportError:
+        host["liger_kernel"] = None
     probe = probe_varlen()
     host["varlen_probe"] = probe
     print(json.dumps({"varlen_probe": probe}), flush=True)
+    if any(CASES[c].fused_ce for c in cases):
+        host["fused_probe"] = probe_fused()
+        print(json.dumps({"fused_probe": host["fused_probe"]}), flush=True)
     if not probe["ok"]:
         for case in cases:  # measure the other savers on the mask path rather than nothing
             if CASES[case].packed_attention == "varlen":
                 CASES[case] = replace(CASES[case], packed_attention="mask")
     out = Path(args.out)
+    began = time.time()
     with out.open("a") as fh:
         for case in cases:
+            if args.time_budget and time.time() - began > args.time_budget:
+                print(f"time budget of {args.time_budget:.0f} s spent; not run: {case}", flush=True)
+                continue
             result = {
                 **host,
                 **run_case(case, models, data, args.steps, args.warmup, args.case_timeout),
@@ -434,6 +554,11 @@ COMPARISONS = [
     ("llama1b-full", "llama1b-full-savers"),
     ("llama1b-full", "llama1b-full-mb8-savers"),
     ("llama1b-lora", "llama1b-lora-savers"),
+    ("llama1b-full-savers", "llama1b-full-fused"),
+    ("llama1b-lora-savers", "llama1b-lora-fused"),
+    ("llama1b-lora-16k-savers", "llama1b-lora-16k-fused"),
+    ("llama1b-full-savers", "llama1b-full-inbwd"),
+    ("llama8b-full-ckpt-8bit-savers", "llama8b-full-ckpt-8bit-inbwd"),
 ]
 
 
@@ -451,6 +576,8 @@ def _setup_fields(row: dict[str, Any]) -> dict[str, Any]:
         "lora_rank": row["lora_rank"] or 16,
         "chunked_ce": bool(row.get("chunked_ce")),
         "activation_offload": bool(row.get("activation_offload")),
+        "fused_ce": bool(row.get("fused_ce")),
+        "optimizer_in_backward": bool(row.get("optimizer_in_backward")),
     }
 
 
@@ -499,8 +626,10 @@ def render(rows: list[dict[str, Any]], command: str, simulate: bool = True) -> s
         "where named); bf16 weights; gradient accumulation 1",
         "- savers: `varlen`: packed rows by document bounds through PyTorch's variable-length "
         "flash attention instead of SDPA with a block-diagonal mask (`training.packed_attention`"
-        "); `chunked CE`: the chunked cross-entropy; `offload`: activations offloaded to host "
-        "memory",
+        "); `chunked CE`: the chunked cross-entropy; `fused CE`: Liger's fused linear "
+        "cross-entropy (`training.fused_cross_entropy`); `offload`: activations offloaded to host "
+        "memory; `step in backward`: the optimizer step inside backward "
+        "(`training.optimizer_in_backward`, no gradient clipping)",
         "- tokens/s: trained tokens per second after the warm-up steps; MFU: the trainer's own "
         "figure (6·N·tokens/s for full fine-tuning, 4·N for adapters, N the weights that take "
         "part in a matmul — a tied output projection included — plus attention; over 989 "
@@ -517,6 +646,21 @@ def render(rows: list[dict[str, Any]], command: str, simulate: bool = True) -> s
             f"forward and gradients): largest difference {probe.get('output_rel_diff', 0):.1e} "
             f"/ {probe.get('grad_rel_diff', 0):.1e} of the largest value "
             f"({'passed' if probe.get('ok') else 'failed: ' + str(probe.get('error'))})"
+        )
+    fused = next((r["fused_probe"] for r in rows if r.get("fused_probe")), None)
+    if fused:
+        parts = [
+            f"{name}: {v['loss_rel_diff']:.1e} / {v['hidden_grad_rel_diff']:.1e} / "
+            f"{v['weight_grad_rel_diff']:.1e}"
+            if "error" not in v
+            else f"{name}: failed ({v['error']})"
+            for name, v in fused.items()
+            if isinstance(v, dict)
+        ]
+        lines.append(
+            "- fused loss kernel against the plain loss computed in fp32 from the same inputs "
+            "(loss / hidden-state gradient / weight gradient, largest difference over the largest "
+            f"value): {'; '.join(parts)} ({'passed' if fused.get('ok') else 'failed'})"
         )
     lines += [
         "",
@@ -611,6 +755,12 @@ def main(argv: list[str] | None = None) -> int:
         "--case-timeout", type=float, default=600, help="seconds before a case is stopped"
     )
     run.add_argument("--warmup", type=int, default=4)
+    run.add_argument(
+        "--time-budget",
+        type=float,
+        default=0,
+        help="seconds after which no further case starts (0: none); a lent GPU is time-boxed",
+    )
     run.add_argument("--models", default=str(Path(tempfile.gettempdir()) / "kubetune-gpu-models"))
     rep = sub.add_parser("report", help="markdown table of results, estimates beside them")
     rep.add_argument("results")

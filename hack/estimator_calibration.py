@@ -75,6 +75,8 @@ _SETUP_FIELDS = (
     "lora_base_dtype",
     "grad_accumulation",
     "fused_qkv",
+    "fused_ce",
+    "optimizer_in_backward",
 )
 
 
@@ -199,8 +201,12 @@ def _setup_label(c: Comparison) -> str:
     parts.append("ckpt" if s.grad_ckpt else "no-ckpt")
     if s.chunked_ce:
         parts.append("chunked-ce")
+    if s.fused_ce:
+        parts.append("fused-ce")
     if s.activation_offload:
         parts.append("activations-offloaded")
+    if s.optimizer_in_backward:
+        parts.append("step-in-backward")
     return " ".join(parts)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -133,3 +134,43 @@ def test_without_a_kernel_device_the_chunked_path_computes_the_sum(
     monkeypatch.setattr(fused, "_fused_forward", lambda *a: calls.append(a))
     _assert_same(_loss_and_grads(model, batch, fused), plain)
     assert calls == []
+
+
+def _gpu_benchmark() -> Any:
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_trainer.py"
+    spec = importlib.util.spec_from_file_location("gpu_trainer", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_gpu_benchmarks_kernel_probe_tells_a_wrong_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """benchmarks/gpu_trainer.py checks the kernel (soft-capped branch included) against the
+    plain loss before timing it: the kernel passes, one that scales its loss by 1 % fails.
+    The soft-capped variants cannot run under the interpreter: each is reported on its own."""
+    probe = _gpu_benchmark().probe_fused
+    got = probe("cpu", tokens=64, hidden=32, vocab=256)
+    assert got["float32"]["ok"] and got["bfloat16"]["ok"], got
+    assert got["float32"]["loss_rel_diff"] < 1e-6
+    assert "error" in got["float32 softcap 30"] and not got["ok"]
+
+    import kubetune_trainer.loss as loss_module
+
+    kernel = loss_module.fused_kernel()
+
+    class Scaled:
+        @staticmethod
+        def apply(*args: Any) -> Any:
+            loss, *rest = kernel.apply(*args)
+            return (loss * 1.01, *rest)
+
+    monkeypatch.setattr(loss_module, "fused_kernel", lambda: Scaled)
+    wrong = probe("cpu", tokens=64, hidden=32, vocab=256)
+    assert not wrong["float32"]["ok"]
+    assert wrong["float32"]["loss_rel_diff"] == pytest.approx(0.01, rel=1e-3)
