@@ -587,7 +587,9 @@ def estimate_for(row: dict[str, Any]) -> tuple[float, float, float]:
     from kubetune.planning.estimator import TrainingSetup, comparable_bytes, estimate_vram
 
     arch = arch_from_hf_config(ARCHS[row["model"]], name=row["model"])
-    est = estimate_vram(arch, TrainingSetup(**_setup_fields(row)))
+    # Packed rows through the variable-length kernel build no attention mask.
+    attention = "varlen" if row.get("varlen_attention") else "sdpa"
+    est = estimate_vram(arch, TrainingSetup(**_setup_fields(row), attention=attention))
     return (
         comparable_bytes(est, "allocated") / GIB,
         comparable_bytes(est, "reserved") / GIB,
@@ -635,7 +637,8 @@ def render(rows: list[dict[str, Any]], command: str, simulate: bool = True) -> s
         "part in a matmul — a tied output projection included — plus attention; over 989 "
         "TFLOP/s dense bf16); peaks: `torch.cuda.max_memory_allocated` / `max_memory_reserved` "
         "of the trainer process (paged optimizer states are CUDA managed memory, outside both)",
-        "- estimate: `kubetune estimate` for the same setup, the part comparable to each measured "
+        "- estimate: `kubetune estimate` for the same setup (`--attention varlen` where the run "
+        "used the variable-length kernel), the part comparable to each measured "
         "metric; simulated: the trainer's step on fake tensors (`kubetune estimate --simulate`), "
         "on the machine that made the table; error = (figure − measured) / measured",
     ]

@@ -199,6 +199,8 @@ def _setup_label(c: Comparison) -> str:
     if s.cpu_offload:
         parts.append("offload")
     parts.append("ckpt" if s.grad_ckpt else "no-ckpt")
+    if s.attention != "sdpa":
+        parts.append(s.attention)
     if s.chunked_ce:
         parts.append("chunked-ce")
     if s.fused_ce:

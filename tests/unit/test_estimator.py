@@ -870,3 +870,29 @@ def test_the_optimizer_in_backward_refuses_what_it_cannot_step(
     with pytest.raises(EstimatorError, match=words) as info:
         estimate_vram(arch, setup)
     assert "To fix" in str(info.value)
+
+
+def test_document_bounds_build_no_mask_so_memory_follows_the_tokens() -> None:
+    """`varlen` (packed rows by document bounds, the trainer on a GPU): one 16,384-token row
+    costs what 8 rows of 2,048 do, as measured on an H200 (55.86 GiB for both, LoRA on
+    Llama-3.2-1B, benchmarks/results/gpu_trainer-2026-11-28.md). With the mask (`sdpa`) the
+    long row pays the boolean mask once and an additive copy per layer, quadratic in it."""
+    arch = load_arch("meta-llama/Llama-3.2-1B")
+    lora = replace(SINGLE, method="lora", chunked_ce=True, grad_ckpt=False)
+    rows = replace(lora, micro_batch=8, seq_len=2048)
+    row = replace(lora, micro_batch=1, seq_len=16384)
+
+    def activations(setup: TrainingSetup) -> int:
+        return estimate_vram(arch, setup).breakdown["activations"]
+
+    assert activations(replace(row, attention="varlen")) == activations(
+        replace(rows, attention="varlen")
+    )
+    for setup in (rows, row):
+        entries = setup.micro_batch * setup.seq_len**2
+        masks = entries * 1 + arch.num_layers * entries * 2  # bool once, bf16 per layer
+        gap = activations(setup) - activations(replace(setup, attention="varlen"))
+        assert gap == pytest.approx(masks, rel=1e-6)
+    measured = 55.857 * GIB
+    long_row = comparable_bytes(estimate_vram(arch, replace(row, attention="varlen")), "allocated")
+    assert 0 <= long_row / measured - 1 < 0.02

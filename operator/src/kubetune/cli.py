@@ -194,7 +194,9 @@ def _arch(config: str | None, model: str | None, allow_network: bool) -> ModelAr
     "--attention",
     type=click.Choice(ATTENTIONS),
     default=None,
-    help="Default: what the trainer runs for the model (eager for Gemma 2, else sdpa).",
+    help="Default: what the trainer runs for the model (eager for Gemma 2, else sdpa, with "
+    "the packed rows' mask); varlen: packed rows by document bounds, no mask (the trainer "
+    "on a GPU).",
 )
 @click.option(
     "--chunked-ce/--no-chunked-ce",

@@ -77,7 +77,10 @@ __all__ = [
     "trainer_attention",
 ]
 
-Attention = Literal["sdpa", "eager"]
+Attention = Literal["sdpa", "eager", "varlen"]
+"""``sdpa``: fused attention kernels, packed rows kept apart by an explicit mask; ``eager``:
+materialized scores; ``varlen``: packed rows by document bounds through the variable-length
+kernel (the trainer's ``training.packed_attention: varlen``), no mask at all."""
 ATTENTIONS: tuple[Attention, ...] = get_args(Attention)
 # Families whose transformers implementation trains with eager attention by default (the
 # trainer loads models with the default): Gemma 2's attention-logit soft-cap has no SDPA path.
@@ -619,6 +622,12 @@ def _param_groups(arch: ModelArch, fused_experts: bool = True) -> _Params:
     )
 
 
+def _mask_entries(setup: TrainingSetup) -> int:
+    """(row, query, key) entries of the causal mask the attention is given; none with
+    document bounds (``varlen``)."""
+    return 0 if setup.attention == "varlen" else setup.micro_batch * setup.seq_len**2
+
+
 def offloaded_bytes(arch: ModelArch, setup: TrainingSetup) -> int:
     """Bytes activation offloading moves to host memory (and back) per micro-batch, per GPU:
     the saved tensors of every layer but the one kept on the GPU."""
@@ -626,7 +635,7 @@ def offloaded_bytes(arch: ModelArch, setup: TrainingSetup) -> int:
         return 0
     tokens = setup.micro_batch * setup.seq_len
     e = _compute_bytes(setup)
-    layer_mask = LAYER_MASK_ELEMS_PER_ENTRY * setup.micro_batch * setup.seq_len**2 * e
+    layer_mask = LAYER_MASK_ELEMS_PER_ENTRY * _mask_entries(setup) * e
     if setup.grad_ckpt:
         per_layer = tokens * arch.hidden_size * e
         per_layer += layer_mask if setup.attention == "eager" else 0
@@ -1195,7 +1204,7 @@ def estimate_vram(arch: ModelArch, setup: TrainingSetup) -> VramEstimate:
     lora_layer, lora_head = _lora_bytes_per_token(arch, setup, targets)
     non_layer = NON_LAYER_ELEMS_PER_HIDDEN * arch.hidden_size * e + lora_head
     scores = 0.0
-    entries = setup.micro_batch * setup.seq_len**2  # (row, query, key) of the causal mask
+    entries = _mask_entries(setup)
     layer_mask = float(LAYER_MASK_ELEMS_PER_ENTRY * entries * e)
     mask = float(MASK_BYTES_PER_ENTRY * entries)
     if setup.attention == "eager":
