@@ -12,6 +12,12 @@ Two steps, because the GPU machine has no kubetune operator package:
     # anywhere with the project installed: the table, with `kubetune estimate` beside each case
     python benchmarks/gpu_trainer.py report gpu-results.jsonl [--out benchmarks/results/...md]
 
+The GPU machine needs torch, transformers, peft, accelerate and tokenizers, plus what the
+trainer imports that a CUDA image may lack: pydantic (the trainer's config contract, with
+pydantic-core, annotated-types, typing-inspection), bitsandbytes (8-bit and paged optimizers,
+QLoRA) and liger-kernel (the fused-loss cases). Without network access there, carry them as
+wheels for its Python and install them with `pip install --no-index --no-deps --target DIR`.
+
 Measured per case: trained (non-padding) tokens per second over the steps after `--warmup`,
 the trainer's own MFU figure (model FLOPs per token x tokens/s over the GPU's dense bf16 peak),
 the process's peak `torch.cuda.max_memory_allocated` / `max_memory_reserved`, which is what
@@ -419,8 +425,8 @@ def probe_fused(
     """Liger's fused linear cross-entropy, as the trainer calls it, against the plain loss
     computed in fp32 from the same inputs on this GPU: the loss and the gradients of the
     hidden states and of the weight, in fp32 and bf16, without and with a logit soft-cap
-    (Gemma 2's 30.0; the trainer refuses soft-capped models with the fused loss until that
-    branch has run on a GPU). Largest differences are relative to the largest value."""
+    (Gemma 2's 30.0; Triton's CPU interpreter cannot run that branch). Largest differences are
+    relative to the largest value."""
     import torch
     import torch.nn.functional as F
 
