@@ -934,12 +934,17 @@ class Tracker:
         self.statuses: dict[tuple[str, str], dict[str, Any]] = {}
         """Each job's status as last seen (`status_changes` compares against it)."""
         self.counting_writes = False
+        self.steady_seen = False
+        """Set when the steady window begins: `burst_writes` stops counting."""
         self.writes: Counter[str] = Counter()
         """While `counting_writes`: what each status change the watch showed changed
         (`status_changes`) → how many."""
         self.moves: Counter[str] = Counter()
         """While `counting_writes`: queued jobs' position moves (`position_move`) → how
         many."""
+        self.burst_writes: Counter[str] = Counter()
+        """Until the steady window: what each status change the watch showed changed, a
+        queued job's move counted as `<phase>: position <move>` (creation → steady)."""
         self.last_phase_change = 0.0
         """When (monotonic) the watch last showed a job change phase."""
 
@@ -955,10 +960,15 @@ class Tracker:
                 state = self.jobs[key] = JobState(rfc3339_seconds(meta["creationTimestamp"]))
             before = self.statuses.get(key)
             self.statuses[key] = status
-            if self.counting_writes and before is not None and before != status:
-                self.writes[status_changes(before, status)] += 1
-                if (move := position_move(before, status)) is not None:
-                    self.moves[move] += 1
+            if before is not None and before != status:
+                what = status_changes(before, status)
+                move = position_move(before, status)
+                if self.counting_writes:
+                    self.writes[what] += 1
+                    if move is not None:
+                        self.moves[move] += 1
+                elif not self.steady_seen:
+                    self.burst_writes[what if move is None else f"{what}; position {move}"] += 1
             phase = str(status.get("phase") or "")
             if phase != state.phase:
                 self.phase_changes += 1
@@ -1545,7 +1555,7 @@ class Bench:
         assert start.proc is not None
         peak = start.proc.rss_kib
         say(f"steady window: {self.opts.steady_seconds:.0f}s ...")
-        self.tracker.counting_writes = True
+        self.tracker.steady_seen = self.tracker.counting_writes = True
         while time.monotonic() - start.when < self.opts.steady_seconds:
             time.sleep(1.0)
             self.cluster.check_alive()
@@ -1564,6 +1574,7 @@ class Bench:
             pending_reasons=dict(before.pending_reasons.most_common(5)),
             window_phase_changes=self.tracker.phase_changes - changes,
             window_status_changes=dict(self.tracker.writes.most_common(8)),
+            burst_status_changes=dict(self.tracker.burst_writes.most_common(10)),
             window_position_moves=dict(self.tracker.moves),
             window_after_phase_change_s=round(since_phase_change, 1),
             rss_peak_mib=max(peak, end.proc.rss_kib) / 1024,
@@ -1870,6 +1881,8 @@ def report(r: Mapping[str, Any]) -> str:
         f"  window {r['window_s']}s ({r['window_phase_changes']} phase changes): operator RSS "
         f"peak {fmt(r['rss_peak_mib'])} MiB (lifetime peak {fmt(r['rss_hwm_mib'])}), CPU "
         f"{fmt(r['cpu_pct'])}% of a core; {fmt(r['cpu_s_to_steady'])} CPU s creation → steady",
+        f"  status changes creation → steady, by what they changed (most frequent 10): "
+        f"{r.get('burst_status_changes', '?')}",
         f"  status changes in the window, by what they changed: "
         f"{r.get('window_status_changes', '?')}; queued jobs' position moves: "
         f"{r.get('window_position_moves', '?')}, the window beginning "

@@ -302,11 +302,19 @@ def test_status_writes_are_counted_by_what_they_changed_while_asked() -> None:
     t.on_job("ADDED", {**job, "status": old})
     t.on_job("MODIFIED", {**job, "status": new})
     assert not t.writes, "counted only while the steady window asks"
-    t.counting_writes = True
+    t.steady_seen = t.counting_writes = True  # as the steady window sets them
     t.on_job("MODIFIED", {**job, "status": old})
     t.on_job("MODIFIED", {**job, "status": old})  # no change: not a write the watch shows
     assert t.writes == {"Queued: message, conditions[Queued]": 1}
     assert t.moves == {"back a tenth or more": 1}, "position 2 → 3"
+    # Before the steady window the same writes go to the burst's count, moves told apart;
+    # once it began, none does.
+    assert t.burst_writes == {
+        "Queued: message, conditions[Queued]; position forward a tenth or more": 1
+    }
+    t.counting_writes = False
+    t.on_job("MODIFIED", {**job, "status": {**old, "cost": {"usd": 2}}})
+    assert sum(t.burst_writes.values()) == 1 and t.writes.total() == 1
 
 
 def test_position_moves_are_told_by_direction_and_how_far() -> None:
