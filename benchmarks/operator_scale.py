@@ -960,7 +960,8 @@ class Tracker:
                 state = self.jobs[key] = JobState(rfc3339_seconds(meta["creationTimestamp"]))
             before = self.statuses.get(key)
             self.statuses[key] = status
-            if before is not None and before != status:
+            counting = self.counting_writes or not self.steady_seen
+            if counting and before is not None and before != status:
                 what = status_changes(before, status)
                 move = position_move(before, status)
                 if self.counting_writes:
