@@ -1105,6 +1105,28 @@ def load_average() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
+def machine_cpu(stat: Path = Path("/proc/stat")) -> tuple[float, float]:
+    """(busy, all) CPU seconds of the whole machine since boot, every core summed, from the
+    first line of /proc/stat (busy: everything but idle and iowait)."""
+    fields = [int(v) for v in stat.read_text().splitlines()[0].split()[1:]]
+    ticks = os.sysconf("SC_CLK_TCK")
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields) - idle) / ticks, sum(fields) / ticks
+
+
+def cpu_split(
+    before: Mapping[str, float], after: Mapping[str, float], seconds: float
+) -> dict[str, float]:
+    """CPU seconds each process (and the machine, `machine busy`) spent between two
+    `Bench.cpu_sample`s, largest first, with `machine cores busy` (busy seconds per second of
+    the interval) last; processes in only one sample are left out."""
+    spent = {k: round(after[k] - before[k], 1) for k in after if k in before}
+    out = dict(sorted(spent.items(), key=lambda kv: -kv[1]))
+    if seconds > 0 and "machine busy" in spent:
+        out["machine cores busy"] = round(spent["machine busy"] / seconds, 2)
+    return out
+
+
 def running_apiservers(proc: Path = Path("/proc")) -> list[int]:
     """The pids of the kube-apiservers running on this machine: another control plane (a
     test run stopped before its teardown, a second benchmark) shares the cores and makes a
@@ -1160,6 +1182,9 @@ class Options:
     client_qps: int | None = None
     """kube-controller-manager's and kube-scheduler's client QPS and burst (None: theirs)."""
     bin_packing: bool = False
+    without_operator: bool = False
+    """Create the jobs with no operator running and measure only the API server's delivery
+    of them to a watch (`Bench.delivery_only`)."""
 
 
 def say(msg: str) -> None:
@@ -1317,12 +1342,14 @@ class Bench:
             )
             try:
                 self.prepare()
-                self.start_operator()
+                if not self.opts.without_operator:
+                    self.start_operator()
                 self.start_watches()
                 self.start_first_events(Path(work) / "first-events.jsonl")
                 self.create_and_settle()
-                self.steady_window()
-                self.background_window()
+                if not self.opts.without_operator:
+                    self.steady_window()
+                    self.background_window()
                 done = True
             finally:
                 for w in self.watches:
@@ -1336,7 +1363,7 @@ class Bench:
                     shutil.rmtree(root, ignore_errors=True)
                 else:
                     say(f"component logs: {root / 'logs'}")
-        return self.summary()
+        return self.delivery_summary() if self.opts.without_operator else self.summary()
 
     def plan_jobs(self) -> list[JobPlan]:
         t0 = time.monotonic()
@@ -1366,6 +1393,23 @@ class Bench:
         )
         poll = float(env.get("KUBETUNE_POLL_SECONDS") or ControllerSettings.poll_seconds)
         return reschedule + 2 * poll + 15
+
+    def cpu_sample(self) -> dict[str, float]:
+        """CPU seconds so far of every process of the run by name: the control plane's
+        components and the operator, this benchmark (its creating clients and watches), the
+        independent watch, and the whole machine (`machine busy`)."""
+        pids = dict(self.cluster.state.pids)
+        pids["benchmark"] = os.getpid()
+        if self.first_events is not None:
+            pids["independent watch"] = self.first_events.pid
+        out: dict[str, float] = {}
+        for name, pid in pids.items():
+            try:
+                out[name] = proc_sample(pid).cpu_s
+            except (OSError, ValueError):  # gone: left out of the split
+                continue
+        out["machine busy"] = machine_cpu()[0]
+        return out
 
     def mark(self, name: str) -> Mark:
         text = self.api.metrics_text()
@@ -1506,10 +1550,19 @@ class Bench:
     def create_and_settle(self) -> None:
         opts, n = self.opts, len(self.jobs)
         start = self.mark("start")
+        cpu_start = self.cpu_sample()
         say(f"creating {n} FineTuneJobs from {opts.clients} clients ...")
         create_s, outcomes = create_all(self.api, self.jobs, opts.clients)
-        self.facts.update(create_s=round(create_s, 2), create_outcomes=dict(outcomes))
+        self.facts.update(
+            create_s=round(create_s, 2),
+            create_outcomes=dict(outcomes),
+            cpu_s_creation=cpu_split(cpu_start, self.cpu_sample(), create_s),
+        )
         say(f"created in {create_s:.1f}s: {dict(outcomes)}")
+        say(f"CPU seconds while creating: {self.facts['cpu_s_creation']}")
+        if opts.without_operator:
+            self.delivery_only(start, cpu_start)
+            return
         signature: tuple[Any, ...] = ()
         last_change = next_print = 0.0
         steady = False
@@ -1543,10 +1596,36 @@ class Bench:
                 delivered_p99_s=percentile(delivered, 99) if delivered else None,
             )
         took = time.monotonic() - start.when
+        self.facts["cpu_s_to_steady_by_process"] = cpu_split(cpu_start, self.cpu_sample(), took)
         if steady:
             say(f"steady after {took:.0f}s (nothing changed for {opts.settle_seconds:.0f}s)")
         else:
             say(f"NOT steady within --timeout {opts.timeout:.0f}s; measuring the window anyway")
+
+    def delivery_only(self, start: Mark, cpu_start: Mapping[str, float]) -> None:
+        """`--without-operator`: wait until the independent watch has seen every job, then
+        record how late it saw them and what each process spent meanwhile. Nothing else
+        happens to the jobs (no operator), so this is the API server's delivery under the
+        creation burst alone: the floor under the operator's creation → Planned."""
+        assert self.first_events_file is not None
+        n = len(self.jobs)
+
+        def all_seen() -> bool:
+            return len(first_seen(self.first_events_file)) >= n  # type: ignore[arg-type]
+
+        wait(f"the independent watch to see all {n} jobs", all_seen, self.opts.timeout, 0.5)
+        took = time.monotonic() - start.when
+        self.mark("seen")
+        self.timings = self.tracker.timings()
+        delivered = latencies(self.timings[0], first_seen(self.first_events_file))
+        self.facts.update(
+            delivered_n=len(delivered),
+            delivered_p50_s=percentile(delivered, 50),
+            delivered_p99_s=percentile(delivered, 99),
+            delivered_max_s=max(delivered),
+            all_seen_s=round(took, 1),
+            cpu_s_to_all_seen=cpu_split(cpu_start, self.cpu_sample(), took),
+        )
 
     def steady_window(self) -> None:
         before = self.snapshot()
@@ -1608,6 +1687,29 @@ class Bench:
         self.facts["watch_errors"] = sum(w.errors for w in self.watches)
 
     # ------------------------------------------------------------------ results
+
+    def delivery_summary(self) -> dict[str, Any]:
+        """The record of a `--without-operator` run."""
+        opts, m = self.opts, self.marks
+        seen = interval(m["start"], m["seen"])
+        return {
+            "date": dt.date.today().isoformat(),
+            "time": dt.datetime.now().strftime("%H:%M"),
+            "mode": "without operator",
+            "label": opts.label,
+            "jobs": len(self.jobs),
+            "clients": opts.clients,
+            "namespaces": opts.namespaces,
+            "pools": f"{len(self.pools)}×{opts.nodes_per_pool}×8",
+            "apiserver_args": opts.apiserver_args,
+            "commit": operator_source(self.cluster.env())[1],
+            **self.facts,
+            "load_end": load_average(),
+            "latency_create_to_seen": latency_summary(
+                self.histograms["start"], self.histograms["seen"]
+            ),
+            "requests_create_to_seen": breakdown(seen.delta),
+        }
 
     def summary(self) -> dict[str, Any]:
         opts, m, n = self.opts, self.marks, len(self.jobs)
@@ -1821,6 +1923,75 @@ def write_results(path: Path, result: Mapping[str, Any]) -> None:
         fh.write(json.dumps(result, default=_json_default) + "\n")
 
 
+DELIVERY_COLUMNS = (
+    "time",
+    "label",
+    "commit",
+    "jobs, clients",
+    "created in s",
+    "→ seen by a watch p50 / p99 / max s",
+    "CPU s while creating (cores busy)",
+    "load avg start → end",
+)
+
+
+def delivery_row(r: Mapping[str, Any]) -> str:
+    cpu = r.get("cpu_s_creation") or {}
+    top = ", ".join(
+        f"{name} {value}"
+        for name, value in cpu.items()
+        if name not in ("machine busy", "machine cores busy")
+    )
+    values = (
+        f"{r['date']} {r['time']}",
+        r["label"],
+        r["commit"],
+        f"{r['jobs']}, {r['clients']}",
+        fmt(r["create_s"]),
+        f"{fmt(r['delivered_p50_s'])} / {fmt(r['delivered_p99_s'])} / {fmt(r['delivered_max_s'])}",
+        f"{top} ({cpu.get('machine cores busy', '?')} of {os.cpu_count()})",
+        f"{r['load_start']} → {r['load_end']}",
+    )
+    return "| " + " | ".join(str(v) for v in values) + " |\n"
+
+
+def write_delivery_results(path: Path, result: Mapping[str, Any]) -> None:
+    """A `--without-operator` run: a row of its own table (apiserver-delivery-<date>.md) and
+    its JSON line beside it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        path.write_text(
+            f"# The API server's delivery without the operator — {result['date']}\n\n"
+            "Made by `python benchmarks/operator_scale.py --without-operator`: the local "
+            "control plane, kwok pools and jobs of operator-scale, created by the same "
+            "clients, with no operator running. How soon a watch in a process of its own "
+            "first sees each job after its creation is the floor under the operator's "
+            "creation → Planned. CPU seconds by process while the jobs were created "
+            "(benchmark: its creating clients and its own watches).\n\n"
+            "| " + " | ".join(DELIVERY_COLUMNS) + " |\n"
+            "|" + " --- |" * len(DELIVERY_COLUMNS) + "\n"
+        )
+    with path.open("a") as fh:
+        fh.write(delivery_row(result))
+    with path.with_suffix(".jsonl").open("a") as fh:
+        fh.write(json.dumps(result, default=_json_default) + "\n")
+
+
+def delivery_report(r: Mapping[str, Any]) -> str:
+    return "\n".join(
+        [
+            f"without the operator, {r['jobs']} jobs, label {r['label']!r}",
+            f"  created in {r['create_s']}s by {r['clients']} clients: {r['create_outcomes']}",
+            f"  creation → first seen by a watch in a process of its own p50 "
+            f"{fmt(r['delivered_p50_s'])}s p99 {fmt(r['delivered_p99_s'])}s max "
+            f"{fmt(r['delivered_max_s'])}s; all seen {r['all_seen_s']}s after the first create",
+            f"  CPU s while creating: {r['cpu_s_creation']}",
+            f"  CPU s until all were seen: {r['cpu_s_to_all_seen']}",
+            f"  load average {r['load_start']} → {r['load_end']}",
+        ]
+    )
+
+
 def rescore(jsonl: Path) -> list[dict[str, Any]]:
     """Derive the request columns of every run in `jsonl` again from its stored counts, by
     the current rules, and rewrite it and the table rows of the .md beside it (what is
@@ -1867,6 +2038,8 @@ def report(r: Mapping[str, Any]) -> str:
             )
             or "not read"
         ),
+        f"  CPU s while creating: {r.get('cpu_s_creation')}",
+        f"  CPU s creation → steady: {r.get('cpu_s_to_steady_by_process')}",
         f"  jobs never Queued ({r.get('jobs_launched_at_once')}): creation → first pod p50 "
         f"{fmt(r.get('pod_at_once_p50_s'))}s  p99 {fmt(r.get('pod_at_once_p99_s'))}s",
         f"  first Queued because: {r.get('first_queued')}",
@@ -1979,6 +2152,13 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         "nvidia.com/gpu), as docs/operations.md recommends for GPU pools",
     )
     p.add_argument(
+        "--without-operator",
+        action="store_true",
+        help="no operator: create the jobs and measure only how soon the API server delivers "
+        "them to a watch, and each process's CPU meanwhile (a row of "
+        "apiserver-delivery-<date>.md instead)",
+    )
+    p.add_argument(
         "--root",
         type=Path,
         help="cluster state folder, kept (default: a new folder under "
@@ -2005,7 +2185,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         p.error("--jobs, --clients, --namespaces and --nodes-per-pool must be at least 1")
     results = a.results
     if results is None and not quick:
-        results = RESULTS / f"operator-scale-{dt.date.today().isoformat()}.md"
+        stem = "apiserver-delivery" if a.without_operator else "operator-scale"
+        results = RESULTS / f"{stem}-{dt.date.today().isoformat()}.md"
     return Options(
         jobs=jobs,
         clients=a.clients,
@@ -2024,6 +2205,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         controller_manager_args=list(a.controller_manager_arg),
         client_qps=a.client_qps,
         bin_packing=a.bin_packing,
+        without_operator=a.without_operator,
         rescore=a.rescore,
     )
 
@@ -2054,6 +2236,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ClusterError, TimeoutError) as exc:
         say(f"failed: {exc}")
         return 1
+    if opts.without_operator:
+        say(delivery_report(result))
+        if opts.results is not None:
+            write_delivery_results(opts.results, result)
+            say(f"appended to {opts.results} (details: {opts.results.with_suffix('.jsonl')})")
+        return 0
     say(report(result))
     if opts.results is not None:
         write_results(opts.results, result)

@@ -3,34 +3,21 @@ counters and how requests are attributed, kwok's stages, the job mix, the tracke
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import yaml
 
+from support.scripts import load_script
+
 pytestmark = pytest.mark.unit
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "operator_scale", ROOT / "benchmarks" / "operator_scale.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["operator_scale"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load()
+bench = load_script("benchmarks/operator_scale.py")
 Key = bench.RequestKey
 
 
@@ -565,3 +552,57 @@ def test_first_seen_reads_the_independent_watchs_file(tmp_path: Path) -> None:
     assert seen == {("scale-00", "ftj-00001"): 12.5, ("scale-01", "ftj-00002"): 14.0}
     created = {("scale-00", "ftj-00001"): 10.0, ("scale-02", "ftj-00003"): 11.0}
     assert bench.latencies(created, seen) == [2.5]  # only jobs the run created and the watch saw
+
+
+def test_machine_cpu_counts_every_core_and_leaves_idle_and_iowait_out(tmp_path: Path) -> None:
+    stat = tmp_path / "stat"
+    # user nice system idle iowait irq softirq steal, in clock ticks
+    stat.write_text("cpu  100 20 30 500 50 5 5 0 0 0\ncpu0 50 10 15 250 25 2 3 0 0 0\n")
+    busy, total = bench.machine_cpu(stat)
+    tick = bench.os.sysconf("SC_CLK_TCK")
+    assert (busy, total) == (160 / tick, 710 / tick)
+
+
+def test_cpu_split_orders_by_spent_and_says_how_many_cores_were_busy() -> None:
+    before = {"kube-apiserver": 10.0, "etcd": 2.0, "operator": 5.0, "machine busy": 100.0}
+    after = {"kube-apiserver": 40.0, "etcd": 6.5, "benchmark": 3.0, "machine busy": 160.0}
+    split = bench.cpu_split(before, after, seconds=40.0)
+    # the operator left (absent after), the benchmark came (absent before): both left out
+    assert list(split) == ["machine busy", "kube-apiserver", "etcd", "machine cores busy"]
+    assert split["kube-apiserver"] == 30.0 and split["etcd"] == 4.5
+    assert split["machine cores busy"] == 1.5
+
+
+def test_delivery_results_start_a_table_and_append_rows(tmp_path: Path) -> None:
+    record = {
+        "date": "2026-11-29",
+        "time": "00:30",
+        "label": "no operator",
+        "commit": "abc1234",
+        "jobs": 1000,
+        "clients": 32,
+        "create_s": 40.0,
+        "delivered_p50_s": 1.5,
+        "delivered_p99_s": 3.3,
+        "delivered_max_s": 4.0,
+        "cpu_s_creation": {
+            "machine busy": 70.0,
+            "kube-apiserver": 40.0,
+            "etcd": 9.0,
+            "machine cores busy": 1.75,
+        },
+        "load_start": "0.1 0.2 0.3",
+        "load_end": "1.0 1.1 1.2",
+    }
+    path = tmp_path / "apiserver-delivery-2026-11-29.md"
+    bench.write_delivery_results(path, record)
+    bench.write_delivery_results(path, {**record, "time": "00:40"})
+    lines = path.read_text().splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("| time"))
+    rows = lines[header + 2 :]
+    assert [row.split(" | ")[0] for row in rows] == ["| 2026-11-29 00:30", "| 2026-11-29 00:40"]
+    assert "| 1.5 / 3.3 / 4.0 |" in rows[0]
+    assert "kube-apiserver 40.0, etcd 9.0 (1.75 of" in rows[0]
+    assert all(len(row.split(" | ")) == len(bench.DELIVERY_COLUMNS) for row in rows)
+    jsonl = path.with_suffix(".jsonl").read_text().splitlines()
+    assert [json.loads(line)["time"] for line in jsonl] == ["00:30", "00:40"]
