@@ -16,4 +16,5 @@ test modules and conftests of any tier import from here; nothing in the product 
   reconcile and lifecycle unit tests.
 - `statuses`: status parts in wire form (a plan), for the metrics and vocabulary tests.
 - `kmock_apiserver`: KMock's Kubernetes emulator made to behave like kube-apiserver.
+- `scripts`: `load_script`, a script of benchmarks/ or hack/ imported as a module.
 """

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -137,15 +136,9 @@ def test_without_a_kernel_device_the_chunked_path_computes_the_sum(
 
 
 def _gpu_benchmark() -> Any:
-    import importlib.util
+    from support.scripts import load_script
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_trainer.py"
-    spec = importlib.util.spec_from_file_location("gpu_trainer", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/gpu_trainer.py")
 
 
 def test_the_gpu_benchmarks_kernel_probe_tells_a_wrong_kernel(

@@ -8,16 +8,16 @@ tests/integration/test_chart_render.py, since helm comes with the control-plane 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+
+from support.scripts import load_script
 
 pytestmark = pytest.mark.unit
 
@@ -232,11 +232,7 @@ def exported_metric_names() -> set[str]:
 
 def test_dashboards_match_their_generator() -> None:
     pytest.importorskip("grafana_foundation_sdk", reason="dev extra grafana-foundation-sdk")
-    spec = importlib.util.spec_from_file_location("gen_dashboards", ROOT / "hack/gen_dashboards.py")
-    assert spec is not None and spec.loader is not None
-    gen = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = gen  # dataclasses look their module up there
-    spec.loader.exec_module(gen)
+    gen = load_script("hack/gen_dashboards.py")
     files = gen.render()
     assert sorted(files) == sorted(p.name for p in DASHBOARDS.glob("*.json"))
     for name, text in files.items():

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import statistics
-import sys
 from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
@@ -34,6 +32,7 @@ from kubetune.planning.estimator import (
 )
 from kubetune.sources import load_arch
 from kubetune_trainer.contract import loss_chunk_tokens
+from support.scripts import load_script
 
 pytestmark = pytest.mark.unit
 
@@ -773,13 +772,7 @@ def test_full_method_ignores_lora_settings() -> None:
 
 
 def _calibration_module() -> ModuleType:
-    path = REPO / "hack" / "estimator_calibration.py"
-    spec = importlib.util.spec_from_file_location("estimator_calibration", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("hack/estimator_calibration.py")
 
 
 REQUIRED_FIELDS = (

@@ -6,17 +6,16 @@ no `# --` description, and pin down how the generator reads comments.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import yaml
+
+from support.scripts import load_script
 
 pytestmark = pytest.mark.unit
 
@@ -24,16 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts/kubetune"
 
 
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("values_table", ROOT / "hack/values_table.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-vt = _load()
+vt = load_script("hack/values_table.py")
 
 
 def _leaves(value: Any, path: str = "") -> Iterator[str]:
