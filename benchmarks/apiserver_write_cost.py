@@ -220,12 +220,17 @@ class Bench:
     def cpu(self) -> tuple[float, float]:
         return proc_sample(self.apiserver).cpu_s, proc_sample(self.etcd).cpu_s
 
+    def spent(self, work: Callable[[], object]) -> tuple[float, float, float]:
+        """Run `work`: (its seconds, kube-apiserver's and etcd's CPU seconds meanwhile)."""
+        (a0, e0), t0 = self.cpu(), time.monotonic()
+        work()
+        (a1, e1), took = self.cpu(), time.monotonic() - t0
+        return took, a1 - a0, e1 - e0
+
     def background(self, crd: str, seconds: float = 10.0) -> None:
         """The control plane's own CPU with nothing sent: a floor under every row."""
         time.sleep(2.0)
-        (a0, e0), t0 = self.cpu(), time.monotonic()
-        time.sleep(seconds)
-        (a1, e1), took = self.cpu(), time.monotonic() - t0
+        took, apiserver_s, etcd_s = self.spent(lambda: time.sleep(seconds))
         row = Row(
             crd,
             "–",
@@ -233,8 +238,8 @@ class Bench:
             0,
             0,
             math.nan,
-            1000 * (a1 - a0) / took,
-            1000 * (e1 - e0) / took,
+            1000 * apiserver_s / took,
+            1000 * etcd_s / took,
         )
         self.rows.append(row)
         say(
@@ -246,11 +251,8 @@ class Bench:
         self, crd: str, size: str, request: str, nbytes: int, send: Callable[[int], Any]
     ) -> None:
         send(0)  # the first of a kind warms caches
-        (a0, e0), t0 = self.cpu(), time.monotonic()
-        for i in range(1, self.requests + 1):
-            send(i)
-        (a1, e1), took = self.cpu(), time.monotonic() - t0
         n = self.requests
+        took, apiserver_s, etcd_s = self.spent(lambda: [send(i) for i in range(1, n + 1)])
         row = Row(
             crd,
             size,
@@ -258,8 +260,8 @@ class Bench:
             nbytes,
             n,
             1000 * took / n,
-            1000 * (a1 - a0) / n,
-            1000 * (e1 - e0) / n,
+            1000 * apiserver_s / n,
+            1000 * etcd_s / n,
         )
         self.rows.append(row)
         say(
