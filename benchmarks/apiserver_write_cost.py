@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime as dt
-import http.client
 import json
 import math
 import platform
@@ -112,28 +111,18 @@ def crd_variants(docs: list[dict[str, Any]]) -> Iterator[tuple[str, list[dict[st
 
 
 class Client:
-    """One keep-alive connection; every request must succeed."""
+    """Requests through the scale benchmark's HTTPS client (`Api`) that must succeed."""
 
     def __init__(self, api: Api) -> None:
         self.api = api
-        self.conn = api.connect()
 
     def send(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> bytes:
-        headers = {"Accept": "application/json"}
-        data = None
-        if body is not None:
-            headers["Content-Type"] = "application/merge-patch+json"
-            data = json.dumps(body).encode()
-        try:
-            self.conn.request(method, path, body=data, headers=headers)
-            response = self.conn.getresponse()
-            out = response.read()
-        except (OSError, http.client.HTTPException):
-            self.conn.close()
-            self.conn = self.api.connect()
-            raise
-        if response.status != 200:
-            raise RuntimeError(f"{method} {path}: HTTP {response.status}: {out[:300]!r}")
+        data = None if body is None else json.dumps(body).encode()
+        status, out = self.api.request(
+            method, path, None, data, content_type="application/merge-patch+json"
+        )
+        if status != 200:
+            raise RuntimeError(f"{method} {path}: HTTP {status}: {out[:300]!r}")
         return out
 
 

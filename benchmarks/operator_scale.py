@@ -627,10 +627,11 @@ class Api:
         key: OwnKey | None,
         body: bytes | None = None,
         accept: str = "application/json",
+        content_type: str = "application/json",
     ) -> tuple[int, bytes]:
         headers = {"Accept": accept, "User-Agent": "kubetune-operator-scale-benchmark"}
         if body is not None:
-            headers["Content-Type"] = "application/json"
+            headers["Content-Type"] = content_type
         for attempt in (1, 2):
             conn: http.client.HTTPSConnection | None = getattr(self._local, "conn", None)
             if conn is None:
@@ -1607,17 +1608,18 @@ class Bench:
         record how late it saw them and what each process spent meanwhile. Nothing else
         happens to the jobs (no operator), so this is the API server's delivery under the
         creation burst alone: the floor under the operator's creation → Planned."""
-        assert self.first_events_file is not None
+        events = self.first_events_file
+        assert events is not None
         n = len(self.jobs)
 
         def all_seen() -> bool:
-            return len(first_seen(self.first_events_file)) >= n  # type: ignore[arg-type]
+            return len(first_seen(events)) >= n
 
         wait(f"the independent watch to see all {n} jobs", all_seen, self.opts.timeout, 0.5)
         took = time.monotonic() - start.when
         self.mark("seen")
         self.timings = self.tracker.timings()
-        delivered = latencies(self.timings[0], first_seen(self.first_events_file))
+        delivered = latencies(self.timings[0], first_seen(events))
         self.facts.update(
             delivered_n=len(delivered),
             delivered_p50_s=percentile(delivered, 50),
@@ -1688,20 +1690,30 @@ class Bench:
 
     # ------------------------------------------------------------------ results
 
-    def delivery_summary(self) -> dict[str, Any]:
-        """The record of a `--without-operator` run."""
-        opts, m = self.opts, self.marks
-        seen = interval(m["start"], m["seen"])
+    def setup_record(self) -> dict[str, Any]:
+        """When the run ended and how it was set up: the head of every record."""
+        opts = self.opts
         return {
             "date": dt.date.today().isoformat(),
             "time": dt.datetime.now().strftime("%H:%M"),
-            "mode": "without operator",
             "label": opts.label,
             "jobs": len(self.jobs),
             "clients": opts.clients,
             "namespaces": opts.namespaces,
             "pools": f"{len(self.pools)}×{opts.nodes_per_pool}×8",
             "apiserver_args": opts.apiserver_args,
+            "controller_manager_args": opts.controller_manager_args,
+            "client_qps": opts.client_qps,
+            "bin_packing": opts.bin_packing,
+        }
+
+    def delivery_summary(self) -> dict[str, Any]:
+        """The record of a `--without-operator` run."""
+        m = self.marks
+        seen = interval(m["start"], m["seen"])
+        return {
+            **self.setup_record(),
+            "mode": "without operator",
             "commit": operator_source(self.cluster.env())[1],
             **self.facts,
             "load_end": load_average(),
@@ -1730,18 +1742,8 @@ class Bench:
 
         whole = counter_delta(m["steady_end"].totals, m["start"].totals)
         record: dict[str, Any] = {
-            "date": dt.date.today().isoformat(),
-            "time": dt.datetime.now().strftime("%H:%M"),
-            "label": opts.label,
-            "jobs": n,
-            "clients": opts.clients,
-            "namespaces": opts.namespaces,
-            "pools": f"{len(self.pools)}×{opts.nodes_per_pool}×8",
+            **self.setup_record(),
             "operator_env": opts.operator_env,
-            "apiserver_args": opts.apiserver_args,
-            "controller_manager_args": opts.controller_manager_args,
-            "client_qps": opts.client_qps,
-            "bin_packing": opts.bin_packing,
             **self.facts,
             "planned": len(planned),
             "not_planned": n - len(planned),
