@@ -10,12 +10,14 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from kubetune_dev.cluster import simulated_nodes
 from support.cluster import Cluster, job_doc, wait_phase
 from support.podsecurity import RESTRICTED_CONTAINER
 from support.waiting import wait_for
@@ -230,13 +232,47 @@ def test_job_too_large_fails_with_advice(cluster: Cluster, namespace: str, opera
     assert cluster.get("job.batch", "huge-a1", namespace) is None
 
 
+HELD_POOL = "held"
+HELD_TAINT = {"key": "kubetune.io/test-held", "value": "true", "effect": "NoSchedule"}
+
+
+@pytest.fixture
+def held_pool(cluster: Cluster) -> Iterator[str]:
+    """A pool of its own whose one node carries a taint trainer pods do not tolerate: its
+    pods stay Pending, so kwok never completes them and a job there stays Running until
+    the test acts. Priced so that no other test's job picks it."""
+    pool = {
+        "apiVersion": "kubetune.io/v1alpha1",
+        "kind": "GPUPool",
+        "metadata": {"name": HELD_POOL},
+        "spec": {
+            "gpu": {"product": "NVIDIA-A100-SXM4-80GB", "memoryGiB": 80, "bf16TFLOPS": 312},
+            "gpusPerNode": 8,
+            "maxNodes": 1,
+            "pricePerGPUHour": 99.0,
+            "nodeSelector": {"kubetune.io/pool": HELD_POOL},
+        },
+    }
+    nodes = simulated_nodes(pool)
+    for node in nodes:
+        node["spec"]["taints"].append(HELD_TAINT)
+    assert cluster.apply(pool, *nodes).returncode == 0
+    yield HELD_POOL
+    cluster.kubectl("delete", "gpupool", HELD_POOL, "--wait=false", check=False)
+    for node in nodes:
+        cluster.kubectl("delete", "node", node["metadata"]["name"], "--wait=false", check=False)
+
+
 def test_suspend_stops_pods_and_resume_relaunches(
-    cluster: Cluster, namespace: str, operator: Path
+    cluster: Cluster, namespace: str, operator: Path, held_pool: str
 ) -> None:
-    # A pod that never completes would be better; kwok completes Job pods fast, so suspend
-    # right after the launch and check what the operator did.
-    cluster.apply(job_doc("pause", training={"maxSteps": 2000}), namespace=namespace)
+    # kwok completes a Job's pods as soon as they run; on the held pool they never do, so
+    # the suspend always finds the job Running, however late the operator sees it.
+    spec = {"training": {"maxSteps": 2000}, "resources": {"pools": [held_pool]}}
+    cluster.apply(job_doc("pause", **spec), namespace=namespace)
     wait_phase(cluster, "pause", namespace, "Running")
+    pods = wait_for("trainer pod created", lambda: cluster.list("pod", namespace), 30)
+    assert [pod["status"].get("phase") for pod in pods] == ["Pending"], "the held pool holds"
     cluster.kubectl(
         "patch", "ftj", "pause", "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":true}}'
     )
@@ -246,7 +282,7 @@ def test_suspend_stops_pods_and_resume_relaunches(
     cluster.kubectl(
         "patch", "ftj", "pause", "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":false}}'
     )
-    obj = wait_phase(cluster, "pause", namespace, "Running", "Succeeded")
+    obj = wait_phase(cluster, "pause", namespace, "Running")
     assert obj["status"]["attempt"] == 2
     assert wait_for("second attempt", lambda: cluster.get("job.batch", "pause-a2", namespace), 30)
 
