@@ -610,8 +610,11 @@ def test_the_wake_ups_run_on_the_event_loop_as_kopf_calls_them(
         capacity_changed=noted("capacity_changed"),
         pool_generations={},
         jobs={key: state},
+        caches=object(),
     )
     monkeypatch.setattr(handlers._State, "runtime", runtime)
+    # The job's loop runs already: its new spec wakes it.
+    monkeypatch.setattr(handlers._State, "loops", SimpleNamespace(observe=lambda *_, **__: False))
     monkeypatch.setattr(handlers._State, "gpu_pods", {})
     monkeypatch.setattr(handlers._State, "nodes", {})
     bound = pod("p", node_name="h100-0", gpus=(8,))
@@ -1449,6 +1452,7 @@ async def operator_run(
     write_kubeconfig(apiserver, tmp_path, monkeypatch)
     # The operator's startup and cleanup rewrite the module state.
     monkeypatch.setattr(handlers._State, "runtime", None)
+    monkeypatch.setattr(handlers._State, "loops", None)
     monkeypatch.setattr(handlers._State, "nodes", {})
     monkeypatch.setattr(handlers._State, "gpu_pods", {})
     # kopf picks its fallback login handlers when its default registry is first built,
@@ -1531,6 +1535,31 @@ async def test_operator_launches_an_applied_job(
     # The status goes through the status subresource, as the CRD declares it.
     status_patches = [r for r in apiserver if r.method == "PATCH" and r.subresource == "status"]
     assert any(r.name == "tiny-cpu-lora" for r in status_patches)
+
+
+async def test_a_job_gets_no_finalizer_and_its_loop_ends_with_it(
+    apiserver: ApiServerEmulator, kube: Kube, operator_run: KopfRunner
+) -> None:
+    """A job's loop starts with its first event and stops with its deletion
+    (controller/loops.py): nothing writes a finalizer onto the job, before or after."""
+    await create(kube, *example_cluster())
+    await kube.client.create(FineTuneJobResource.from_dict(tiny_job()))
+    await eventually(lambda: phase(apiserver) == "Running")
+    loops = handlers._State.loops
+    assert loops is not None and len(loops) == 1
+
+    stored_job = apiserver.objects[FTJ, NAMESPACE, "tiny-cpu-lora"]
+    assert not stored_job["metadata"].get("finalizers")
+    metadata_writes = [
+        r
+        for r in apiserver
+        if r.method == "PATCH" and r.name == "tiny-cpu-lora" and not r.subresource
+    ]
+    assert metadata_writes == [], "the job was written outside its status"
+
+    await kube.client.delete(FineTuneJobResource, "tiny-cpu-lora", namespace=NAMESPACE)
+    await eventually(lambda: len(loops) == 0)
+    assert "tiny-cpu-lora" not in stored(apiserver, FTJ, NAMESPACE)
 
 
 async def test_operator_posts_plan_and_launch_events(
@@ -1618,7 +1647,7 @@ def test_no_change_handlers_so_no_diff_base_is_needed() -> None:
     registry = kopf.get_default_registry()
     assert not registry._changing._handlers, [h.id for h in registry._changing._handlers]
     # The handlers module's own handlers are there (so the registry looked at is theirs).
-    assert {h.id for h in registry._spawning._handlers} >= {"finetunejob_loop", "gpupool_loop"}
+    assert {h.id for h in registry._spawning._handlers} == {"gpupool_loop"}
     storage = handlers.NoDiffBase(prefix="kubetune.io", key="last-handled-configuration")
     body = kopf.Body({"metadata": {"annotations": {}}, "spec": {"x": 1}})
     assert storage.build(body=body) == {}

@@ -9,11 +9,15 @@ What is registered here:
   of pods holding GPUs, of Nodes and of GPUPools; kopf fills them before any loop starts;
 - event handlers that wake the loop a change concerns: a child's change wakes its job, a
   change of a job's spec wakes the job, a change of capacity wakes queued jobs and pools;
-- one daemon per FineTuneJob and per GPUPool, which run the loops of controller/runtime.py.
+- the loops of controller/runtime.py: one per FineTuneJob, started by the job's first event
+  and stopped by its deletion (controller/loops.py, no finalizer on the job), and one per
+  GPUPool, a kopf daemon.
 
-kopf's daemons need a finalizer on each object to stop cleanly; it is named
-`kubetune.io/finalizer` and kopf removes it as soon as the object is deleted while the
+kopf's daemons need a finalizer on each object to stop cleanly; a GPUPool carries one,
+named `kubetune.io/finalizer`, which kopf removes as soon as the pool is deleted while the
 operator runs (docs/configuration.md says how to remove it when the operator is gone).
+FineTuneJobs created under an earlier version of the operator carry it too: kopf removes
+it at the first event it sees of each.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from kubetune.controller.cache import (
     trimmed_pod,
 )
 from kubetune.controller.kube import Kube
+from kubetune.controller.loops import JobLoops
 from kubetune.controller.runtime import Runtime
 from kubetune.controller.settings import settings_from_env
 from kubetune.sources import load_arch
@@ -60,10 +65,13 @@ NAMESPACES = ("", "v1", "namespaces")
 CLAIMS = ("", "v1", "persistentvolumeclaims")
 STORAGE_CLASSES = ("storage.k8s.io", "v1", "storageclasses")
 CHILD = {LABEL_JOB: kopf.PRESENT}
+LOOP_STOP_SECONDS = 10.0
+"""How long the job loops get to end their looks when the operator exits."""
 
 
 class _State:
     runtime: Runtime | None = None
+    loops: JobLoops | None = None
     loop_lag: asyncio.Task[None] | None = None
     nodes: dict[str, NodeInfo] = {}  # noqa: RUF012 - the operator's one process-wide view
     gpu_pods: dict[str, Any] = {}  # noqa: RUF012
@@ -72,6 +80,11 @@ class _State:
 def _post_event(body: Mapping[str, Any], type_: EventType, reason: Reason, message: str) -> None:
     target = body if isinstance(body, kopf.Body) else kopf.Body(dict(body))  # type: ignore[arg-type]
     kopf.event(target, type=str(type_), reason=str(reason), message=message)
+
+
+def _forget_job(body: Mapping[str, Any]) -> None:
+    meta = body.get("metadata") or {}
+    metrics.forget_job(str(meta.get("namespace")), str(meta.get("name")))
 
 
 def _runtime() -> Runtime:
@@ -128,6 +141,7 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     )
     loader = partial(load_arch, allow_network=controller.allow_network, local_files=False)
     _State.runtime = Runtime(controller, kube, loader, _post_event)
+    _State.loops = JobLoops(_State.runtime.run_job, forget=_forget_job)
     _State.loop_lag = asyncio.get_running_loop().create_task(metrics.sample_loop_lag())
     try:
         port = metrics.start_server()
@@ -149,6 +163,9 @@ async def close_client(**_: Any) -> None:
     if _State.loop_lag is not None:
         _State.loop_lag.cancel()
         _State.loop_lag = None
+    if _State.loops is not None:
+        await _State.loops.stop_all(timeout=LOOP_STOP_SECONDS)
+        _State.loops = None
     if _State.runtime is not None:
         _State.runtime.executor.shutdown(wait=False, cancel_futures=True)
         await _State.runtime.kube.client.close()
@@ -286,13 +303,18 @@ async def pool_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
 
 
 @kopf.on.event(*FTJ)
-async def finetunejob_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
-    """A new spec (generation) or a deletion wakes the job's loop; status writes do not."""
-    if type == "DELETED":
+async def finetunejob_changed(body: kopf.Body, type: str | None, **kwargs: Any) -> None:
+    """The job's first event starts its loop and its deletion stops it (controller/loops.py);
+    a new spec (generation) wakes it; status writes do not."""
+    deleted = type == "DELETED"
+    if deleted:
         metrics.forget_job(str(body.metadata.namespace), str(body.metadata.name))
+    runtime, loops = _State.runtime, _State.loops
+    if runtime is None or loops is None:
         return
-    runtime = _State.runtime
-    if runtime is None:
+    if runtime.caches is None:
+        runtime.caches = _caches(kwargs)
+    if loops.observe(body, deleted=deleted) or deleted:
         return
     key = job_key_of(body.metadata)
     state = runtime.jobs.get(key)
@@ -305,14 +327,6 @@ async def finetunejob_changed(body: kopf.Body, type: str | None, **_: Any) -> No
 
 
 # ---------------------------------------------------------------------- loops
-
-
-@kopf.daemon(*FTJ, cancellation_backoff=5.0, cancellation_timeout=10.0)
-async def finetunejob_loop(body: kopf.Body, stopped: kopf.DaemonStopped, **kwargs: Any) -> None:
-    runtime = _runtime()
-    if runtime.caches is None:
-        runtime.caches = _caches(kwargs)
-    await runtime.run_job(body, stopped)
 
 
 @kopf.daemon(*POOLS, cancellation_backoff=5.0, cancellation_timeout=10.0)
