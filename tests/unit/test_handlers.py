@@ -1057,6 +1057,37 @@ async def test_a_batch_job_deleted_behind_the_operator_is_created_again(
     assert children(apiserver) == launched
 
 
+async def test_a_batch_job_collected_with_its_deleted_job_is_not_created_again(
+    apiserver: ApiServerEmulator, loop: Loop
+) -> None:
+    """No finalizer holds a deleted job: the garbage collector may delete its batch Job
+    before the job's loop hears of the deletion. The loop must not start a trainer again for
+    a job that is gone (nor for another job created since under its name)."""
+    seed(apiserver, *example_cluster(), tiny_job())
+    await loop.look()
+    names = child_names("tiny-cpu-lora", 1)
+    await loop.look()  # the batch Job is in the cache now
+    assert names.job in loop.state.seen_batch_jobs
+    stale = loop.body()
+    apiserver.objects[JOBS, NAMESPACE, names.job].delete()
+    apiserver.objects[FTJ, NAMESPACE, "tiny-cpu-lora"].delete()
+    loop.state.created = {
+        k: v - loop.runtime.settings.resync_seconds - 1 for k, v in loop.state.created.items()
+    }
+    loop.runtime.caches = caches_from(apiserver)
+
+    await loop.runtime._look(loop.key, loop.state, stale)
+
+    assert children(apiserver)["job"] == []
+    assert len(requests(apiserver, kmock.action.CREATE, JOBS)) == 1
+
+    # Created again under the same name: another uid, still not this loop's to launch.
+    seed(apiserver, {**tiny_job(), "metadata": {**tiny_job()["metadata"], "uid": "another"}})
+    await loop.runtime._look(loop.key, loop.state, stale)
+
+    assert children(apiserver)["job"] == []
+
+
 async def test_a_child_owned_by_someone_else_fails_the_job(
     apiserver: ApiServerEmulator, loop: Loop
 ) -> None:

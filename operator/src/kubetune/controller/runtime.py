@@ -450,6 +450,8 @@ class _JobState:
     """The job has fields this operator does not know, and it said so."""
     validated: tuple[dict[str, Any], FineTuneJob] | None = None
     """The job as last validated, and what it was made of."""
+    seen_batch_jobs: set[str] = field(default_factory=set)
+    """Names of the job's batch Jobs this loop has seen in the cache."""
 
 
 class Runtime:
@@ -707,6 +709,8 @@ class Runtime:
         version = self.view_version
         pools, capacity = self.live_pools()
         observed = self.caches.observe(job, pools)
+        if observed.batch_job is not None:
+            state.seen_batch_jobs.add(str(observed.batch_job["metadata"].get("name")))
         seen = (version[0], time.monotonic())
         self.note_cache_use(key, job)
         if may_create_stage_in(job, observed, self.settings):
@@ -752,6 +756,9 @@ class Runtime:
 
         async with self.slots.hold(self._priority(key, job)):
             decision, now = await asyncio.get_running_loop().run_in_executor(self.executor, decide)
+        if await self._deleted_meanwhile(state, decision, meta):
+            log.info("%s/%s is gone: its children are not created again", namespace, name)
+            return self.settings.poll_seconds
         written, wire = await self._carry_out(job, state, decision, body, now, old_status or {})
         metrics.observe_job(raw, wire)
         phase = decision.status.phase
@@ -782,6 +789,28 @@ class Runtime:
         if not written:
             delay = min(math.inf if delay is None else delay, self._after_rejection(state))
         return delay
+
+    async def _deleted_meanwhile(
+        self, state: _JobState, decision: Decision, meta: Mapping[str, Any]
+    ) -> bool:
+        """Whether the job was deleted while this look thought it was there, judged when the
+        look would create again a batch Job it has seen: no finalizer holds a deleted job
+        (controller/loops.py), so the garbage collector may delete its children before its
+        loop hears of the deletion, and a batch Job created again would start a trainer for
+        a job that is gone. One read of the job decides; one that fails counts as gone for
+        this look (the next look asks again)."""
+        again = [
+            m
+            for m in decision.create
+            if m["kind"] == "Job" and m["metadata"]["name"] in state.seen_batch_jobs
+        ]
+        if not again:
+            return False
+        found = await self.kube.read_finetunejob(str(meta.get("namespace")), str(meta.get("name")))
+        if found is None or found[0] is None:
+            return True
+        live = found[0].metadata
+        return live.get("uid") != meta.get("uid") or bool(live.get("deletionTimestamp"))
 
     def _priority(self, key: JobKey, job: FineTuneJob) -> LookPriority:
         """First looks (no plan yet) and the front of a GPU queue go first: both are on a
