@@ -451,7 +451,8 @@ class _JobState:
     validated: tuple[dict[str, Any], FineTuneJob] | None = None
     """The job as last validated, and what it was made of."""
     seen_batch_jobs: set[str] = field(default_factory=set)
-    """Names of the job's batch Jobs this loop has seen in the cache."""
+    """Names of the job's batch Jobs (trainer, stage-in, export, stage-out) this loop has seen
+    in the cache."""
 
 
 class Runtime:
@@ -709,8 +710,14 @@ class Runtime:
         version = self.view_version
         pools, capacity = self.live_pools()
         observed = self.caches.observe(job, pools)
-        if observed.batch_job is not None:
-            state.seen_batch_jobs.add(str(observed.batch_job["metadata"].get("name")))
+        for seen_job in (
+            observed.batch_job,
+            observed.stage_in_job,
+            observed.export_job,
+            observed.stage_out_job,
+        ):
+            if seen_job is not None:
+                state.seen_batch_jobs.add(str(seen_job["metadata"].get("name")))
         seen = (version[0], time.monotonic())
         self.note_cache_use(key, job)
         if may_create_stage_in(job, observed, self.settings):
