@@ -1,10 +1,10 @@
 """How the operator runs its reconciles: one loop per object, woken by events, reading caches.
 
-Each FineTuneJob gets a loop (a kopf daemon, controller/handlers.py) that does, over and
-over: read the job and its children from the caches → `reconcile()` (pure, in a worker
-thread) → create/delete children → write the status itself → sleep until the decision's
-`requeue_after`, a change of one of its children or of its spec wakes it, or the slow
-resync comes round. Nothing here LISTs: the caches are watch-fed (controller/cache.py).
+Each FineTuneJob gets a loop (started and stopped by controller/loops.py; each GPUPool's is a
+kopf daemon, controller/handlers.py) that does, over and over: read the job and its children
+from the caches → `reconcile()` (pure, in a worker thread) → create/delete children → write
+the status itself → sleep until the decision's `requeue_after`, a change of one of its
+children or of its spec wakes it, or the slow resync comes round. Nothing here LISTs: the caches are watch-fed (controller/cache.py).
 
 The loop owns its status writes (a merge patch of the status subresource, retried on
 conflicts, throttling, server errors and lost connections) instead of handing a patch to
@@ -99,7 +99,7 @@ again for this long."""
 
 
 class Stopped(Protocol):
-    """kopf's `stopped` flag of a daemon."""
+    """A loop's stop flag: controller/loops.py's for a job, kopf's for a pool's daemon."""
 
     def __bool__(self) -> bool: ...
     def wait(self, timeout: float | None = None) -> Any: ...
