@@ -127,7 +127,7 @@ def replicas(cluster: Cluster, namespace: str) -> Iterator[Replicas]:
         try:
             yield group
         finally:
-            # Finished jobs keep kopf's finalizer: let a live replica remove it.
+            # Delete the jobs while a replica runs: no loop outlives its job.
             cluster.kubectl(
                 "delete",
                 "ftj",

@@ -204,7 +204,7 @@ def run_job_to_success(cluster: Cluster, namespace: str, name: str) -> dict[str,
         "get", "events", "-n", namespace, "--field-selector", f"involvedObject.name={name}"
     ).stdout
     assert "PlanReady" in events and "Launched" in events
-    # Deleting while our operator runs lets it drop its finalizer.
+    # Deleted while our operator runs: its loop stops (the job carries no finalizer).
     cluster.kubectl("delete", "ftj", name, "-n", namespace, "--wait=true", "--timeout=60s")
     return obj
 
