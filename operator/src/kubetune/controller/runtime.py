@@ -4,7 +4,8 @@ Each FineTuneJob gets a loop (started and stopped by controller/loops.py; each G
 kopf daemon, controller/handlers.py) that does, over and over: read the job and its children
 from the caches → `reconcile()` (pure, in a worker thread) → create/delete children → write
 the status itself → sleep until the decision's `requeue_after`, a change of one of its
-children or of its spec wakes it, or the slow resync comes round. Nothing here LISTs: the caches are watch-fed (controller/cache.py).
+children or of its spec wakes it, or the slow resync comes round. Nothing here LISTs: the
+caches are watch-fed (controller/cache.py).
 
 The loop owns its status writes (a merge patch of the status subresource, retried on
 conflicts, throttling, server errors and lost connections) instead of handing a patch to
@@ -813,7 +814,14 @@ class Runtime:
         ]
         if not again:
             return False
-        found = await self.kube.read_finetunejob(str(meta.get("namespace")), str(meta.get("name")))
+        namespace, name = str(meta.get("namespace")), str(meta.get("name"))
+        log.info(
+            "%s/%s: batch Job %s is gone; reading the job before creating it again",
+            namespace,
+            name,
+            again[0]["metadata"]["name"],
+        )
+        found = await self.kube.read_finetunejob(namespace, name)
         if found is None or found[0] is None:
             return True
         live = found[0].metadata
