@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from kubetune_dev.cluster import simulated_nodes
-from support.cluster import Cluster, job_doc, wait_phase
+from support.cluster import Cluster, job_doc, private_pool, wait_phase
 from support.podsecurity import RESTRICTED_CONTAINER
 from support.waiting import wait_for
 
@@ -240,19 +240,8 @@ HELD_TAINT = {"key": "kubetune.io/test-held", "value": "true", "effect": "NoSche
 def held_pool(cluster: Cluster) -> Iterator[str]:
     """A pool of its own whose one node carries a taint trainer pods do not tolerate: its
     pods stay Pending, so kwok never completes them and a job there stays Running until
-    the test acts. Priced so that no other test's job picks it."""
-    pool = {
-        "apiVersion": "kubetune.io/v1alpha1",
-        "kind": "GPUPool",
-        "metadata": {"name": HELD_POOL},
-        "spec": {
-            "gpu": {"product": "NVIDIA-A100-SXM4-80GB", "memoryGiB": 80, "bf16TFLOPS": 312},
-            "gpusPerNode": 8,
-            "maxNodes": 1,
-            "pricePerGPUHour": 99.0,
-            "nodeSelector": {"kubetune.io/pool": HELD_POOL},
-        },
-    }
+    the test acts."""
+    pool = private_pool(HELD_POOL, nodes=1)
     nodes = simulated_nodes(pool)
     for node in nodes:
         node["spec"]["taints"].append(HELD_TAINT)

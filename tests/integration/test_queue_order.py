@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from kubetune_dev.cluster import simulated_nodes
-from support.cluster import Cluster, job_doc
+from support.cluster import Cluster, job_doc, private_pool
 from support.podsecurity import RESTRICTED_CONTAINER
 from support.waiting import wait_for
 
@@ -31,18 +31,7 @@ POSITION = re.compile(r"position (\d+) in the queue of pool " + POOL)
 
 
 def pool_doc() -> dict[str, Any]:
-    return {
-        "apiVersion": "kubetune.io/v1alpha1",
-        "kind": "GPUPool",
-        "metadata": {"name": POOL},
-        "spec": {
-            "gpu": {"product": "NVIDIA-A100-SXM4-80GB", "memoryGiB": 80, "bf16TFLOPS": 312},
-            "gpusPerNode": 8,
-            "maxNodes": 2,
-            "pricePerGPUHour": 99.0,
-            "nodeSelector": {"kubetune.io/pool": POOL},
-        },
-    }
+    return private_pool(POOL, nodes=2)
 
 
 @pytest.fixture

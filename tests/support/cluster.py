@@ -118,6 +118,24 @@ def job_doc(name: str, **spec_over: Any) -> dict[str, Any]:
     }
 
 
+def private_pool(name: str, nodes: int) -> dict[str, Any]:
+    """A GPUPool a test keeps to itself: A100 nodes of 8 GPUs selected by `kubetune.io/pool:
+    NAME`, priced so that no other test's job is planned onto it (pair it with
+    `kubetune_dev.cluster.simulated_nodes` for its kwok nodes)."""
+    return {
+        "apiVersion": "kubetune.io/v1alpha1",
+        "kind": "GPUPool",
+        "metadata": {"name": name},
+        "spec": {
+            "gpu": {"product": "NVIDIA-A100-SXM4-80GB", "memoryGiB": 80, "bf16TFLOPS": 312},
+            "gpusPerNode": 8,
+            "maxNodes": nodes,
+            "pricePerGPUHour": 99.0,
+            "nodeSelector": {"kubetune.io/pool": name},
+        },
+    }
+
+
 def wait_phase(
     cluster: Cluster, name: str, ns: str, *wanted: str, timeout: float = 60
 ) -> dict[str, Any]:
