@@ -320,9 +320,9 @@ async def finetunejob_changed(body: kopf.Body, type: str | None, **kwargs: Any) 
     state = runtime.jobs.get(key)
     if state is None:
         return
-    if body.metadata.get("generation") != state.generation or body.metadata.get(
-        "deletionTimestamp"
-    ):
+    # A deletionTimestamp needs no wake-up here: `observe` set the loop's stop flag, which
+    # ends its wait.
+    if body.metadata.get("generation") != state.generation:
         state.wake.set()
 
 
