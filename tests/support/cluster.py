@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ from typing import Any
 import yaml
 
 from kubetune_dev.cluster import LocalCluster, process_alive
+from support.apiserver import RESOURCES, Api
 from support.waiting import wait_for
 
 OPERATOR_UP = "Initial authentication has finished."
@@ -58,12 +60,19 @@ class Cluster:
     def __init__(self, local: LocalCluster) -> None:
         self.local = local
 
+    @functools.cached_property
+    def api(self) -> Api:
+        """Reads of the kinds in RESOURCES, without a kubectl process each."""
+        return Api(self.local)
+
     def kubectl(
         self, *args: str, input: str | None = None, check: bool = True
     ) -> subprocess.CompletedProcess[str]:
         return self.local.kubectl(*args, input=input, check=check)
 
     def get(self, kind: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
+        if kind in RESOURCES:
+            return self.api.get(kind, name, namespace)
         args = ["get", kind, name, "-o", "json"]
         if namespace:
             args += ["-n", namespace]
@@ -77,6 +86,8 @@ class Cluster:
     def list(
         self, kind: str, namespace: str | None = None, selector: str | None = None
     ) -> list[dict[str, Any]]:
+        if kind in RESOURCES:
+            return self.api.list(kind, namespace, selector)
         args = ["get", kind, "-o", "json"]
         args += ["-n", namespace] if namespace else ["-A"]
         if selector:

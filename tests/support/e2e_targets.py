@@ -14,6 +14,7 @@ one they run on:
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from support.apiserver import RESOURCES, Api
 from support.podsecurity import RESTRICTED_CONTAINER, RESTRICTED_LABELS, restricted_namespace
 from support.waiting import WaitTimeout, wait_for
 
@@ -250,10 +252,28 @@ class LocalTarget(Target):
             raise AssertionError(f"kubectl {' '.join(args)}: {result.stderr.strip()}")
         return result
 
-    def _claim_root(self, claim: str) -> Path | None:
-        from kubetune_dev.demo import claim_path
+    @functools.cached_property
+    def api(self) -> Api:
+        """Reads of the kinds in RESOURCES without a kubectl process each (the scenarios
+        poll every half second, on the cores the trainer and the operator use)."""
+        return Api(self.cluster)
 
-        path = claim_path(self.cluster, NAMESPACE, claim)
+    def get(self, kind: str, name: str) -> dict[str, Any] | None:
+        if kind in RESOURCES:
+            return self.api.get(kind, name, NAMESPACE)
+        return super().get(kind, name)
+
+    def list(self, kind: str, selector: str | None = None) -> list[dict[str, Any]]:
+        if kind in RESOURCES:
+            return self.api.list(kind, NAMESPACE, selector)
+        return super().list(kind, selector)
+
+    def _claim_root(self, claim: str) -> Path | None:
+        """The host folder of a bound claim (the local provisioner's hostPath volumes)."""
+        pvc = self.api.get("pvc", claim, NAMESPACE)
+        volume = ((pvc or {}).get("spec") or {}).get("volumeName")
+        pv = self.api.get("pv", volume) if volume else None
+        path = (((pv or {}).get("spec") or {}).get("hostPath") or {}).get("path")
         return Path(path) if path else None
 
     def volume_folder(self, claim: str) -> Path:
