@@ -41,10 +41,16 @@ SDIST_NAME = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 #: diskcache, which llama_cpp imports; installed next to it.
 DISKCACHE_VERSION = "5.6.3"
-#: Bump when the build recipe (cmake flags, what is copied) changes.
-RECIPE = 1
+#: Bump when the build recipe (cmake flags, the source edit, what is copied) changes.
+RECIPE = 2
 #: CPU only, no multimodal library, no -march=native: a cache restored on another CPU works.
 CMAKE_ARGS = "-DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF"
+#: llama-cpp-python's CMakeLists.txt forces llama.cpp's `common` library on (argument parsing,
+#: chat templates, JSON: a third of the compile) for its multimodal library. The bindings load
+#: libllama and ggml only, and the multimodal library is off, so the build turns it off again:
+#: this one line of the sdist is edited before pip builds it.
+COMMON_ON = 'set(LLAMA_BUILD_COMMON ON CACHE BOOL "Build llama.cpp common library" FORCE)'
+COMMON_OFF = 'set(LLAMA_BUILD_COMMON OFF CACHE BOOL "Build llama.cpp common library" FORCE)'
 #: What the converter needs from vendor/llama.cpp.
 CONVERTER_PARTS: tuple[str, ...] = ("convert_hf_to_gguf.py", "conversion", "gguf-py")
 #: Where a copy of the sdist may already be (a directory), before PyPI is asked.
@@ -130,6 +136,7 @@ def _build(root: Path, say: Progress) -> None:
         sdist = _sdist(Path(tmp), say)
         say(f"extracting llama.cpp's converter from {sdist.name}")
         _extract_converter(sdist, root / "converter")
+        source = _source_without_common(sdist, Path(tmp) / "src")
         say(f"building llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} (cmake, CPU only)")
         start = time.monotonic()
         env = {
@@ -147,7 +154,7 @@ def _build(root: Path, say: Progress) -> None:
             "--disable-pip-version-check",
             "--target",
             str(root / "site"),
-            str(sdist),
+            str(source),
             f"diskcache=={DISKCACHE_VERSION}",
         ]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
@@ -196,6 +203,19 @@ def _sdist(tmp: Path, say: Progress) -> Path:
     if digest != SDIST_SHA256:
         raise BuildError(f"{path} has sha256 {digest}, not the pinned {SDIST_SHA256}")
     return path
+
+
+def _source_without_common(sdist: Path, dest: Path) -> Path:
+    """The sdist unpacked into `dest`, its CMakeLists.txt building no `common` library."""
+    with tarfile.open(sdist) as tar:
+        tar.extractall(dest, filter="data")
+    source = dest / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}"
+    cmake = source / "CMakeLists.txt"
+    text = cmake.read_text()
+    if text.count(COMMON_ON) != 1:
+        raise BuildError(f"{sdist.name}: CMakeLists.txt no longer has the line `{COMMON_ON}`")
+    cmake.write_text(text.replace(COMMON_ON, COMMON_OFF))
+    return source
 
 
 def _extract_converter(sdist: Path, dest: Path) -> None:
