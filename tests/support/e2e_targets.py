@@ -269,11 +269,9 @@ class LocalTarget(Target):
         return super().list(kind, selector)
 
     def _claim_root(self, claim: str) -> Path | None:
-        """The host folder of a bound claim (the local provisioner's hostPath volumes)."""
-        pvc = self.api.get("pvc", claim, NAMESPACE)
-        volume = ((pvc or {}).get("spec") or {}).get("volumeName")
-        pv = self.api.get("pv", volume) if volume else None
-        path = (((pv or {}).get("spec") or {}).get("hostPath") or {}).get("path")
+        from kubetune_dev.demo import claim_path
+
+        path = claim_path(self.cluster, NAMESPACE, claim, get=self.api.get)
         return Path(path) if path else None
 
     def volume_folder(self, claim: str) -> Path:

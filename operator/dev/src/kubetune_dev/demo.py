@@ -23,6 +23,7 @@ from kubetune_dev.binaries import ensure_binaries
 from kubetune_dev.cluster import ClusterError, LocalCluster
 
 Say = Callable[[str], None]
+Read = Callable[[str, str, str | None], dict[str, Any] | None]
 
 DEMO_JOB = "tiny-cpu-lora"
 DEMO_CLAIM = "kubetune-demo"
@@ -91,11 +92,16 @@ def prepare_data(
     return root
 
 
-def claim_path(cluster: LocalCluster, namespace: str, claim: str) -> str | None:
-    """The host folder behind a bound claim (the local provisioner's hostPath volumes)."""
-    pvc = _get(cluster, "pvc", claim, "-n", namespace)
+def claim_path(
+    cluster: LocalCluster, namespace: str, claim: str, get: Read | None = None
+) -> str | None:
+    """The host folder behind a bound claim (the local provisioner's hostPath volumes).
+    `get` reads an object (kind, name, namespace or None; None when there is none), a
+    kubectl process per read where not given."""
+    read = get or (lambda kind, name, ns: _get(cluster, kind, name, *(["-n", ns] if ns else [])))
+    pvc = read("pvc", claim, namespace)
     volume = ((pvc or {}).get("spec") or {}).get("volumeName")
-    pv = _get(cluster, "pv", volume) if volume else None
+    pv = read("pv", volume, None) if volume else None
     return (((pv or {}).get("spec") or {}).get("hostPath") or {}).get("path")
 
 
