@@ -1,8 +1,8 @@
 """End to end on two nodes: a FineTuneJob planned as 2 nodes × 2 GPUs runs as two trainer
 pods on two nodes that rendezvous through the job's headless Service (c10d) and train as one
 FSDP2 world over gloo, with the checkpoint volume (ReadWriteMany) shared by both. One pod is
-preempted mid-run: every rank checkpoints, the Job controller replaces the pod and the run
-resumes on two nodes at the same step.
+preempted mid-run: every rank checkpoints, both pods end, the operator starts the next attempt
+and the run resumes on two nodes at the same step.
 
 Then the same job on one node (2 GPUs, two micro-batches accumulated): the two loss curves
 agree within the tolerance of a different data-parallel split.
@@ -155,12 +155,13 @@ def test_two_nodes_train_as_one_and_survive_a_preempted_pod(
     match = re.search(r"step-(\d+)", starts[1].get("resumed_from") or "")
     assert preempted and match and int(match.group(1)) == preempted[0], (preempted, starts[1])
     # Every rank checkpointed and exited with the preemption code: each pod's end is
-    # recorded, and the two count as one preemption (reconcile.preemptions_without_progress).
+    # recorded, the two count as one preemption (reconcile.preemptions_without_progress),
+    # and the next attempt starts once both have ended.
     recs = s["recoveries"]
     assert [r["reason"] for r in recs] == ["Preemption", "Preemption"], recs
     assert {r["pod"].rsplit("-", 2)[1] for r in recs} == {"0", "1"}, recs
-    assert s["attempt"] == 1 and s["plan"]["nodes"] == 2
-    # The replacement pod ran on the other node again (2 GPUs a pod, 2 a node).
+    assert {r["attempt"] for r in recs} == {1} and s["attempt"] == 2 and s["plan"]["nodes"] == 2
+    # The next attempt's pods ran on the two nodes again (2 GPUs a pod, 2 a node).
     done = [
         p
         for p in target.list("pods", f"kubetune.io/job={two}")

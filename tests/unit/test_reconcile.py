@@ -252,6 +252,84 @@ def test_preemption_is_recorded_once() -> None:
     assert all(r.attempt == 1 for r in job.status.recoveries)
 
 
+def test_a_preempted_attempt_with_no_pod_left_is_relaunched_at_once() -> None:
+    """The Job controller would replace the pod only after its back-off (10 s, then 20 s,
+    40 s ...: ignored failures count too), so a new attempt starts at once."""
+    job, _ = run(make_job())
+    preempted = observed(batch_job(active=0), [pod("demo-a1-0-aaaaa", EXIT_PREEMPTED)])
+    job, d = run(job, preempted)
+    s = job.status
+    assert s is not None and s.phase == "Running" and s.attempt == 2 and s.restarts == 1
+    assert [(r.reason, r.attempt) for r in s.recoveries] == [("Preemption", 1)]
+    assert d.delete_jobs == ["demo-a1"]
+    assert [m["metadata"]["name"] for m in d.create if m["kind"] == "Job"] == ["demo-a2"]
+    assert [e.reason for e in d.events] == [Reason.PREEMPTED, Reason.LAUNCHED]
+    # The new attempt's first look, before the Job controller made its pod: nothing more.
+    job, d = run(job, observed({**batch_job(), "metadata": {"name": "demo-a2"}}))
+    assert job.status is not None and job.status.attempt == 2 and job.status.restarts == 1
+    assert d.delete_jobs == [] and kinds(d) == []
+
+
+def test_a_preempted_pod_is_left_to_the_batch_job_while_another_runs_or_is_replaced() -> None:
+    job, _ = run(make_job())
+    # One node's pod of a two-node attempt preempted, the other still saving: wait for it.
+    saving = observed(
+        batch_job(active=1), [pod("demo-a1-0-aaaaa"), pod("demo-a1-1-bbbbb", EXIT_PREEMPTED)]
+    )
+    job, d = run(job, saving)
+    assert job.status is not None and job.status.attempt == 1 and d.delete_jobs == []
+    # The Job controller's status still counts a pod active (its replacement, not yet seen).
+    replaced = observed(batch_job(active=1), [pod("demo-a1-1-bbbbb", EXIT_PREEMPTED)])
+    job, d = run(job, replaced)
+    assert job.status is not None and job.status.attempt == 1 and d.delete_jobs == []
+    # Both ended (every rank checkpointed): one preemption, the next attempt now.
+    ended = observed(
+        batch_job(active=0),
+        [pod("demo-a1-0-aaaaa", EXIT_PREEMPTED), pod("demo-a1-1-bbbbb", EXIT_PREEMPTED)],
+    )
+    job, d = run(job, ended)
+    s = job.status
+    assert s is not None and s.attempt == 2 and s.restarts == 2
+    assert preemptions_without_progress(s.recoveries) == 1
+    assert d.delete_jobs == ["demo-a1"]
+
+
+def test_a_crashed_pod_is_left_to_the_batch_job_and_its_back_off() -> None:
+    job, _ = run(make_job())
+    job, _ = run(job, observed(batch_job(active=0), [pod("demo-a1-0-aaaaa", EXIT_PREEMPTED)]))
+    assert job.status is not None and job.status.attempt == 2
+    crashed = observed(
+        {**batch_job(active=0), "metadata": {"name": "demo-a2"}, "status": {"failed": 1}},
+        [pod("demo-a2-0-ccccc", 1)],
+    )
+    job, d = run(job, crashed)
+    s = job.status
+    assert s is not None and s.attempt == 2 and s.restarts == 2
+    assert [r.reason for r in s.recoveries] == ["Preemption", "PodFailure"]
+    assert d.delete_jobs == [] and kinds(d) == []
+
+
+def test_preemptions_in_attempts_of_their_own_count_past_the_kept_recoveries() -> None:
+    """Each preemption now starts an attempt of its own; a limit above KEEP_RECOVERIES is
+    still reached, since the run of preemptions is kept."""
+    limit = KEEP_RECOVERIES + 5
+    job, _ = run(make_job(recovery={"maxPreemptionsWithoutProgress": limit}))
+    for _ in range(limit + 1):
+        s = job.status
+        assert s is not None and s.phase == "Running"
+        a = s.attempt
+        ended = observed(
+            {**batch_job(active=0), "metadata": {"name": f"demo-a{a}"}},
+            [pod(f"demo-a{a}-0-aaaaa", EXIT_PREEMPTED)],
+        )
+        job, d = run(job, ended)
+    s = job.status
+    assert s is not None and s.phase == "Failed" and s.attempt == limit + 1
+    assert d.delete_jobs == [f"demo-a{limit + 1}"]  # its batch Job stops
+    assert c.get_condition(s.conditions, ConditionType.FAILED).reason == Reason.PREEMPTION_LIMIT  # type: ignore[union-attr]
+    assert len(s.recoveries) == limit + 1 and s.recovery_counts == {"Preemption": limit + 1}
+
+
 def test_an_oom_exit_seen_before_the_job_fails_is_left_to_the_replan() -> None:
     job, _ = run(make_job())
     # The pod has failed with the OOM code; the Job controller has not failed the Job yet.
@@ -791,6 +869,13 @@ def test_recoveries_keep_the_current_attempt_and_the_latest_of_earlier_ones() ->
     kept = trim_recoveries(old + current[:5], attempt=31)
     assert len(kept) == KEEP_RECOVERIES and kept[-5:] == current[:5]
     assert [r.attempt for r in kept[:15]] == list(range(16, 31))  # the latest earlier ones
+    # Preemptions in a row at the end stay too, one attempt each: the limit counts them.
+    run_of = [
+        Recovery(reason=RecoveryReason.PREEMPTION, time="t", attempt=a, pod=f"p{a}")
+        for a in range(31, 56)
+    ]
+    kept = trim_recoveries(old + run_of, attempt=55)
+    assert kept == run_of and preemptions_without_progress(kept) == 25
 
 
 # ---------------------------------------------------------------------- checkpoint volume

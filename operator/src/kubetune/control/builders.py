@@ -937,8 +937,8 @@ def _pod_failure_policy() -> dict[str, Any]:
 
     return {
         "rules": [
-            # Preempted after writing a checkpoint: let the Job controller replace the pod
-            # without counting it against backoffLimit.
+            # Preempted after writing a checkpoint: not counted against backoffLimit (the
+            # operator starts the next attempt; reconcile.relaunch_after_preemption).
             on_exit([EXIT_PREEMPTED], "Ignore"),
             # Evicted, preempted by the scheduler, node drained: same.
             {

@@ -1040,6 +1040,8 @@ class _Reconciler:
             return
         if self.move_if_stuck() or self.check_limits():
             return
+        if self.relaunch_after_preemption(job_status):
+            return
         if self.observed.trainer_metrics:
             step = progress.read_metrics(self.s, self.spec, self.observed.trainer_metrics, self.now)
             if step is not None:
@@ -1237,13 +1239,33 @@ class _Reconciler:
             return True
         return False
 
+    def relaunch_after_preemption(self, job_status: Mapping[str, Any]) -> bool:
+        """Start the next attempt at once when trainers of this one were preempted and none
+        runs any more, rather than wait for the batch Job to replace them.
+
+        The Job controller replaces a pod only after its back-off, and the back-off counts
+        every failed pod, those its podFailurePolicy ignores (preemptions) included, until a
+        pod succeeds or the Job is deleted: 10 s after the first preemption, 20 s after the
+        second, doubling up to 10 minutes. A new batch Job starts with none. Where the Job
+        controller already replaced a pod (it shows as alive here, or as active in the Job's
+        status), that pod is followed instead, as is every pod still saving its checkpoint
+        (the other nodes' pods of a multi-node attempt). True when it relaunched."""
+        if self.s.trainer_pods or int(job_status.get("active") or 0):
+            return False
+        mine = [r for r in self.s.recoveries if r.attempt == self.s.attempt]
+        if not mine or mine[-1].reason != RecoveryReason.PREEMPTION:
+            return False  # a crash is left to the batch Job and its back-off
+        self.stop_trainer()
+        self.launch()
+        return True
+
     def move_if_stuck(self) -> bool:
         """Re-plan when a trainer pod cannot be scheduled (its pool has no room any more).
 
-        After a preemption the Job controller's replacement pod waits for room in the same
-        pool. When it has waited `reschedule_seconds` and another allowed pool has free GPUs
-        now, the job moves there: the batch Job is deleted and the new plan launches as a new
-        attempt that resumes from the checkpoint. Otherwise it keeps waiting.
+        After a preemption the next attempt's pod (or the Job controller's replacement) waits
+        for room in the same pool. When it has waited `reschedule_seconds` and another allowed
+        pool has free GPUs now, the job moves there: the batch Job is deleted and the new plan
+        launches as a new attempt that resumes from the checkpoint. Otherwise it keeps waiting.
         """
         plan = self.s.plan
         assert plan is not None
@@ -1687,7 +1709,8 @@ the grace period) sits on a lost node: it no longer counts as running."""
 STALL_STEPS = 20
 """An attempt is stalled after at least this many planned step times without progress."""
 KEEP_RECOVERIES = 20
-"""Entries of earlier attempts kept in status.recoveries (the current attempt's all stay)."""
+"""Entries of earlier attempts kept in status.recoveries (the current attempt's and a run of
+preemptions without progress all stay: `trim_recoveries`)."""
 
 
 def early_stop_message(stopped: EarlyStoppedStatus, progress: ProgressStatus | None) -> str:
@@ -1703,14 +1726,17 @@ def early_stop_message(stopped: EarlyStoppedStatus, progress: ProgressStatus | N
 
 
 def trim_recoveries(recoveries: list[Recovery], attempt: int) -> list[Recovery]:
-    """At most KEEP_RECOVERIES entries, dropping the oldest of earlier attempts first; the
-    current attempt's stay, since they tell its ended pods apart."""
+    """At most KEEP_RECOVERIES entries, dropping the oldest of earlier attempts first. Two
+    kinds stay: the current attempt's, since they tell its ended pods apart, and the
+    preemptions in a row at the end, since spec.recovery.maxPreemptionsWithoutProgress
+    counts them (each preemption starts an attempt of its own)."""
     excess = len(recoveries) - KEEP_RECOVERIES
     if excess <= 0:
         return recoveries
+    run_start = _preemption_run(recoveries)[1]
     out = []
-    for rec in recoveries:
-        if excess > 0 and rec.attempt != attempt:
+    for i, rec in enumerate(recoveries):
+        if excess > 0 and rec.attempt != attempt and i < run_start:
             excess -= 1
             continue
         out.append(rec)
@@ -1725,12 +1751,22 @@ def preemptions_without_progress(recoveries: Sequence[Recovery]) -> int:
     exit with the preemption code), one recovery each: consecutive entries of the same
     attempt and step from pods of different completion indexes are one preemption; the same
     index again is the next one (its replacement pod was preempted too)."""
+    return _preemption_run(recoveries)[0]
+
+
+def _preemption_run(recoveries: Sequence[Recovery]) -> tuple[int, int]:
+    """How many preemptions end `recoveries` without progress between them (as
+    `preemptions_without_progress` counts), and the index of the run's first entry
+    (len(recoveries) when there is none)."""
     run, step, attempt, indexes = 0, None, None, set[str]()
-    for rec in reversed(recoveries):
+    first = len(recoveries)
+    for i in range(len(recoveries) - 1, -1, -1):
+        rec = recoveries[i]
         if rec.reason != RecoveryReason.PREEMPTION:
             break
         if step is not None and (rec.step or 0) < step:
             break  # progress was made between this preemption and the next
+        first = i
         index = p.completion_index_of(rec.pod or "")
         same = run and rec.attempt == attempt and (rec.step or 0) == step
         if same and index is not None and index not in indexes:
@@ -1739,7 +1775,7 @@ def preemptions_without_progress(recoveries: Sequence[Recovery]) -> int:
         step, attempt = rec.step or 0, rec.attempt
         indexes = {index} if index is not None else set()
         run += 1
-    return run
+    return run, first
 
 
 def _first_int_over(value: Any, limit: int, path: str = "plan") -> str | None:
