@@ -63,7 +63,7 @@ test: lint
 
 crds: setup
 	$(VENV)/bin/kubetune crds --out crds/
-	$(PY) tests/unit/test_chart.py  # the chart's copies of crds/
+	PYTHONPATH=tests $(PY) tests/unit/test_chart.py  # the chart's copies of crds/
 
 # The chart README's values table, from the `# --` comments in charts/kubetune/values.yaml
 # (tests/unit/test_values_table.py fails when it is stale or a value is undocumented).

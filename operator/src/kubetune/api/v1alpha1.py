@@ -1107,8 +1107,9 @@ class FineTuneJobStatus(_Model):
     )
     recoveries: list[Recovery] = Field(
         default_factory=list,
-        description="Handled failures: every one of the current attempt, and the latest of "
-        "earlier attempts (recoveryCounts has them all).",
+        description="Handled failures: every one of the current attempt and of the "
+        "preemptions in a row at the end (each starts an attempt), and the latest of earlier "
+        "attempts (recoveryCounts has them all).",
     )
     recovery_counts: dict[str, int] = Field(
         default_factory=dict, description="Handled failures so far, by reason."
