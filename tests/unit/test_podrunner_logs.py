@@ -78,8 +78,9 @@ def test_follow_streams_until_the_container_exits(served: tuple[LogServer, Path]
         exited_marker(pod_dir, "main").write_text("0")
 
     writer = threading.Thread(target=write_then_exit)
-    writer.start()
+    # Read the clock before the writer starts: its 1 s of sleeps all come after it.
     started = time.monotonic()
+    writer.start()
     answer = _get(server, "/containerLogs/ns/pod/main", follow="true")
     writer.join()
     assert answer.text == "first\nsecond\nlast\n"
