@@ -196,6 +196,33 @@ def parse_request_totals(text: str) -> dict[RequestKey, float]:
     return totals
 
 
+_CLOSED = re.compile(r"^apiserver_terminated_watchers_total\{(?P<labels>.*)\}\s+(?P<value>\S+)")
+
+
+def parse_closed_watchers(text: str) -> dict[str, float]:
+    """`apiserver_terminated_watchers_total` of a Prometheus text exposition by resource
+    (`finetunejobs.kubetune.io`, `pods`): the watches the API server closed because the
+    watcher's buffer stayed full (its log says "Forcing ... watcher close due to
+    unresponsiveness"). A closed watch's client reconnects from its last resource version:
+    nothing is lost, but what happened meanwhile reaches it late."""
+    closed: dict[str, float] = {}
+    for line in text.splitlines():
+        match = _CLOSED.match(line)
+        if match is None:
+            continue
+        labels = {k: _unescape(v) for k, v in _LABEL.findall(match["labels"])}
+        name = ".".join(x for x in (labels.get("resource", ""), labels.get("group", "")) if x)
+        closed[name] = closed.get(name, 0.0) + float(match["value"])
+    return closed
+
+
+def closed_between(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, int]:
+    """Watches closed between two readings of `parse_closed_watchers`, by resource."""
+    return {
+        k: int(v - before.get(k, 0.0)) for k, v in sorted(after.items()) if v > before.get(k, 0.0)
+    }
+
+
 HISTOGRAMS: dict[str, tuple[str, ...]] = {
     "apiserver_request_duration_seconds": ("verb", "resource", "subresource"),
     "apiserver_flowcontrol_request_wait_duration_seconds": ("priority_level", "execute"),
@@ -1294,6 +1321,7 @@ class Bench:
         self.jobs: list[JobPlan] = []
         self.marks: dict[str, Mark] = {}
         self.histograms: dict[str, Histograms] = {}
+        self.closed_watchers: dict[str, dict[str, float]] = {}
         self.other_apiservers = running_apiservers()
         self.facts: dict[str, Any] = {
             "load_start": load_average(),
@@ -1416,6 +1444,7 @@ class Bench:
         text = self.api.metrics_text()
         totals = self.api.request_totals(text)
         self.histograms[name] = parse_histograms(text)
+        self.closed_watchers[name] = parse_closed_watchers(text)
         pid = self.cluster.state.pids.get("operator")
         proc = proc_sample(pid) if pid is not None else None
         self.marks[name] = Mark(totals, self.own.snapshot(), time.monotonic(), proc)
@@ -1721,6 +1750,9 @@ class Bench:
                 self.histograms["start"], self.histograms["seen"]
             ),
             "requests_create_to_seen": breakdown(seen.delta),
+            "watches_closed_create_to_seen": closed_between(
+                self.closed_watchers["start"], self.closed_watchers["seen"]
+            ),
         }
 
     def summary(self) -> dict[str, Any]:
@@ -1778,6 +1810,9 @@ class Bench:
                 self.histograms["start"], self.histograms["steady"]
             ),
             "requests_create_to_steady": breakdown(create.delta),
+            "watches_closed_create_to_steady": closed_between(
+                self.closed_watchers["start"], self.closed_watchers["steady"]
+            ),
             "requests_steady_window": breakdown(window.delta),
             "requests_background_window": breakdown(background.delta),
             "own_requests": {
@@ -1989,6 +2024,8 @@ def delivery_report(r: Mapping[str, Any]) -> str:
             f"{fmt(r['delivered_max_s'])}s; all seen {r['all_seen_s']}s after the first create",
             f"  CPU s while creating: {r['cpu_s_creation']}",
             f"  CPU s until all were seen: {r['cpu_s_to_all_seen']}",
+            f"  watches the API server closed as unresponsive meanwhile: "
+            f"{r.get('watches_closed_create_to_seen', 'not read') or 'none'}",
             f"  load average {r['load_start']} → {r['load_end']}",
         ]
     )
@@ -2069,6 +2106,8 @@ def report(r: Mapping[str, Any]) -> str:
         f"writes/running job/min; batch Job POSTs 201: {r['job_post_201']}, 409: "
         f"{r['job_post_409']}",
         f"  load average {r['load_start']} → {r['load_end']}",
+        f"  watches the API server closed as unresponsive, creation → steady: "
+        f"{r.get('watches_closed_create_to_steady', 'not read') or 'none'}",
         "  API server latency creation → steady, p50 / p99 s (requests): "
         + ", ".join(
             f"{name} {fmt(v['p50_s'], 3)} / {fmt(v['p99_s'], 3)} ({v['n']})"

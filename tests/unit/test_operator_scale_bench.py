@@ -89,6 +89,37 @@ def test_request_totals_are_parsed_and_summed_over_the_labels_not_kept() -> None
     }
 
 
+def test_closed_watches_are_counted_by_resource_and_between_readings() -> None:
+    def closed(value: str, group: str, resource: str) -> str:
+        return (
+            f'apiserver_terminated_watchers_total{{group="{group}",resource="{resource}"}} {value}'
+        )
+
+    before = bench.parse_closed_watchers(
+        "\n".join(
+            [
+                "# TYPE apiserver_terminated_watchers_total counter",
+                closed("3", "kubetune.io", "finetunejobs"),
+                closed("1", "", "pods"),
+                _req("9", **EMPTY, code="200", resource="pods", verb="WATCH"),
+            ]
+        )
+    )
+    assert before == {"finetunejobs.kubetune.io": 3.0, "pods": 1.0}
+    after = bench.parse_closed_watchers(
+        "\n".join(
+            [
+                closed("31", "kubetune.io", "finetunejobs"),
+                closed("1", "", "pods"),
+                closed("2 1700000000000", "batch", "jobs"),
+            ]
+        )
+    )
+    # Only what grew; a resource first closed in between counts from nothing.
+    assert bench.closed_between(before, after) == {"finetunejobs.kubetune.io": 28, "jobs.batch": 2}
+    assert bench.closed_between(after, after) == {}
+
+
 def test_delta_keeps_what_grew() -> None:
     before = {Key("LIST", "", "pods", "", "200"): 10.0, Key("GET", "", "pods", "", "200"): 5.0}
     after = {
