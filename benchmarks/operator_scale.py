@@ -54,7 +54,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -168,7 +168,7 @@ class RequestKey(NamedTuple):
     code: str
 
 
-_SAMPLE = re.compile(r"^apiserver_request_total\{(?P<labels>.*)\}\s+(?P<value>\S+)")
+_SAMPLE = re.compile(r"^(?P<name>\w+)\{(?P<labels>.*)\}\s+(?P<value>\S+)")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
@@ -176,15 +176,21 @@ def _unescape(value: str) -> str:
     return re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), value)
 
 
+def _samples(text: str, metric: str) -> Iterator[tuple[dict[str, str], float]]:
+    """(labels, value) of every sample of `metric` in a Prometheus text exposition (a
+    timestamp after the value is ignored)."""
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match is not None and match["name"] == metric:
+            labels = {k: _unescape(v) for k, v in _LABEL.findall(match["labels"])}
+            yield labels, float(match["value"])
+
+
 def parse_request_totals(text: str) -> dict[RequestKey, float]:
     """`apiserver_request_total` of a Prometheus text exposition, summed over the labels
     `RequestKey` does not keep (version, scope, component, dry_run)."""
     totals: dict[RequestKey, float] = {}
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match is None:
-            continue
-        labels = {k: _unescape(v) for k, v in _LABEL.findall(match["labels"])}
+    for labels, value in _samples(text, "apiserver_request_total"):
         key = RequestKey(
             verb=labels.get("verb", ""),
             group=labels.get("group", ""),
@@ -192,11 +198,8 @@ def parse_request_totals(text: str) -> dict[RequestKey, float]:
             subresource=labels.get("subresource", ""),
             code=labels.get("code", ""),
         )
-        totals[key] = totals.get(key, 0.0) + float(match["value"])
+        totals[key] = totals.get(key, 0.0) + value
     return totals
-
-
-_CLOSED = re.compile(r"^apiserver_terminated_watchers_total\{(?P<labels>.*)\}\s+(?P<value>\S+)")
 
 
 def parse_closed_watchers(text: str) -> dict[str, float]:
@@ -206,13 +209,9 @@ def parse_closed_watchers(text: str) -> dict[str, float]:
     unresponsiveness"). A closed watch's client reconnects from its last resource version:
     nothing is lost, but what happened meanwhile reaches it late."""
     closed: dict[str, float] = {}
-    for line in text.splitlines():
-        match = _CLOSED.match(line)
-        if match is None:
-            continue
-        labels = {k: _unescape(v) for k, v in _LABEL.findall(match["labels"])}
+    for labels, value in _samples(text, "apiserver_terminated_watchers_total"):
         name = ".".join(x for x in (labels.get("resource", ""), labels.get("group", "")) if x)
-        closed[name] = closed.get(name, 0.0) + float(match["value"])
+        closed[name] = closed.get(name, 0.0) + value
     return closed
 
 
