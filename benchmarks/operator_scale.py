@@ -59,7 +59,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 from urllib.parse import quote, urlsplit
 
 import yaml
@@ -168,6 +168,9 @@ class RequestKey(NamedTuple):
     code: str
 
 
+K = TypeVar("K")
+"""A counter's key: a `RequestKey`, or a resource's name for closed watches."""
+
 _SAMPLE = re.compile(r"^(?P<name>\w+)\{(?P<labels>.*)\}\s+(?P<value>\S+)")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
@@ -217,9 +220,7 @@ def parse_closed_watchers(text: str) -> dict[str, float]:
 
 def closed_between(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, int]:
     """Watches closed between two readings of `parse_closed_watchers`, by resource."""
-    return {
-        k: int(v - before.get(k, 0.0)) for k, v in sorted(after.items()) if v > before.get(k, 0.0)
-    }
+    return {k: int(v) for k, v in sorted(counter_delta(after, before).items())}
 
 
 HISTOGRAMS: dict[str, tuple[str, ...]] = {
@@ -327,9 +328,7 @@ def latency_summary(before: Histograms, after: Histograms) -> dict[str, dict[str
     return out
 
 
-def counter_delta(
-    after: Mapping[RequestKey, float], before: Mapping[RequestKey, float]
-) -> dict[RequestKey, float]:
+def counter_delta(after: Mapping[K, float], before: Mapping[K, float]) -> dict[K, float]:
     """What each counter grew by; counters that did not grow are left out."""
     return {k: v - before.get(k, 0.0) for k, v in after.items() if v > before.get(k, 0.0)}
 
