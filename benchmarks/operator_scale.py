@@ -31,6 +31,7 @@ docs/local-cluster.md#the-operator-at-scale says what each column means:
 Usage:
     python benchmarks/operator_scale.py --jobs 500 --label before
     python benchmarks/operator_scale.py --quick          # 50 jobs, short windows, no results row
+    python benchmarks/operator_scale.py --planned-floor  # no operator: the least one can do
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import http.client
 import json
 import math
 import os
+import queue
 import re
 import shutil
 import signal
@@ -803,6 +805,74 @@ def first_events(kubeconfig: Path, out: Path) -> None:
         watch.join()
 
 
+PLANNED_FLOOR_WRITERS = 8
+"""Threads of `planned_floor_writer`, each with its own kept-alive connection."""
+
+
+def planned_patch(at: dt.datetime) -> bytes:
+    """The one status write of `planned_floor_writer`: a Planned condition decided `at`."""
+    condition = {
+        "type": "Planned",
+        "status": "True",
+        "reason": "PlanReady",
+        "message": "written by the benchmark's minimal writer (--planned-floor)",
+        "lastTransitionTime": at.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+    return json.dumps({"status": {"conditions": [condition]}}).encode()
+
+
+def planned_floor_writer(
+    kubeconfig: Path, ready: Path, threads: int = PLANNED_FLOOR_WRITERS
+) -> None:
+    """Run as a process of its own (`--planned-floor-writer`) until killed: watch
+    FineTuneJobs and write each new job's Planned condition, decided when the watch shows
+    the job, with one status PATCH from `threads` threads; `ready` is written once the
+    watch's initial list is done. No planning, no children, no Events: the least an
+    operator that writes the condition can do, so how late these conditions come is the
+    floor under the operator's creation → Planned on this cluster."""
+    api = Api(kubeconfig, OwnRequests())
+    todo: queue.SimpleQueue[tuple[str, str, dt.datetime]] = queue.SimpleQueue()
+    seen: set[tuple[str, str]] = set()
+
+    def on_event(kind: str, obj: Mapping[str, Any]) -> None:
+        meta = obj.get("metadata") or {}
+        key = (str(meta.get("namespace")), str(meta.get("name")))
+        conditions = (obj.get("status") or {}).get("conditions") or []
+        if kind == "DELETED" or key in seen or any(c.get("type") == "Planned" for c in conditions):
+            return
+        seen.add(key)
+        todo.put((*key, dt.datetime.now(dt.UTC)))
+
+    def write() -> None:
+        while True:
+            namespace, name, at = todo.get()
+            path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/finetunejobs/{name}/status"
+            for delay in (0.2, 0.5, 1.0, 2.0, None):
+                try:
+                    code, data = api.request(
+                        "PATCH",
+                        path,
+                        None,
+                        planned_patch(at),
+                        content_type="application/merge-patch+json",
+                    )
+                except (OSError, http.client.HTTPException) as exc:
+                    code, data = 0, str(exc).encode()
+                if code == 200 or delay is None or code not in (0, 409, 429, 500, 503):
+                    break
+                time.sleep(delay)
+            if code != 200:
+                print(f"planned-floor writer: {path}: HTTP {code}: {data[:200]!r}", flush=True)
+
+    for i in range(threads):
+        threading.Thread(target=write, name=f"writer-{i}", daemon=True).start()
+    watch = Watch(api, f"/apis/{GROUP}/{VERSION}/finetunejobs", "finetunejobs", on_event)
+    watch.start()
+    watch.synced.wait()
+    ready.write_text("synced\n")
+    watch.join()
+
+
 def first_seen(path: Path) -> dict[tuple[str, str], float]:
     """What `first_events` wrote: (namespace, job) → when a watch first showed it."""
     out: dict[tuple[str, str], float] = {}
@@ -1211,6 +1281,9 @@ class Options:
     without_operator: bool = False
     """Create the jobs with no operator running and measure only the API server's delivery
     of them to a watch (`Bench.delivery_only`)."""
+    planned_floor: bool = False
+    """With `without_operator`: the benchmark's minimal writer (`planned_floor_writer`)
+    writes each job's Planned condition in the operator's stead."""
 
 
 def say(msg: str) -> None:
@@ -1327,6 +1400,7 @@ class Bench:
         }
         self.metrics_port = 0
         self.first_events: subprocess.Popen[bytes] | None = None
+        self.writer: subprocess.Popen[bytes] | None = None
         self.first_events_file: Path | None = None
 
     # ------------------------------------------------------------------ the whole run
@@ -1372,6 +1446,8 @@ class Bench:
                 if not self.opts.without_operator:
                     self.start_operator()
                 self.start_watches()
+                if self.opts.planned_floor:
+                    self.start_writer(Path(work) / "writer-ready")
                 self.start_first_events(Path(work) / "first-events.jsonl")
                 self.create_and_settle()
                 if not self.opts.without_operator:
@@ -1381,9 +1457,10 @@ class Bench:
             finally:
                 for w in self.watches:
                     w.stop()
-                if self.first_events is not None:
-                    self.first_events.kill()
-                    self.first_events.wait()
+                for process in (self.first_events, self.writer):
+                    if process is not None:
+                        process.kill()
+                        process.wait()
                 left = self.cluster.stop()
                 say(f"WARNING: processes survived: {left}" if left else "cluster stopped")
                 if done and not left and self.opts.root is None:
@@ -1424,11 +1501,13 @@ class Bench:
     def cpu_sample(self) -> dict[str, float]:
         """CPU seconds so far of every process of the run by name: the control plane's
         components and the operator, this benchmark (its creating clients and watches), the
-        independent watch, and the whole machine (`machine busy`)."""
+        independent watch, the minimal writer, and the whole machine (`machine busy`)."""
         pids = dict(self.cluster.state.pids)
         pids["benchmark"] = os.getpid()
         if self.first_events is not None:
             pids["independent watch"] = self.first_events.pid
+        if self.writer is not None:
+            pids["minimal writer"] = self.writer.pid
         out: dict[str, float] = {}
         for name, pid in pids.items():
             try:
@@ -1548,6 +1627,19 @@ class Bench:
 
         wait("the independent watch to list FineTuneJobs", synced, 60, 0.5)
 
+    def start_writer(self, ready: Path) -> None:
+        """`--planned-floor`: the minimal writer (`planned_floor_writer`) in a process of
+        its own, started before the creation burst."""
+        argv = [sys.executable, __file__, "--planned-floor-writer", str(self.cluster.kubeconfig)]
+        self.writer = subprocess.Popen([*argv, str(ready)], stdin=subprocess.DEVNULL)
+
+        def synced() -> bool:
+            if self.writer is not None and self.writer.poll() is not None:
+                raise RuntimeError(f"the minimal writer exited ({self.writer.returncode})")
+            return ready.exists()
+
+        wait("the minimal writer to list FineTuneJobs", synced, 60, 0.5)
+
     def start_watches(self) -> None:
         self.watches = [
             Watch(
@@ -1634,15 +1726,22 @@ class Bench:
         """`--without-operator`: wait until the independent watch has seen every job, then
         record how late it saw them and what each process spent meanwhile. Nothing else
         happens to the jobs (no operator), so this is the API server's delivery under the
-        creation burst alone: the floor under the operator's creation → Planned."""
+        creation burst alone: the floor under the operator's creation → Planned.
+
+        With `--planned-floor` it also waits until the benchmark's watch has seen every
+        job's Planned condition from the minimal writer, and records how late it was
+        decided (when the writer's watch showed the job), written and seen."""
         events = self.first_events_file
         assert events is not None
         n = len(self.jobs)
 
         def all_seen() -> bool:
+            if self.writer is not None and self.snapshot().planned < n:
+                return False
             return len(first_seen(events)) >= n
 
-        wait(f"the independent watch to see all {n} jobs", all_seen, self.opts.timeout, 0.5)
+        what = "see all" if self.writer is None else "see all, and the writer to plan all,"
+        wait(f"the independent watch to {what} {n} jobs", all_seen, self.opts.timeout, 0.5)
         took = time.monotonic() - start.when
         self.mark("seen")
         self.timings = self.tracker.timings()
@@ -1655,6 +1754,17 @@ class Bench:
             all_seen_s=round(took, 1),
             cpu_s_to_all_seen=cpu_split(cpu_start, self.cpu_sample(), took),
         )
+        if self.writer is not None:
+            created, planned = self.timings.created, self.timings.planned
+            for name, at in (
+                ("decided", planned),
+                ("written", self.timings.planned_written),
+                ("seen", self.timings.planned_seen),
+            ):
+                lat = latencies(created, at)
+                self.facts[f"planned_{name}_p50_s"] = percentile(lat, 50)
+                self.facts[f"planned_{name}_p99_s"] = percentile(lat, 99)
+            self.facts["planned_decided_max_s"] = max(latencies(created, planned))
 
     def steady_window(self) -> None:
         before = self.snapshot()
@@ -1735,12 +1845,12 @@ class Bench:
         }
 
     def delivery_summary(self) -> dict[str, Any]:
-        """The record of a `--without-operator` run."""
+        """The record of a `--without-operator` (or `--planned-floor`) run."""
         m = self.marks
         seen = interval(m["start"], m["seen"])
         return {
             **self.setup_record(),
-            "mode": "without operator",
+            "mode": "planned floor" if self.opts.planned_floor else "without operator",
             "commit": operator_source(self.cluster.env())[1],
             **self.facts,
             "load_end": load_average(),
@@ -1968,6 +2078,13 @@ DELIVERY_COLUMNS = (
     "CPU s while creating (cores busy)",
     "load avg start → end",
 )
+FLOOR_COLUMNS = (
+    *DELIVERY_COLUMNS[:6],
+    "→ Planned decided p50 / p99 / max s",
+    "→ Planned written p50 / p99 s",
+    "→ Planned seen p50 / p99 s",
+    *DELIVERY_COLUMNS[6:],
+)
 
 
 def delivery_row(r: Mapping[str, Any]) -> str:
@@ -1977,13 +2094,22 @@ def delivery_row(r: Mapping[str, Any]) -> str:
         for name, value in cpu.items()
         if name not in ("machine busy", "machine cores busy")
     )
-    values = (
+    values: tuple[str, ...] = (
         f"{r['date']} {r['time']}",
         r["label"],
         r["commit"],
         f"{r['jobs']}, {r['clients']}",
         fmt(r["create_s"]),
         f"{fmt(r['delivered_p50_s'])} / {fmt(r['delivered_p99_s'])} / {fmt(r['delivered_max_s'])}",
+    )
+    if r.get("mode") == "planned floor":
+        values += (
+            f"{fmt(r['planned_decided_p50_s'], 0)} / {fmt(r['planned_decided_p99_s'], 0)} / "
+            f"{fmt(r['planned_decided_max_s'], 0)}",
+            f"{fmt(r['planned_written_p50_s'], 0)} / {fmt(r['planned_written_p99_s'], 0)}",
+            f"{fmt(r['planned_seen_p50_s'])} / {fmt(r['planned_seen_p99_s'])}",
+        )
+    values += (
         f"{top} ({cpu.get('machine cores busy', '?')} of {os.cpu_count()})",
         f"{r['load_start']} → {r['load_end']}",
     )
@@ -1992,9 +2118,24 @@ def delivery_row(r: Mapping[str, Any]) -> str:
 
 def write_delivery_results(path: Path, result: Mapping[str, Any]) -> None:
     """A `--without-operator` run: a row of its own table (apiserver-delivery-<date>.md) and
-    its JSON line beside it."""
+    its JSON line beside it; a `--planned-floor` run likewise (planned-floor-<date>.md)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    if not path.exists():
+    floor = result.get("mode") == "planned floor"
+    columns = FLOOR_COLUMNS if floor else DELIVERY_COLUMNS
+    if not path.exists() and floor:
+        path.write_text(
+            f"# Creation → Planned with the least an operator can do — {result['date']}\n\n"
+            "Made by `python benchmarks/operator_scale.py --planned-floor`: the local control "
+            "plane, kwok pools and jobs of operator-scale, created by the same clients, with "
+            "no operator running. In its stead a process of the benchmark's own watches "
+            "FineTuneJobs and writes each new job's Planned condition, decided when its watch "
+            "shows the job, with one status PATCH from 8 threads: no planning, no children, "
+            "no Events. How late these conditions come (server clock, 1 s resolution) is "
+            "the floor under the operator's creation → Planned on this cluster. CPU seconds "
+            "by process while the jobs were created (benchmark: its creating clients and its "
+            "own watches).\n\n"
+        )
+    elif not path.exists():
         path.write_text(
             f"# The API server's delivery without the operator — {result['date']}\n\n"
             "Made by `python benchmarks/operator_scale.py --without-operator`: the local "
@@ -2003,9 +2144,10 @@ def write_delivery_results(path: Path, result: Mapping[str, Any]) -> None:
             "first sees each job after its creation is the floor under the operator's "
             "creation → Planned. CPU seconds by process while the jobs were created "
             "(benchmark: its creating clients and its own watches).\n\n"
-            "| " + " | ".join(DELIVERY_COLUMNS) + " |\n"
-            "|" + " --- |" * len(DELIVERY_COLUMNS) + "\n"
         )
+    if "| time |" not in path.read_text():
+        with path.open("a") as fh:
+            fh.write("| " + " | ".join(columns) + " |\n" + "|" + " --- |" * len(columns) + "\n")
     with path.open("a") as fh:
         fh.write(delivery_row(result))
     with path.with_suffix(".jsonl").open("a") as fh:
@@ -2013,13 +2155,27 @@ def write_delivery_results(path: Path, result: Mapping[str, Any]) -> None:
 
 
 def delivery_report(r: Mapping[str, Any]) -> str:
+    floor = r.get("mode") == "planned floor"
+    planned = (
+        [
+            f"  creation → Planned by the minimal writer p50 {fmt(r['planned_decided_p50_s'], 0)}s "
+            f"p99 {fmt(r['planned_decided_p99_s'], 0)}s max {fmt(r['planned_decided_max_s'], 0)}s "
+            f"(decided); written p50 {fmt(r['planned_written_p50_s'], 0)}s p99 "
+            f"{fmt(r['planned_written_p99_s'], 0)}s; seen by a watch p50 "
+            f"{fmt(r['planned_seen_p50_s'])}s p99 {fmt(r['planned_seen_p99_s'])}s"
+        ]
+        if floor
+        else []
+    )
     return "\n".join(
         [
-            f"without the operator, {r['jobs']} jobs, label {r['label']!r}",
+            f"without the operator{', the minimal writer instead' if floor else ''}, "
+            f"{r['jobs']} jobs, label {r['label']!r}",
             f"  created in {r['create_s']}s by {r['clients']} clients: {r['create_outcomes']}",
             f"  creation → first seen by a watch in a process of its own p50 "
             f"{fmt(r['delivered_p50_s'])}s p99 {fmt(r['delivered_p99_s'])}s max "
             f"{fmt(r['delivered_max_s'])}s; all seen {r['all_seen_s']}s after the first create",
+            *planned,
             f"  CPU s while creating: {r['cpu_s_creation']}",
             f"  CPU s until all were seen: {r['cpu_s_to_all_seen']}",
             f"  watches the API server closed as unresponsive meanwhile: "
@@ -2198,6 +2354,14 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         "apiserver-delivery-<date>.md instead)",
     )
     p.add_argument(
+        "--planned-floor",
+        action="store_true",
+        help="no operator: a minimal writer of the benchmark's own writes each job's Planned "
+        "condition as soon as its watch shows the job (one status write per job, nothing "
+        "else), the floor under the operator's creation → Planned (a row of "
+        "planned-floor-<date>.md)",
+    )
+    p.add_argument(
         "--root",
         type=Path,
         help="cluster state folder, kept (default: a new folder under "
@@ -2224,7 +2388,13 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         p.error("--jobs, --clients, --namespaces and --nodes-per-pool must be at least 1")
     results = a.results
     if results is None and not quick:
-        stem = "apiserver-delivery" if a.without_operator else "operator-scale"
+        stem = (
+            "planned-floor"
+            if a.planned_floor
+            else "apiserver-delivery"
+            if a.without_operator
+            else "operator-scale"
+        )
         results = RESULTS / f"{stem}-{dt.date.today().isoformat()}.md"
     return Options(
         jobs=jobs,
@@ -2244,7 +2414,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         controller_manager_args=list(a.controller_manager_arg),
         client_qps=a.client_qps,
         bin_packing=a.bin_packing,
-        without_operator=a.without_operator,
+        without_operator=a.without_operator or a.planned_floor,
+        planned_floor=a.planned_floor,
         rescore=a.rescore,
     )
 
@@ -2253,6 +2424,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["--first-events"] and len(args) == 3:  # the independent watch's process
         first_events(Path(args[1]), Path(args[2]))
+        return 0
+    if args[:1] == ["--planned-floor-writer"] and len(args) == 3:  # the minimal writer
+        planned_floor_writer(Path(args[1]), Path(args[2]))
         return 0
     opts = parse_args(argv)
     if opts.rescore is not None:

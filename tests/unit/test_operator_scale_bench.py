@@ -637,3 +637,50 @@ def test_delivery_results_start_a_table_and_append_rows(tmp_path: Path) -> None:
     assert all(len(row.split(" | ")) == len(bench.DELIVERY_COLUMNS) for row in rows)
     jsonl = path.with_suffix(".jsonl").read_text().splitlines()
     assert [json.loads(line)["time"] for line in jsonl] == ["00:30", "00:40"]
+
+
+def test_planned_floor_results_have_columns_of_their_own(tmp_path: Path) -> None:
+    record = {
+        "date": "2026-11-29",
+        "time": "16:50",
+        "label": "floor",
+        "mode": "planned floor",
+        "commit": "abc1234",
+        "jobs": 1000,
+        "clients": 32,
+        "create_s": 12.0,
+        "delivered_p50_s": 0.7,
+        "delivered_p99_s": 1.4,
+        "delivered_max_s": 1.9,
+        "planned_decided_p50_s": 1.0,
+        "planned_decided_p99_s": 3.0,
+        "planned_decided_max_s": 4.0,
+        "planned_written_p50_s": 2.0,
+        "planned_written_p99_s": 5.0,
+        "planned_seen_p50_s": 2.4,
+        "planned_seen_p99_s": 6.1,
+        "cpu_s_creation": {"kube-apiserver": 20.0, "minimal writer": 3.0},
+        "load_start": "0.1 0.2 0.3",
+        "load_end": "1.0 1.1 1.2",
+    }
+    path = tmp_path / "planned-floor-2026-11-29.md"
+    bench.write_delivery_results(path, record)
+    text = path.read_text()
+    assert text.startswith("# Creation → Planned with the least an operator can do")
+    row = text.splitlines()[-1]
+    assert len(row.split(" | ")) == len(bench.FLOOR_COLUMNS)
+    assert "| 1 / 3 / 4 | 2 / 5 | 2.4 / 6.1 |" in row
+    assert "minimal writer 3.0" in row
+    assert "Planned by the minimal writer p50 1s p99 3s max 4s" in bench.delivery_report(
+        {**record, "create_outcomes": {"201": 1000}, "all_seen_s": 9.0, "cpu_s_to_all_seen": {}}
+    )
+
+
+def test_the_minimal_writer_writes_one_planned_condition() -> None:
+    import datetime as dt
+
+    body = json.loads(bench.planned_patch(dt.datetime(2026, 11, 29, 16, 50, 1, 500000, dt.UTC)))
+    (condition,) = body["status"]["conditions"]
+    assert condition["type"] == "Planned" and condition["status"] == "True"
+    assert condition["lastTransitionTime"] == "2026-11-29T16:50:01Z"
+    assert list(body) == ["status"] and list(body["status"]) == ["conditions"]
