@@ -1197,6 +1197,26 @@ def proc_sample(pid: int) -> ProcSample:
     return ProcSample(ticks / os.sysconf("SC_CLK_TCK"), values["VmRSS"], values["VmHWM"])
 
 
+def sched_autogroup(path: Path = Path("/proc/sys/kernel/sched_autogroup_enabled")) -> bool | None:
+    """Whether the kernel shares the cores between sessions (autogroups) rather than
+    threads: every component runs in a session of its own, so where it does, a busy operator
+    leaves the API server about half the machine (docs/local-cluster.md). None: unknown."""
+    try:
+        return path.read_text().strip() == "1"
+    except OSError:
+        return None
+
+
+def sharing(record: Mapping[str, Any]) -> str:
+    """How the kernel shared the cores in a run (`sched_autogroup`), in words."""
+    autogroup = record.get("sched_autogroup")
+    if autogroup is None:
+        return "how the kernel shared the cores between processes: not recorded"
+    if autogroup:
+        return "the kernel shared the cores between sessions (autogroup), each component one"
+    return "the kernel shared the cores between threads (no autogroup)"
+
+
 def load_average() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
@@ -1842,6 +1862,7 @@ class Bench:
             "controller_manager_args": opts.controller_manager_args,
             "client_qps": opts.client_qps,
             "bin_packing": opts.bin_packing,
+            "sched_autogroup": sched_autogroup(),
         }
 
     def delivery_summary(self) -> dict[str, Any]:
@@ -2180,7 +2201,7 @@ def delivery_report(r: Mapping[str, Any]) -> str:
             f"  CPU s until all were seen: {r['cpu_s_to_all_seen']}",
             f"  watches the API server closed as unresponsive meanwhile: "
             f"{r.get('watches_closed_create_to_seen', 'not read') or 'none'}",
-            f"  load average {r['load_start']} → {r['load_end']}",
+            f"  load average {r['load_start']} → {r['load_end']}; {sharing(r)}",
         ]
     )
 
@@ -2259,7 +2280,7 @@ def report(r: Mapping[str, Any]) -> str:
         f"req/running job/s, {fmt(r['status_writes_per_running_job_per_min'], 2)} status "
         f"writes/running job/min; batch Job POSTs 201: {r['job_post_201']}, 409: "
         f"{r['job_post_409']}",
-        f"  load average {r['load_start']} → {r['load_end']}",
+        f"  load average {r['load_start']} → {r['load_end']}; {sharing(r)}",
         f"  watches the API server closed as unresponsive, creation → steady: "
         f"{r.get('watches_closed_create_to_steady', 'not read') or 'none'}",
         "  API server latency creation → steady, p50 / p99 s (requests): "

@@ -684,3 +684,15 @@ def test_the_minimal_writer_writes_one_planned_condition() -> None:
     assert condition["type"] == "Planned" and condition["status"] == "True"
     assert condition["lastTransitionTime"] == "2026-11-29T16:50:01Z"
     assert list(body) == ["status"] and list(body["status"]) == ["conditions"]
+
+
+def test_the_kernels_way_of_sharing_cores_is_read_and_told(tmp_path: Path) -> None:
+    flag = tmp_path / "sched_autogroup_enabled"
+    flag.write_text("1\n")
+    assert bench.sched_autogroup(flag) is True
+    flag.write_text("0\n")
+    assert bench.sched_autogroup(flag) is False
+    assert bench.sched_autogroup(tmp_path / "absent") is None
+    assert "between sessions" in bench.sharing({"sched_autogroup": True})
+    assert "between threads" in bench.sharing({"sched_autogroup": False})
+    assert "not recorded" in bench.sharing({})
