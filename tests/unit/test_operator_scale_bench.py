@@ -604,27 +604,30 @@ def test_cpu_split_orders_by_spent_and_says_how_many_cores_were_busy() -> None:
     assert split["machine cores busy"] == 1.5
 
 
+DELIVERY_RECORD: dict[str, Any] = {
+    "date": "2026-11-29",
+    "time": "00:30",
+    "label": "no operator",
+    "commit": "abc1234",
+    "jobs": 1000,
+    "clients": 32,
+    "create_s": 40.0,
+    "delivered_p50_s": 1.5,
+    "delivered_p99_s": 3.3,
+    "delivered_max_s": 4.0,
+    "cpu_s_creation": {
+        "machine busy": 70.0,
+        "kube-apiserver": 40.0,
+        "etcd": 9.0,
+        "machine cores busy": 1.75,
+    },
+    "load_start": "0.1 0.2 0.3",
+    "load_end": "1.0 1.1 1.2",
+}
+
+
 def test_delivery_results_start_a_table_and_append_rows(tmp_path: Path) -> None:
-    record = {
-        "date": "2026-11-29",
-        "time": "00:30",
-        "label": "no operator",
-        "commit": "abc1234",
-        "jobs": 1000,
-        "clients": 32,
-        "create_s": 40.0,
-        "delivered_p50_s": 1.5,
-        "delivered_p99_s": 3.3,
-        "delivered_max_s": 4.0,
-        "cpu_s_creation": {
-            "machine busy": 70.0,
-            "kube-apiserver": 40.0,
-            "etcd": 9.0,
-            "machine cores busy": 1.75,
-        },
-        "load_start": "0.1 0.2 0.3",
-        "load_end": "1.0 1.1 1.2",
-    }
+    record = DELIVERY_RECORD
     path = tmp_path / "apiserver-delivery-2026-11-29.md"
     bench.write_delivery_results(path, record)
     bench.write_delivery_results(path, {**record, "time": "00:40"})
@@ -641,17 +644,9 @@ def test_delivery_results_start_a_table_and_append_rows(tmp_path: Path) -> None:
 
 def test_planned_floor_results_have_columns_of_their_own(tmp_path: Path) -> None:
     record = {
-        "date": "2026-11-29",
-        "time": "16:50",
+        **DELIVERY_RECORD,
         "label": "floor",
         "mode": "planned floor",
-        "commit": "abc1234",
-        "jobs": 1000,
-        "clients": 32,
-        "create_s": 12.0,
-        "delivered_p50_s": 0.7,
-        "delivered_p99_s": 1.4,
-        "delivered_max_s": 1.9,
         "planned_decided_p50_s": 1.0,
         "planned_decided_p99_s": 3.0,
         "planned_decided_max_s": 4.0,
@@ -660,8 +655,6 @@ def test_planned_floor_results_have_columns_of_their_own(tmp_path: Path) -> None
         "planned_seen_p50_s": 2.4,
         "planned_seen_p99_s": 6.1,
         "cpu_s_creation": {"kube-apiserver": 20.0, "minimal writer": 3.0},
-        "load_start": "0.1 0.2 0.3",
-        "load_end": "1.0 1.1 1.2",
     }
     path = tmp_path / "planned-floor-2026-11-29.md"
     bench.write_delivery_results(path, record)
