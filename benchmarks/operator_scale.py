@@ -1633,32 +1633,33 @@ class Bench:
 
         wait("the operator to report every GPUPool's nodes", pools_seen, 120, 1.0)
 
+    def spawn_helper(self, flag: str, out: Path) -> subprocess.Popen[bytes]:
+        """This script as a process of its own (`main`'s `flag`), given the kubeconfig and
+        `out`, a file it writes a first line to once its watch of FineTuneJobs has listed."""
+        argv = [sys.executable, __file__, flag, str(self.cluster.kubeconfig), str(out)]
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+
+    @staticmethod
+    def wait_listed(process: subprocess.Popen[bytes], out: Path, what: str) -> None:
+        def listed() -> bool:
+            if process.poll() is not None:
+                raise RuntimeError(f"{what} exited ({process.returncode})")
+            return out.exists() and bool(out.read_text().strip())
+
+        wait(f"{what} to list FineTuneJobs", listed, 60, 0.5)
+
     def start_first_events(self, out: Path) -> None:
         """A watch of FineTuneJobs in a process of its own (`first_events`), started before
         the creation burst."""
-        argv = [sys.executable, __file__, "--first-events", str(self.cluster.kubeconfig), str(out)]
-        self.first_events = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+        self.first_events = self.spawn_helper("--first-events", out)
         self.first_events_file = out
-
-        def synced() -> bool:
-            if self.first_events is not None and self.first_events.poll() is not None:
-                raise RuntimeError(f"the watch process exited ({self.first_events.returncode})")
-            return out.exists() and bool(out.read_text().strip())
-
-        wait("the independent watch to list FineTuneJobs", synced, 60, 0.5)
+        self.wait_listed(self.first_events, out, "the independent watch")
 
     def start_writer(self, ready: Path) -> None:
         """`--planned-floor`: the minimal writer (`planned_floor_writer`) in a process of
         its own, started before the creation burst."""
-        argv = [sys.executable, __file__, "--planned-floor-writer", str(self.cluster.kubeconfig)]
-        self.writer = subprocess.Popen([*argv, str(ready)], stdin=subprocess.DEVNULL)
-
-        def synced() -> bool:
-            if self.writer is not None and self.writer.poll() is not None:
-                raise RuntimeError(f"the minimal writer exited ({self.writer.returncode})")
-            return ready.exists()
-
-        wait("the minimal writer to list FineTuneJobs", synced, 60, 0.5)
+        self.writer = self.spawn_helper("--planned-floor-writer", ready)
+        self.wait_listed(self.writer, ready, "the minimal writer")
 
     def start_watches(self) -> None:
         self.watches = [
@@ -2140,34 +2141,32 @@ def write_delivery_results(path: Path, result: Mapping[str, Any]) -> None:
     """A `--without-operator` run: a row of its own table (apiserver-delivery-<date>.md) and
     its JSON line beside it; a `--planned-floor` run likewise (planned-floor-<date>.md)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    floor = result.get("mode") == "planned floor"
-    columns = FLOOR_COLUMNS if floor else DELIVERY_COLUMNS
-    if not path.exists() and floor:
-        path.write_text(
-            f"# Creation → Planned with the least an operator can do — {result['date']}\n\n"
-            "Made by `python benchmarks/operator_scale.py --planned-floor`: the local control "
-            "plane, kwok pools and jobs of operator-scale, created by the same clients, with "
-            "no operator running. In its stead a process of the benchmark's own watches "
-            "FineTuneJobs and writes each new job's Planned condition, decided when its watch "
-            "shows the job, with one status PATCH from 8 threads: no planning, no children, "
-            "no Events. How late these conditions come (server clock, 1 s resolution) is "
-            "the floor under the operator's creation → Planned on this cluster. CPU seconds "
-            "by process while the jobs were created (benchmark: its creating clients and its "
-            "own watches).\n\n"
+    if not path.exists():
+        columns: tuple[str, ...] = DELIVERY_COLUMNS
+        title, flag = "The API server's delivery without the operator", "--without-operator"
+        what = (
+            "How soon a watch in a process of its own first sees each job after its creation "
+            "is the floor under the operator's creation → Planned."
         )
-    elif not path.exists():
+        if result.get("mode") == "planned floor":
+            columns = FLOOR_COLUMNS
+            title, flag = "Creation → Planned with the least an operator can do", "--planned-floor"
+            what = (
+                "In its stead a process of the benchmark's own watches FineTuneJobs and writes "
+                "each new job's Planned condition, decided when its watch shows the job, with "
+                f"one status PATCH from {PLANNED_FLOOR_WRITERS} threads: no planning, no "
+                "children, no Events. How late these conditions come (server clock, 1 s "
+                "resolution) is the floor under the operator's creation → Planned on this "
+                "cluster."
+            )
         path.write_text(
-            f"# The API server's delivery without the operator — {result['date']}\n\n"
-            "Made by `python benchmarks/operator_scale.py --without-operator`: the local "
-            "control plane, kwok pools and jobs of operator-scale, created by the same "
-            "clients, with no operator running. How soon a watch in a process of its own "
-            "first sees each job after its creation is the floor under the operator's "
-            "creation → Planned. CPU seconds by process while the jobs were created "
+            f"# {title} — {result['date']}\n\n"
+            f"Made by `python benchmarks/operator_scale.py {flag}`: the local control plane, "
+            "kwok pools and jobs of operator-scale, created by the same clients, with no "
+            f"operator running. {what} CPU seconds by process while the jobs were created "
             "(benchmark: its creating clients and its own watches).\n\n"
+            "| " + " | ".join(columns) + " |\n" + "|" + " --- |" * len(columns) + "\n"
         )
-    if "| time |" not in path.read_text():
-        with path.open("a") as fh:
-            fh.write("| " + " | ".join(columns) + " |\n" + "|" + " --- |" * len(columns) + "\n")
     with path.open("a") as fh:
         fh.write(delivery_row(result))
     with path.with_suffix(".jsonl").open("a") as fh:
