@@ -190,6 +190,48 @@ def test_two_process_sigterm_checkpoint_and_resume(
     print(f"2 → 1 process resume: max |loss diff| = {diff:.3g}")
 
 
+def test_one_worker_runs_in_the_launcher_with_the_same_exit_contract(
+    tmp_path: Path, tiny_llama: Path, alpaca_data: Path, run_launcher: Runner
+) -> None:
+    """A single-process pod has no torchrun agent: the trainer runs in the launcher's process
+    as the one rank of a process group. SIGTERM reaches it directly and it checkpoints and
+    exits 42 itself; the relaunch resumes onto the uninterrupted curve."""
+    over = {"training": {"max_steps": 12}, "checkpoint": {"interval_steps": None}}
+    want = one_process(
+        tmp_path / "a", two_rank_config(tmp_path / "a", tiny_llama, alpaca_data, "lora", **over)
+    )
+    b = two_rank_config(tmp_path / "b", tiny_llama, alpaca_data, "lora", **over)
+    path = write_config(tmp_path / "b", b)
+    launcher = subprocess.Popen(
+        launcher_cmd(path, 1),
+        env=worker_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    log = tmp_path / "b" / "metrics.jsonl"
+
+    def stepped() -> bool:
+        assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+        return log.exists() and bool(read_log(log, "step"))
+
+    wait_for("the first step", stepped, TINY_TIMEOUT_S, 0.02)
+    launcher.send_signal(signal.SIGTERM)
+    _, err = launcher.communicate(timeout=TINY_TIMEOUT_S)
+    assert launcher.returncode == EXIT_PREEMPTED, err[-3000:]
+    assert "the trainer runs in the launcher's process" in err
+    assert "worker exit codes" not in err  # torchrun's path was not taken
+    step = int(read_log(log, "preempted")[0]["step"])
+    assert 0 < step < 12, "the signal must land mid-run"
+    assert read_log(log, "start")[0]["world_size"] == 1
+
+    proc = run_launcher(path, nproc=1)
+    assert proc.returncode == EXIT_OK, proc.stderr[-3000:]
+    assert read_log(log, "start")[-1]["resumed_from"] is not None
+    diff = assert_close(want, step_losses(log), RESUME_TOLERANCE)
+    print(f"1 process in the launcher: SIGTERM at step {step}, resume max |loss diff| = {diff:.3g}")
+
+
 def test_launcher_reports_oom_and_config_errors(
     tmp_path: Path, tiny_llama: Path, alpaca_data: Path, run_launcher: Runner
 ) -> None:

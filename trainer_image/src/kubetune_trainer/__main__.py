@@ -62,7 +62,8 @@ def record_exit_code(code: int) -> None:
         (Path(folder) / f"rank-{_rank()}").write_text(str(code))
 
 
-def _setup_logging() -> None:
+def setup_logging() -> None:
+    """Log to stderr with the rank in each line (local rank 0's INFO, the other ranks' warnings)."""
     level = logging.INFO if int(os.environ.get("LOCAL_RANK", "0")) == 0 else logging.WARNING
     logging.basicConfig(
         level=level,
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kubetune_trainer")
     parser.add_argument("--config", default=os.environ.get("KUBETUNE_CONFIG"))
     args = parser.parse_args(argv)
-    _setup_logging()
+    setup_logging()
     code = _run(args.config)
     record_exit_code(code)
     return code

@@ -18,6 +18,14 @@ takes it from `KUBETUNE_SHUTDOWN_TIMEOUT`, which the operator sets to the pod's 
 less 10 s (so torchrun's SIGKILL, and this launcher's exit with the workers' codes, come before
 the kubelet's SIGKILL); without it, 110 s, inside the default 120 s grace period. An explicit
 `--shutdown-timeout` wins.
+
+One worker on one node (`--nnodes=1 --nproc-per-node=1 --max-restarts=0 -m kubetune_trainer`,
+`--standalone` or not, nothing else), which is every single-GPU pod, skips torchrun: its agent
+would import torch, start a second Python for the worker and watch it, which costs each such
+pod about 5 s of a core and 6 s of its start and end. The trainer then runs in this process
+with the environment torchrun gives a worker of a one-process group (a TCP store on a free
+port), so it takes the same code paths; its exit code is the pod's, and SIGTERM reaches it
+directly (there is no agent to forward it or to kill the worker before the kubelet does).
 """
 
 from __future__ import annotations
@@ -69,14 +77,78 @@ def _read_codes(folder: Path) -> dict[int, int]:
     return codes
 
 
+_SINGLE_FLAGS = {
+    "--nnodes": ("1", "1:1"),
+    "--nproc-per-node": ("1",),
+    "--max-restarts": ("0",),
+}
+
+
+def one_local_worker(argv: list[str]) -> list[str] | None:
+    """The trainer's arguments when torchrun's would start exactly one worker of
+    `kubetune_trainer` on this node and never restart it, else None (torchrun runs)."""
+    args = list(argv)
+    while args and args[0] != "-m":
+        flag, _, value = args.pop(0).partition("=")
+        flag = flag.replace("_", "-")
+        if flag == "--standalone" and not value:
+            continue
+        if flag not in _SINGLE_FLAGS:
+            return None
+        if not value:
+            if not args:
+                return None
+            value = args.pop(0)
+        if value not in _SINGLE_FLAGS[flag]:
+            return None
+    if args[:2] != ["-m", "kubetune_trainer"]:
+        return None
+    return args[2:]
+
+
+def run_in_process(trainer_args: list[str]) -> int:
+    """Run the trainer here as the one worker of a one-process group, as torchrun would."""
+    os.environ.update(
+        {
+            "RANK": "0",
+            "LOCAL_RANK": "0",
+            "GROUP_RANK": "0",
+            "ROLE_RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_WORLD_SIZE": "1",
+            "GROUP_WORLD_SIZE": "1",
+            "ROLE_WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "0",  # the store binds a free port; no other process joins it
+            "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0",
+        }
+    )
+    os.environ.pop("KUBETUNE_EXIT_CODE_DIR", None)  # the exit code is this process's own
+    from kubetune_trainer import __main__ as trainer
+
+    trainer.setup_logging()
+    log.info("one worker on one node: the trainer runs in the launcher's process, no torchrun")
+    return trainer.main(trainer_args)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    trainer_args = one_local_worker(argv)
+    if trainer_args is not None:
+        return run_in_process(trainer_args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    return run_torchrun(argv)
+
+
+def run_torchrun(argv: list[str]) -> int:
+    """torchrun's `run()` with these arguments, then one exit code from the workers'."""
     import torch.distributed.run as torchrun_module
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     torchrun: Any = torchrun_module
 
-    argv = list(sys.argv[1:] if argv is None else argv)
     if not any(a.startswith(("--shutdown-timeout", "--shutdown_timeout")) for a in argv):
         os.environ.setdefault(
             "TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
@@ -107,5 +179,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     sys.exit(main())

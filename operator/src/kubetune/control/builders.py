@@ -149,7 +149,8 @@ class BuildSettings:
     launcher: tuple[str, ...] = ("python", "-m", "kubetune_trainer.launch")
     """Container command; it receives torchrun's arguments. The trainer's launcher runs
     torchrun in-process and exits with the workers' contract code (torchrun alone exits 1
-    for every worker failure, which would hide OOM and preemption from podFailurePolicy)."""
+    for every worker failure, which would hide OOM and preemption from podFailurePolicy); one
+    worker on one node runs in the launcher's own process, without torchrun."""
     rendezvous_join_timeout_seconds: int = 1800
     """How long the first pod waits for its peers to be scheduled before giving up."""
     allow_test_faults: bool = False
