@@ -227,6 +227,7 @@ def test_one_worker_runs_in_the_launcher_with_the_same_exit_contract(
 
     proc = run_launcher(path, nproc=1)
     assert proc.returncode == EXIT_OK, proc.stderr[-3000:]
+    assert "done: step 12/12" in proc.stderr  # flushed before the exit that skips teardown
     assert read_log(log, "start")[-1]["resumed_from"] is not None
     diff = assert_close(want, step_losses(log), RESUME_TOLERANCE)
     print(f"1 process in the launcher: SIGTERM at step {step}, resume max |loss diff| = {diff:.3g}")

@@ -11,6 +11,7 @@ or `completed step=... best_step=...` in the termination message of its exit 0.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import logging
 import os
@@ -176,5 +177,16 @@ def _run(config_path: str | None) -> int:
     return EXIT_OK
 
 
+def exit_without_teardown(code: int) -> None:
+    """Exit with `code` once the exit handlers have run and the output is flushed, skipping
+    the interpreter's teardown of its modules: with torch, transformers and peft loaded that
+    takes 2.5 s of a core and holds the pod (and a relaunch after preemption) for nothing.
+    Every file the trainer writes is closed before `main` returns, and no thread is left."""
+    atexit._run_exitfuncs()  # logging's flush among them
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())

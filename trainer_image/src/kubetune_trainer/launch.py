@@ -179,4 +179,6 @@ def run_torchrun(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from kubetune_trainer.__main__ import exit_without_teardown
+
+    exit_without_teardown(main())
