@@ -21,6 +21,7 @@ pytest.importorskip("torch", reason="trainer tests need the trainer extra (torch
 pytest.importorskip("peft", reason="trainer tests need the trainer extra")
 
 from kubetune_trainer.contract import EXIT_CONFIG_ERROR, EXIT_OK, EXIT_OOM, EXIT_PREEMPTED
+from kubetune_trainer.launch import EXIT_SIGNALLED
 
 pytestmark = pytest.mark.trainer
 
@@ -231,6 +232,31 @@ def test_one_worker_runs_in_the_launcher_with_the_same_exit_contract(
     assert read_log(log, "start")[-1]["resumed_from"] is not None
     diff = assert_close(want, step_losses(log), RESUME_TOLERANCE)
     print(f"1 process in the launcher: SIGTERM at step {step}, resume max |loss diff| = {diff:.3g}")
+
+
+def test_one_worker_ends_at_sigterm_before_training_begins(
+    tmp_path: Path, tiny_llama: Path, alpaca_data: Path
+) -> None:
+    """In a container the launcher is PID 1, which ignores a signal it has no handler for:
+    a SIGTERM while torch is still being imported must end the process (143, as a worker
+    under torchrun ended), not leave it to the kubelet's SIGKILL after the grace period."""
+    cfg = two_rank_config(tmp_path, tiny_llama, alpaca_data, "lora")
+    launcher = subprocess.Popen(
+        launcher_cmd(write_config(tmp_path, cfg), 1),
+        env=worker_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert launcher.stderr is not None
+    for line in launcher.stderr:
+        if "the trainer runs in the launcher's process" in line:
+            break
+    launcher.send_signal(signal.SIGTERM)
+    _, err = launcher.communicate(timeout=TINY_TIMEOUT_S)
+    assert launcher.returncode == EXIT_SIGNALLED, err[-3000:]
+    assert "before the trainer took over" in err
+    assert not (tmp_path / "metrics.jsonl").exists()
 
 
 def test_launcher_reports_oom_and_config_errors(

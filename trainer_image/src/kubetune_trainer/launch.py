@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from collections.abc import Iterable
@@ -132,7 +133,18 @@ def run_in_process(trainer_args: list[str]) -> int:
     return trainer.main(trainer_args)
 
 
+def _exit_signalled(signum: int, _frame: object) -> None:
+    log.warning("signal %d before the trainer took over: exiting %d", signum, EXIT_SIGNALLED)
+    logging.shutdown()
+    os._exit(EXIT_SIGNALLED)
+
+
 def main(argv: list[str] | None = None) -> int:
+    # The container's PID 1 ignores a signal it has no handler for, and the trainer (or
+    # torchrun's agent) installs its own only once torch is imported, seconds from now: until
+    # then SIGTERM ends the launcher at once (nothing to checkpoint yet), as it ended a worker
+    # under torchrun, rather than at the kubelet's SIGKILL after the grace period.
+    signal.signal(signal.SIGTERM, _exit_signalled)
     argv = list(sys.argv[1:] if argv is None else argv)
     trainer_args = one_local_worker(argv)
     if trainer_args is not None:
