@@ -83,6 +83,26 @@ def one_rank_twin(cfg: dict[str, Any], tmp: Path) -> dict[str, Any]:
     return twin
 
 
+def start_launcher(config: Path, nproc: int) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        launcher_cmd(config, nproc),
+        env=worker_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for_a_step(launcher: subprocess.Popen[str], log: Path) -> None:
+    """Wait until the run's metrics log has its first step (failing if the launcher ends)."""
+
+    def stepped() -> bool:
+        assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+        return log.exists() and bool(read_log(log, "step"))
+
+    wait_for("the first step", stepped, TINY_TIMEOUT_S, 0.02)
+
+
 @pytest.mark.parametrize(
     ("method", "arch", "precision", "chunked"),
     [
@@ -147,20 +167,9 @@ def test_two_process_sigterm_checkpoint_and_resume(
 
     b = two_rank_config(tmp_path / "b", tiny_llama, alpaca_data, "lora", **over)
     path = write_config(tmp_path / "b", b)
-    launcher = subprocess.Popen(
-        launcher_cmd(path, 2),
-        env=worker_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
     log = tmp_path / "b" / "metrics.jsonl"
-
-    def stepped() -> bool:
-        assert launcher.poll() is None, launcher.communicate()[1][-3000:]
-        return log.exists() and bool(read_log(log, "step"))
-
-    wait_for("the first step", stepped, TINY_TIMEOUT_S, 0.02)
+    launcher = start_launcher(path, 2)
+    wait_for_a_step(launcher, log)
     sent = time.monotonic()
     launcher.send_signal(signal.SIGTERM)
     _, err = launcher.communicate(timeout=TINY_TIMEOUT_S)
@@ -203,20 +212,9 @@ def test_one_worker_runs_in_the_launcher_with_the_same_exit_contract(
     )
     b = two_rank_config(tmp_path / "b", tiny_llama, alpaca_data, "lora", **over)
     path = write_config(tmp_path / "b", b)
-    launcher = subprocess.Popen(
-        launcher_cmd(path, 1),
-        env=worker_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
     log = tmp_path / "b" / "metrics.jsonl"
-
-    def stepped() -> bool:
-        assert launcher.poll() is None, launcher.communicate()[1][-3000:]
-        return log.exists() and bool(read_log(log, "step"))
-
-    wait_for("the first step", stepped, TINY_TIMEOUT_S, 0.02)
+    launcher = start_launcher(path, 1)
+    wait_for_a_step(launcher, log)
     launcher.send_signal(signal.SIGTERM)
     _, err = launcher.communicate(timeout=TINY_TIMEOUT_S)
     assert launcher.returncode == EXIT_PREEMPTED, err[-3000:]
@@ -241,13 +239,7 @@ def test_one_worker_ends_at_sigterm_before_training_begins(
     a SIGTERM while torch is still being imported must end the process (143, as a worker
     under torchrun ended), not leave it to the kubelet's SIGKILL after the grace period."""
     cfg = two_rank_config(tmp_path, tiny_llama, alpaca_data, "lora")
-    launcher = subprocess.Popen(
-        launcher_cmd(write_config(tmp_path, cfg), 1),
-        env=worker_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    launcher = start_launcher(write_config(tmp_path, cfg), 1)
     assert launcher.stderr is not None
     for line in launcher.stderr:
         if "the trainer runs in the launcher's process" in line:
