@@ -236,8 +236,9 @@ def test_one_worker_ends_at_sigterm_before_training_begins(
     tmp_path: Path, tiny_llama: Path, alpaca_data: Path
 ) -> None:
     """In a container the launcher is PID 1, which ignores a signal it has no handler for:
-    a SIGTERM while torch is still being imported must end the process (143, as a worker
-    under torchrun ended), not leave it to the kubelet's SIGKILL after the grace period."""
+    a SIGTERM while torch is still being imported must end the process (143, what the
+    launcher reported when the signal ended its workers under torchrun), not leave it to the
+    kubelet's SIGKILL after the grace period."""
     cfg = two_rank_config(tmp_path, tiny_llama, alpaca_data, "lora")
     launcher = start_launcher(write_config(tmp_path, cfg), 1)
     assert launcher.stderr is not None

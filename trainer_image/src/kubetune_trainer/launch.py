@@ -142,8 +142,9 @@ def _exit_signalled(signum: int, _frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     # The container's PID 1 ignores a signal it has no handler for, and the trainer (or
     # torchrun's agent) installs its own only once torch is imported, seconds from now: until
-    # then SIGTERM ends the launcher at once (nothing to checkpoint yet), as it ended a worker
-    # under torchrun, rather than at the kubelet's SIGKILL after the grace period.
+    # then SIGTERM ends the launcher at once (nothing to checkpoint yet) with the code it gave
+    # when the signal ended its workers under torchrun, not at the kubelet's SIGKILL after the
+    # grace period.
     signal.signal(signal.SIGTERM, _exit_signalled)
     argv = list(sys.argv[1:] if argv is None else argv)
     trainer_args = one_local_worker(argv)
