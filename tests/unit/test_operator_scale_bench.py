@@ -347,36 +347,39 @@ def test_position_moves_are_told_by_direction_and_how_far() -> None:
     assert bench.position_move(at(7), {"message": "launched"}) is None
 
 
+ROW_RECORD: dict[str, Any] = {
+    "date": "2026-01-01",
+    "time": "10:00",
+    "label": "before",
+    "commit": "abc1234",
+    "pools": "4×50×8",
+    "namespaces": 20,
+    "clients": 32,
+    "jobs": 200,
+    "not_planned": 0,
+    "plan_p50_s": 2.0,
+    "plan_p99_s": math.nan,
+    "pod_p50_s": 4.0,
+    "pod_p99_s": 9.0,
+    "planned_per_s": 12.5,
+    "to_steady_s": 300.0,
+    "steady": False,
+    "phases": {"Running": 150, "Queued": 50},
+    "pending_pods": 6,
+    "rss_peak_mib": 120.0,
+    "cpu_pct": 35.0,
+    "requests_per_job": 80.0,
+    "list_per_s": 60.0,
+    "req_per_running_job_per_s": 0.4,
+    "status_writes_per_running_job_per_min": 6.0,
+    "job_post_409": 200,
+    "load_start": "1.0 1.0 1.0",
+    "load_end": "3.0 2.0 1.0",
+}
+
+
 def test_every_results_row_fills_every_column() -> None:
-    result = {
-        "date": "2026-01-01",
-        "time": "10:00",
-        "label": "before",
-        "commit": "abc1234",
-        "pools": "4×50×8",
-        "namespaces": 20,
-        "clients": 32,
-        "jobs": 200,
-        "not_planned": 0,
-        "plan_p50_s": 2.0,
-        "plan_p99_s": math.nan,
-        "pod_p50_s": 4.0,
-        "pod_p99_s": 9.0,
-        "planned_per_s": 12.5,
-        "to_steady_s": 300.0,
-        "steady": False,
-        "phases": {"Running": 150, "Queued": 50},
-        "pending_pods": 6,
-        "rss_peak_mib": 120.0,
-        "cpu_pct": 35.0,
-        "requests_per_job": 80.0,
-        "list_per_s": 60.0,
-        "req_per_running_job_per_s": 0.4,
-        "status_writes_per_running_job_per_min": 6.0,
-        "job_post_409": 200,
-        "load_start": "1.0 1.0 1.0",
-        "load_end": "3.0 2.0 1.0",
-    }
+    result = ROW_RECORD
     header = bench.table_header().splitlines()[0]
     row = bench.table_row(result)
     assert row.count("|") == header.count("|")
@@ -583,6 +586,23 @@ def test_first_seen_reads_the_independent_watchs_file(tmp_path: Path) -> None:
     assert seen == {("scale-00", "ftj-00001"): 12.5, ("scale-01", "ftj-00002"): 14.0}
     created = {("scale-00", "ftj-00001"): 10.0, ("scale-02", "ftj-00003"): 11.0}
     assert bench.latencies(created, seen) == [2.5]  # only jobs the run created and the watch saw
+
+
+def test_the_operators_own_part_is_planned_less_delivery_job_by_job() -> None:
+    delivered = {("a", "1"): 12.5, ("a", "2"): 14.2, ("b", "3"): 20.0, ("b", "4"): 30.0}
+    # the Planned condition's time is truncated to the second: job 2 was decided within the
+    # second it was delivered; job 4 was never Planned; job 5 never seen by the watch
+    planned = {("a", "1"): 15.0, ("a", "2"): 14.0, ("b", "3"): 28.0, ("c", "5"): 9.0}
+    split = bench.after_delivery(delivered, planned)
+    assert split["plan_after_delivery_n"] == 3
+    assert split["plan_after_delivery_p50_s"] == pytest.approx(2.5)
+    assert split["plan_after_delivery_p99_s"] == pytest.approx(7.89)
+    assert bench.after_delivery(delivered, {}) == {}
+    record = {**ROW_RECORD, **split}
+    assert "(after delivery 2 / 8) |" in bench.table_row(record)
+    assert "(the operator's own part; 1 s resolution) p50 2.5s p99 7.9s (3 jobs)" in (
+        bench.after_delivery_text(record)
+    )
 
 
 def test_machine_cpu_counts_every_core_and_leaves_idle_and_iowait_out(tmp_path: Path) -> None:
