@@ -887,11 +887,11 @@ def first_seen(path: Path) -> dict[tuple[str, str], float]:
 def after_delivery(
     delivered: Mapping[tuple[str, str], float], planned: Mapping[tuple[str, str], float]
 ) -> dict[str, Any]:
-    """The operator's own part of creation → Planned, job by job: when its Planned condition
-    was decided less when the independent watch first saw the job (the API server's
-    delivery, which the operator's watch cannot beat). The condition's time has 1 s
-    resolution (truncated), so a job decided within the second it was delivered counts
-    down to -1 s. Empty when no job has both."""
+    """Creation → Planned past the API server's delivery, job by job: when the operator
+    decided the job's Planned condition less when the independent watch first saw the job.
+    The API server serves the two watches apart, so the operator may come first (negative);
+    the condition's time has 1 s resolution (truncated), which moves it down by up to a
+    second. Empty when no job has both."""
     after = latencies(delivered, planned)
     if not after:
         return {}
@@ -2254,7 +2254,7 @@ def _json_default(value: object) -> object:
 
 def after_delivery_text(r: Mapping[str, Any]) -> str:
     return (
-        f"  Planned decided after that delivery, job by job (the operator's own part; 1 s "
+        f"  Planned decided after that delivery, job by job (negative: before it; 1 s "
         f"resolution) p50 {fmt(r.get('plan_after_delivery_p50_s'))}s p99 "
         f"{fmt(r.get('plan_after_delivery_p99_s'))}s ({r.get('plan_after_delivery_n')} jobs)"
     )

@@ -600,7 +600,7 @@ def test_the_operators_own_part_is_planned_less_delivery_job_by_job() -> None:
     assert bench.after_delivery(delivered, {}) == {}
     record = {**ROW_RECORD, **split}
     assert "(after delivery 2 / 8) |" in bench.table_row(record)
-    assert "(the operator's own part; 1 s resolution) p50 2.5s p99 7.9s (3 jobs)" in (
+    assert "(negative: before it; 1 s resolution) p50 2.5s p99 7.9s (3 jobs)" in (
         bench.after_delivery_text(record)
     )
 
