@@ -588,7 +588,7 @@ def test_first_seen_reads_the_independent_watchs_file(tmp_path: Path) -> None:
     assert bench.latencies(created, seen) == [2.5]  # only jobs the run created and the watch saw
 
 
-def test_the_operators_own_part_is_planned_less_delivery_job_by_job() -> None:
+def test_planned_is_split_job_by_job_at_the_independent_watchs_first_sight() -> None:
     delivered = {("a", "1"): 12.5, ("a", "2"): 14.2, ("b", "3"): 20.0, ("b", "4"): 30.0}
     # the Planned condition's time is truncated to the second: job 2 was decided within the
     # second it was delivered; job 4 was never Planned; job 5 never seen by the watch
