@@ -14,7 +14,7 @@ waits for, so this benchmark measures them:
 3. sends `--requests` of each request one after another from one client, and reads the CPU
    time of kube-apiserver and etcd from /proc before and after: PATCH of the job's status
    (its message), PATCH of the job's metadata (an annotation), PATCH of the ConfigMap,
-   GET of each;
+   GET of each, and POST of a core/v1 Event about the job as the operator posts one;
 4. repeats with the objects grown about four times (an annotation of padding on each), to
    see how the cost follows the bytes;
 5. does all of it again on a fresh control plane for each CRD variant: as shipped, without
@@ -110,6 +110,35 @@ def crd_variants(docs: list[dict[str, Any]]) -> Iterator[tuple[str, list[dict[st
     yield "no CEL rules, status open", open_status
 
 
+def job_event(job: Mapping[str, Any], i: int, at: dt.datetime) -> dict[str, Any]:
+    """A core/v1 Event about `job` as the operator posts one (through kopf): a new object
+    each time, named by the API server, with the fields kopf fills."""
+    meta = job["metadata"]
+    stamp = at.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"namespace": meta["namespace"], "generateName": "kopf-event-"},
+        "action": "Action",
+        "type": "Normal",
+        "reason": "PlanReady",
+        "message": f"Plan r1: lora on 1×1 NVIDIA L40S (pool l40s), write {i}",
+        "reportingComponent": "kopf",
+        "reportingInstance": "dev",
+        "source": {"component": "kopf"},
+        "firstTimestamp": stamp,
+        "lastTimestamp": stamp,
+        "eventTime": None,
+        "involvedObject": {
+            "apiVersion": job["apiVersion"],
+            "kind": job["kind"],
+            "name": meta["name"],
+            "namespace": meta["namespace"],
+            "uid": meta["uid"],
+        },
+    }
+
+
 class Client:
     """Requests through the scale benchmark's HTTPS client (`Api`) that must succeed."""
 
@@ -123,6 +152,12 @@ class Client:
         )
         if status != 200:
             raise RuntimeError(f"{method} {path}: HTTP {status}: {out[:300]!r}")
+        return out
+
+    def create(self, path: str, body: Mapping[str, Any]) -> bytes:
+        status, out = self.api.request("POST", path, None, json.dumps(body).encode())
+        if status != 201:
+            raise RuntimeError(f"POST {path}: HTTP {status}: {out[:300]!r}")
         return out
 
 
@@ -315,6 +350,16 @@ class Bench:
             self.measure(
                 crd, size, "ConfigMap GET", cm_bytes, lambda i: client.send("GET", cm_path)
             )
+        # What the operator's Events cost beside its status writes: a new object each.
+        events = f"/api/v1/namespaces/{NAMESPACE}/events"
+        now = dt.datetime.now(dt.UTC)
+        self.measure(
+            crd,
+            "an Event",
+            "Event POST (core/v1)",
+            len(client.create(events, job_event(obj, 0, now))),
+            lambda i: client.create(events, job_event(obj, i, now)),
+        )
 
 
 def table(rows: list[Row]) -> str:

@@ -63,3 +63,23 @@ def test_table_has_a_row_per_measurement_and_no_wall_time_for_the_background() -
     assert lines[3] == (
         "| as shipped | as written | FineTuneJob status PATCH | 5599 | 300 | 19.9 | 25.0 | 2.3 |"
     )
+
+
+def test_an_event_about_the_job_is_a_new_object_named_by_the_api_server() -> None:
+    job = {
+        "apiVersion": "kubetune.io/v1alpha1",
+        "kind": "FineTuneJob",
+        "metadata": {"name": "demo", "namespace": "team-a", "uid": "u-1"},
+    }
+    at = bench.dt.datetime(2026, 11, 30, 1, 2, 3, tzinfo=bench.dt.UTC)
+    first, second = bench.job_event(job, 1, at), bench.job_event(job, 2, at)
+    assert first["metadata"] == {"namespace": "team-a", "generateName": "kopf-event-"}
+    assert first["involvedObject"] == {
+        "apiVersion": "kubetune.io/v1alpha1",
+        "kind": "FineTuneJob",
+        "name": "demo",
+        "namespace": "team-a",
+        "uid": "u-1",
+    }
+    assert first["firstTimestamp"] == first["lastTimestamp"] == "2026-11-30T01:02:03Z"
+    assert first["message"] != second["message"]  # every POST a new Event, not a repeat
