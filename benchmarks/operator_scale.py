@@ -32,6 +32,7 @@ Usage:
     python benchmarks/operator_scale.py --jobs 500 --label before
     python benchmarks/operator_scale.py --quick          # 50 jobs, short windows, no results row
     python benchmarks/operator_scale.py --planned-floor  # no operator: the least one can do
+    python benchmarks/operator_scale.py --planned-floor --floor-launches 250  # ... and launch
 """
 
 from __future__ import annotations
@@ -821,17 +822,67 @@ def planned_patch(at: dt.datetime) -> bytes:
     return json.dumps({"status": {"conditions": [condition]}}).encode()
 
 
+def floor_batch_job(namespace: str, job: str, pool: Mapping[str, Any]) -> bytes:
+    """The one child of a job `planned_floor_writer` launches: a batch Job of one pod that
+    asks for one GPU of `pool` (a GPUPool document: its nodeSelector and tolerations), labelled
+    as the operator labels a job's children, so the benchmark's watches time it alike."""
+    spec = pool.get("spec") or {}
+    labels = {LABEL_JOB: job}
+    pod = {
+        "restartPolicy": "Never",
+        "nodeSelector": dict(spec.get("nodeSelector") or {}),
+        "tolerations": list(spec.get("tolerations") or []),
+        "containers": [
+            {
+                "name": "trainer",
+                "image": "kubetune-trainer:launch-floor",
+                "resources": {"limits": {"nvidia.com/gpu": 1}},
+            }
+        ],
+    }
+    body = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": f"{job}-floor", "namespace": namespace, "labels": labels},
+        "spec": {
+            "backoffLimit": 0,
+            "template": {"metadata": {"labels": labels}, "spec": pod},
+        },
+    }
+    return json.dumps(body).encode()
+
+
+def _send(api: Api, method: str, path: str, body: bytes, content_type: str) -> None:
+    """One write of `planned_floor_writer`, retried a few times on what may pass."""
+    for delay in (0.2, 0.5, 1.0, 2.0, None):
+        try:
+            code, data = api.request(method, path, None, body, content_type=content_type)
+        except (OSError, http.client.HTTPException) as exc:
+            code, data = 0, str(exc).encode()
+        if code in (200, 201) or delay is None or code not in (0, 409, 429, 500, 503):
+            break
+        time.sleep(delay)
+    if code not in (200, 201):
+        print(f"planned-floor writer: {method} {path}: HTTP {code}: {data[:200]!r}", flush=True)
+
+
 def planned_floor_writer(
-    kubeconfig: Path, ready: Path, threads: int = PLANNED_FLOOR_WRITERS
+    kubeconfig: Path, ready: Path, launches: int = 0, threads: int = PLANNED_FLOOR_WRITERS
 ) -> None:
     """Run as a process of its own (`--planned-floor-writer`) until killed: watch
     FineTuneJobs and write each new job's Planned condition, decided when the watch shows
     the job, with one status PATCH from `threads` threads; `ready` is written once the
-    watch's initial list is done. No planning, no children, no Events: the least an
-    operator that writes the condition can do, so how late these conditions come is the
-    floor under the operator's creation → Planned on this cluster."""
+    watch's initial list is done. No planning, no Events: the least an operator that writes
+    the condition can do, so how late these conditions come is the floor under the
+    operator's creation → Planned on this cluster.
+
+    The first `launches` jobs it sees it also launches, right after that write: one batch
+    Job each (`floor_batch_job`, the simulated pools in turn), whose pod the Job controller
+    creates and kube-scheduler binds. How late those pods come is the floor under the
+    operator's creation → first pod."""
     api = Api(kubeconfig, OwnRequests())
-    todo: queue.SimpleQueue[tuple[str, str, dt.datetime]] = queue.SimpleQueue()
+    pools = pool_docs(1)
+    todo: queue.SimpleQueue[tuple[str, str, dt.datetime, int]] = queue.SimpleQueue()
     seen: set[tuple[str, str]] = set()
 
     def on_event(kind: str, obj: Mapping[str, Any]) -> None:
@@ -841,28 +892,22 @@ def planned_floor_writer(
         if kind == "DELETED" or key in seen or any(c.get("type") == "Planned" for c in conditions):
             return
         seen.add(key)
-        todo.put((*key, dt.datetime.now(dt.UTC)))
+        todo.put((*key, dt.datetime.now(dt.UTC), len(seen)))
 
     def write() -> None:
         while True:
-            namespace, name, at = todo.get()
+            namespace, name, at, nth = todo.get()
             path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/finetunejobs/{name}/status"
-            for delay in (0.2, 0.5, 1.0, 2.0, None):
-                try:
-                    code, data = api.request(
-                        "PATCH",
-                        path,
-                        None,
-                        planned_patch(at),
-                        content_type="application/merge-patch+json",
-                    )
-                except (OSError, http.client.HTTPException) as exc:
-                    code, data = 0, str(exc).encode()
-                if code == 200 or delay is None or code not in (0, 409, 429, 500, 503):
-                    break
-                time.sleep(delay)
-            if code != 200:
-                print(f"planned-floor writer: {path}: HTTP {code}: {data[:200]!r}", flush=True)
+            _send(api, "PATCH", path, planned_patch(at), "application/merge-patch+json")
+            if nth <= launches:
+                body = floor_batch_job(namespace, name, pools[nth % len(pools)])
+                _send(
+                    api,
+                    "POST",
+                    f"/apis/batch/v1/namespaces/{namespace}/jobs",
+                    body,
+                    "application/json",
+                )
 
     for i in range(threads):
         threading.Thread(target=write, name=f"writer-{i}", daemon=True).start()
@@ -871,6 +916,22 @@ def planned_floor_writer(
     watch.synced.wait()
     ready.write_text("synced\n")
     watch.join()
+
+
+def launch_latencies(t: Timings) -> dict[str, float]:
+    """Creation → first batch Job and → first pod, and batch Job → first pod, p50 and p99,
+    over the jobs that have one (the keys of an operator run's record)."""
+    out: dict[str, float] = {}
+    for key, since, at in (
+        ("batch_job", t.created, t.first_batch_job),
+        ("pod", t.created, t.first_pod),
+        ("pod_after_batch_job", t.first_batch_job, t.first_pod),
+    ):
+        lat = latencies(since, at)
+        if lat:
+            out[f"{key}_p50_s"] = percentile(lat, 50)
+            out[f"{key}_p99_s"] = percentile(lat, 99)
+    return out
 
 
 def first_seen(path: Path) -> dict[tuple[str, str], float]:
@@ -1322,6 +1383,9 @@ class Options:
     planned_floor: bool = False
     """With `without_operator`: the benchmark's minimal writer (`planned_floor_writer`)
     writes each job's Planned condition in the operator's stead."""
+    floor_launches: int = 0
+    """With `planned_floor`: how many jobs the minimal writer also launches (a batch Job of
+    one pod each), for the floor under creation → first pod."""
 
 
 def say(msg: str) -> None:
@@ -1651,10 +1715,11 @@ class Bench:
 
         wait("the operator to report every GPUPool's nodes", pools_seen, 120, 1.0)
 
-    def spawn_helper(self, flag: str, out: Path) -> subprocess.Popen[bytes]:
-        """This script as a process of its own (`main`'s `flag`), given the kubeconfig and
-        `out`, a file it writes a first line to once its watch of FineTuneJobs has listed."""
-        argv = [sys.executable, __file__, flag, str(self.cluster.kubeconfig), str(out)]
+    def spawn_helper(self, flag: str, out: Path, *more: str) -> subprocess.Popen[bytes]:
+        """This script as a process of its own (`main`'s `flag`), given the kubeconfig,
+        `out`, a file it writes a first line to once its watch of FineTuneJobs has listed,
+        and `more`."""
+        argv = [sys.executable, __file__, flag, str(self.cluster.kubeconfig), str(out), *more]
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL)
 
     @staticmethod
@@ -1676,7 +1741,8 @@ class Bench:
     def start_writer(self, ready: Path) -> None:
         """`--planned-floor`: the minimal writer (`planned_floor_writer`) in a process of
         its own, started before the creation burst."""
-        self.writer = self.spawn_helper("--planned-floor-writer", ready)
+        launches = str(self.opts.floor_launches)
+        self.writer = self.spawn_helper("--planned-floor-writer", ready, launches)
         self.wait_listed(self.writer, ready, "the minimal writer")
 
     def start_watches(self) -> None:
@@ -1771,17 +1837,23 @@ class Bench:
 
         With `--planned-floor` it also waits until the benchmark's watch has seen every
         job's Planned condition from the minimal writer, and records how late it was
-        decided (when the writer's watch showed the job), written and seen."""
+        decided (when the writer's watch showed the job), written and seen; with
+        `--floor-launches N`, until the first pod of each of the N jobs it launched is
+        there, and how late the batch Jobs and the pods came."""
         events = self.first_events_file
         assert events is not None
-        n = len(self.jobs)
+        n, launches = len(self.jobs), self.opts.floor_launches
 
         def all_seen() -> bool:
             if self.writer is not None and self.snapshot().planned < n:
                 return False
+            if len(self.tracker.timings().first_pod) < launches:
+                return False
             return len(first_seen(events)) >= n
 
         what = "see all" if self.writer is None else "see all, and the writer to plan all,"
+        if launches:
+            what = f"see all, the writer to plan all and to launch {launches},"
         wait(f"the independent watch to {what} {n} jobs", all_seen, self.opts.timeout, 0.5)
         took = time.monotonic() - start.when
         self.mark("seen")
@@ -1806,6 +1878,8 @@ class Bench:
                 self.facts[f"{key}_p50_s"] = percentile(lat, 50)
                 self.facts[f"{key}_p99_s"] = percentile(lat, 99)
             self.facts["plan_max_s"] = max(latencies(created, planned))
+        if launches:
+            self.facts.update(launched=launches, **launch_latencies(self.timings))
 
     def steady_window(self) -> None:
         before = self.snapshot()
@@ -2131,6 +2205,9 @@ FLOOR_COLUMNS = (
     "→ Planned decided p50 / p99 / max s",
     "→ Planned written p50 / p99 s",
     "→ Planned seen p50 / p99 s",
+    "jobs launched",
+    "→ batch Job p50 / p99 s",
+    "→ first pod p50 / p99 s (after its batch Job)",
     *DELIVERY_COLUMNS[6:],
 )
 
@@ -2155,12 +2232,26 @@ def delivery_row(r: Mapping[str, Any]) -> str:
             f"{fmt(r['plan_p50_s'], 0)} / {fmt(r['plan_p99_s'], 0)} / {fmt(r['plan_max_s'], 0)}",
             f"{fmt(r['plan_written_p50_s'], 0)} / {fmt(r['plan_written_p99_s'], 0)}",
             f"{fmt(r['plan_seen_p50_s'])} / {fmt(r['plan_seen_p99_s'])}",
+            *launch_cells(r),
         )
     values += (
         f"{top} ({cpu.get('machine cores busy', '?')} of {os.cpu_count()})",
         f"{r['load_start']} → {r['load_end']}",
     )
     return "| " + " | ".join(str(v) for v in values) + " |\n"
+
+
+def launch_cells(r: Mapping[str, Any]) -> tuple[str, str, str]:
+    """The floor table's launch columns; dashes for a run that launched nothing."""
+    if not r.get("launched"):
+        return ("0", "–", "–")
+    return (
+        str(r["launched"]),
+        f"{fmt(r.get('batch_job_p50_s'), 0)} / {fmt(r.get('batch_job_p99_s'), 0)}",
+        f"{fmt(r.get('pod_p50_s'), 0)} / {fmt(r.get('pod_p99_s'), 0)} "
+        f"({fmt(r.get('pod_after_batch_job_p50_s'), 0)} / "
+        f"{fmt(r.get('pod_after_batch_job_p99_s'), 0)})",
+    )
 
 
 def write_delivery_results(path: Path, result: Mapping[str, Any]) -> None:
@@ -2181,9 +2272,12 @@ def write_delivery_results(path: Path, result: Mapping[str, Any]) -> None:
                 "In its stead a process of the benchmark's own watches FineTuneJobs and writes "
                 "each new job's Planned condition, decided when its watch shows the job, with "
                 f"one status PATCH from {PLANNED_FLOOR_WRITERS} threads: no planning, no "
-                "children, no Events. How late these conditions come (server clock, 1 s "
-                "resolution) is the floor under the operator's creation → Planned on this "
-                "cluster."
+                "Events. How late these conditions come (server clock, 1 s resolution) is "
+                "the floor under the operator's creation → Planned on this cluster. With "
+                "`--floor-launches N` it also launches the first N jobs it sees, right after "
+                "that write: one batch Job of one pod asking for one GPU of a simulated pool "
+                "(the pools in turn), which the Job controller and kube-scheduler take from "
+                "there: the floor under creation → first pod."
             )
         path.write_text(
             f"# {title} — {result['date']}\n\n"
@@ -2212,6 +2306,16 @@ def delivery_report(r: Mapping[str, Any]) -> str:
         if floor
         else []
     )
+    if r.get("launched"):
+
+        def p50_p99(key: str) -> str:
+            return f"{fmt(r.get(f'{key}_p50_s'), 0)} / {fmt(r.get(f'{key}_p99_s'), 0)}s"
+
+        planned.append(
+            f"  {r['launched']} jobs launched by the minimal writer: creation → batch Job "
+            f"p50 / p99 {p50_p99('batch_job')}, → first pod {p50_p99('pod')}; batch Job → "
+            f"first pod {p50_p99('pod_after_batch_job')}"
+        )
     return "\n".join(
         [
             f"without the operator{', the minimal writer instead' if floor else ''}, "
@@ -2416,6 +2520,15 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         "planned-floor-<date>.md)",
     )
     p.add_argument(
+        "--floor-launches",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --planned-floor: the minimal writer also launches the first N jobs it "
+        "sees, one batch Job of one 1-GPU pod each, the floor under creation → first pod "
+        "(default 0)",
+    )
+    p.add_argument(
         "--root",
         type=Path,
         help="cluster state folder, kept (default: a new folder under "
@@ -2440,6 +2553,10 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     jobs = a.jobs if a.jobs is not None else (50 if quick else 1000)
     if jobs < 1 or a.clients < 1 or a.namespaces < 1 or a.nodes_per_pool < 1:
         p.error("--jobs, --clients, --namespaces and --nodes-per-pool must be at least 1")
+    if a.floor_launches and not a.planned_floor:
+        p.error("--floor-launches needs --planned-floor (the minimal writer launches them)")
+    if not 0 <= a.floor_launches <= jobs:
+        p.error(f"--floor-launches must be between 0 and --jobs ({jobs})")
     results = a.results
     if results is None and not quick:
         stem = (
@@ -2470,6 +2587,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         bin_packing=a.bin_packing,
         without_operator=a.without_operator or a.planned_floor,
         planned_floor=a.planned_floor,
+        floor_launches=a.floor_launches,
         rescore=a.rescore,
     )
 
@@ -2479,8 +2597,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args[:1] == ["--first-events"] and len(args) == 3:  # the independent watch's process
         first_events(Path(args[1]), Path(args[2]))
         return 0
-    if args[:1] == ["--planned-floor-writer"] and len(args) == 3:  # the minimal writer
-        planned_floor_writer(Path(args[1]), Path(args[2]))
+    if args[:1] == ["--planned-floor-writer"] and len(args) == 4:  # the minimal writer
+        planned_floor_writer(Path(args[1]), Path(args[2]), int(args[3]))
         return 0
     opts = parse_args(argv)
     if opts.rescore is not None:

@@ -699,6 +699,85 @@ def test_the_minimal_writer_writes_one_planned_condition() -> None:
     assert list(body) == ["status"] and list(body["status"]) == ["conditions"]
 
 
+def test_the_minimal_writer_launches_one_pod_on_the_pool_it_is_given() -> None:
+    pool = bench.pool_docs(3)[0]
+    body = json.loads(bench.floor_batch_job("team-1", "ftj-7", pool))
+    assert body["kind"] == "Job" and body["metadata"]["namespace"] == "team-1"
+    assert body["metadata"]["labels"] == {bench.LABEL_JOB: "ftj-7"}
+    template = body["spec"]["template"]
+    assert template["metadata"]["labels"] == {bench.LABEL_JOB: "ftj-7"}
+    (container,) = template["spec"]["containers"]
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": 1}
+    assert template["spec"]["nodeSelector"] == pool["spec"]["nodeSelector"]
+    assert template["spec"]["tolerations"] == pool["spec"]["tolerations"]
+    assert body["spec"]["backoffLimit"] == 0
+
+
+def test_launch_latencies_run_from_creation_and_from_the_batch_job() -> None:
+    a, b, c = ("ns", "a"), ("ns", "b"), ("ns", "c")
+    timings = bench.Timings(
+        created={a: 100.0, b: 100.0, c: 100.0},
+        planned={},
+        first_batch_job={a: 103.0, b: 105.0},
+        first_pod={a: 110.0},
+        queued=frozenset(),
+        planned_seen={},
+        planned_written={},
+    )
+    got = bench.launch_latencies(timings)
+    assert got["batch_job_p50_s"] == 4.0 and got["batch_job_p99_s"] == pytest.approx(4.98)
+    assert got["pod_p50_s"] == got["pod_p99_s"] == 10.0
+    assert got["pod_after_batch_job_p50_s"] == 7.0
+    assert bench.launch_latencies(timings._replace(first_batch_job={}, first_pod={})) == {}
+
+
+def test_a_floor_run_that_launched_shows_its_pods_in_the_table(tmp_path: Path) -> None:
+    record = {
+        **DELIVERY_RECORD,
+        "label": "floor with launches",
+        "mode": "planned floor",
+        "plan_p50_s": 1.0,
+        "plan_p99_s": 3.0,
+        "plan_max_s": 4.0,
+        "plan_written_p50_s": 2.0,
+        "plan_written_p99_s": 5.0,
+        "plan_seen_p50_s": 2.4,
+        "plan_seen_p99_s": 6.1,
+        "launched": 250,
+        "batch_job_p50_s": 6.0,
+        "batch_job_p99_s": 8.0,
+        "pod_p50_s": 12.0,
+        "pod_p99_s": 19.0,
+        "pod_after_batch_job_p50_s": 6.0,
+        "pod_after_batch_job_p99_s": 11.0,
+    }
+    path = tmp_path / "planned-floor-2026-11-30.md"
+    bench.write_delivery_results(path, {**record, "launched": 0})
+    bench.write_delivery_results(path, record)
+    text = path.read_text()
+    assert "--floor-launches N" in text
+    without, launched = text.splitlines()[-2:]
+    assert all(len(row.split(" | ")) == len(bench.FLOOR_COLUMNS) for row in (without, launched))
+    assert "| 0 | – | – |" in without
+    assert "| 250 | 6 / 8 | 12 / 19 (6 / 11) |" in launched
+    report = bench.delivery_report(
+        {**record, "create_outcomes": {"201": 1000}, "all_seen_s": 9.0, "cpu_s_to_all_seen": {}}
+    )
+    assert "250 jobs launched by the minimal writer" in report
+    assert "→ batch Job p50 / p99 6 / 8s, → first pod 12 / 19s; batch Job → first pod 6 / 11s" in (
+        report
+    )
+
+
+def test_floor_launches_need_the_minimal_writer_and_at_most_every_job() -> None:
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--floor-launches", "10"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--planned-floor", "--jobs", "5", "--floor-launches", "6"])
+    opts = bench.parse_args(["--planned-floor", "--jobs", "5", "--floor-launches", "5"])
+    assert opts.floor_launches == 5 and opts.planned_floor and opts.without_operator
+
+
 def test_the_kernels_way_of_sharing_cores_is_read_and_told(tmp_path: Path) -> None:
     flag = tmp_path / "sched_autogroup_enabled"
     flag.write_text("1\n")
