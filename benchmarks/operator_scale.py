@@ -876,7 +876,7 @@ def planned_floor_writer(
     the condition can do, so how late these conditions come is the floor under the
     operator's creation → Planned on this cluster.
 
-    The first `launches` jobs it sees it also launches, right after that write: one batch
+    The first `launches` jobs it sees it also launches, just before that write: one batch
     Job each (`floor_batch_job`, the simulated pools in turn), whose pod the Job controller
     creates and kube-scheduler binds. How late those pods come is the floor under the
     operator's creation → first pod."""
@@ -898,16 +898,11 @@ def planned_floor_writer(
         while True:
             namespace, name, at, nth = todo.get()
             path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/finetunejobs/{name}/status"
-            _send(api, "PATCH", path, planned_patch(at), "application/merge-patch+json")
-            if nth <= launches:
+            if nth <= launches:  # the pod first: creation → first pod is what it times
                 body = floor_batch_job(namespace, name, pools[nth % len(pools)])
-                _send(
-                    api,
-                    "POST",
-                    f"/apis/batch/v1/namespaces/{namespace}/jobs",
-                    body,
-                    "application/json",
-                )
+                jobs = f"/apis/batch/v1/namespaces/{namespace}/jobs"
+                _send(api, "POST", jobs, body, "application/json")
+            _send(api, "PATCH", path, planned_patch(at), "application/merge-patch+json")
 
     for i in range(threads):
         threading.Thread(target=write, name=f"writer-{i}", daemon=True).start()
@@ -2274,7 +2269,7 @@ def write_delivery_results(path: Path, result: Mapping[str, Any]) -> None:
                 f"one status PATCH from {PLANNED_FLOOR_WRITERS} threads: no planning, no "
                 "Events. How late these conditions come (server clock, 1 s resolution) is "
                 "the floor under the operator's creation → Planned on this cluster. With "
-                "`--floor-launches N` it also launches the first N jobs it sees, right after "
+                "`--floor-launches N` it also launches the first N jobs it sees, just before "
                 "that write: one batch Job of one pod asking for one GPU of a simulated pool "
                 "(the pools in turn), which the Job controller and kube-scheduler take from "
                 "there: the floor under creation → first pod."
