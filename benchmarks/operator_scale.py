@@ -807,7 +807,8 @@ def first_events(kubeconfig: Path, out: Path) -> None:
 
 
 PLANNED_FLOOR_WRITERS = 8
-"""Threads of `planned_floor_writer`, each with its own kept-alive connection."""
+"""Threads of `planned_floor_writer`, each with its own kept-alive connection (the default
+of `--floor-writers`)."""
 
 
 def planned_patch(at: dt.datetime) -> bytes:
@@ -1379,6 +1380,8 @@ class Options:
     """With `without_operator`: the benchmark's minimal writer (`planned_floor_writer`)
     writes each job's Planned condition in the operator's stead."""
     floor_launches: int = 0
+    floor_writers: int = PLANNED_FLOOR_WRITERS
+    """With `planned_floor`: the minimal writer's threads."""
     """With `planned_floor`: how many jobs the minimal writer also launches (a batch Job of
     one pod each), for the floor under creation → first pod."""
 
@@ -1736,8 +1739,8 @@ class Bench:
     def start_writer(self, ready: Path) -> None:
         """`--planned-floor`: the minimal writer (`planned_floor_writer`) in a process of
         its own, started before the creation burst."""
-        launches = str(self.opts.floor_launches)
-        self.writer = self.spawn_helper("--planned-floor-writer", ready, launches)
+        launches, threads = str(self.opts.floor_launches), str(self.opts.floor_writers)
+        self.writer = self.spawn_helper("--planned-floor-writer", ready, launches, threads)
         self.wait_listed(self.writer, ready, "the minimal writer")
 
     def start_watches(self) -> None:
@@ -1962,6 +1965,7 @@ class Bench:
         return {
             **self.setup_record(),
             "mode": "planned floor" if self.opts.planned_floor else "without operator",
+            **({"floor_writers": self.opts.floor_writers} if self.opts.planned_floor else {}),
             "commit": operator_source(self.cluster.env())[1],
             **self.facts,
             "load_end": load_average(),
@@ -2200,7 +2204,7 @@ FLOOR_COLUMNS = (
     "→ Planned decided p50 / p99 / max s",
     "→ Planned written p50 / p99 s",
     "→ Planned seen p50 / p99 s",
-    "jobs launched",
+    "writer threads, jobs launched",
     "→ batch Job p50 / p99 s",
     "→ first pod p50 / p99 s (after its batch Job)",
     *DELIVERY_COLUMNS[6:],
@@ -2238,10 +2242,11 @@ def delivery_row(r: Mapping[str, Any]) -> str:
 
 def launch_cells(r: Mapping[str, Any]) -> tuple[str, str, str]:
     """The floor table's launch columns; dashes for a run that launched nothing."""
+    threads = f"{r.get('floor_writers', PLANNED_FLOOR_WRITERS)}, {r.get('launched') or 0}"
     if not r.get("launched"):
-        return ("0", "–", "–")
+        return (threads, "–", "–")
     return (
-        str(r["launched"]),
+        threads,
         f"{fmt(r.get('batch_job_p50_s'), 0)} / {fmt(r.get('batch_job_p99_s'), 0)}",
         f"{fmt(r.get('pod_p50_s'), 0)} / {fmt(r.get('pod_p99_s'), 0)} "
         f"({fmt(r.get('pod_after_batch_job_p50_s'), 0)} / "
@@ -2266,7 +2271,8 @@ def write_delivery_results(path: Path, result: Mapping[str, Any]) -> None:
             what = (
                 "In its stead a process of the benchmark's own watches FineTuneJobs and writes "
                 "each new job's Planned condition, decided when its watch shows the job, with "
-                f"one status PATCH from {PLANNED_FLOOR_WRITERS} threads: no planning, no "
+                "one status PATCH from its threads (`--floor-writers`, default "
+                f"{PLANNED_FLOOR_WRITERS}): no planning, no "
                 "Events. How late these conditions come (server clock, 1 s resolution) is "
                 "the floor under the operator's creation → Planned on this cluster. With "
                 "`--floor-launches N` it also launches the first N jobs it sees, just before "
@@ -2524,6 +2530,14 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         "(default 0)",
     )
     p.add_argument(
+        "--floor-writers",
+        type=int,
+        default=PLANNED_FLOOR_WRITERS,
+        metavar="N",
+        help="with --planned-floor: the minimal writer's threads, each with a connection of "
+        f"its own (default {PLANNED_FLOOR_WRITERS})",
+    )
+    p.add_argument(
         "--root",
         type=Path,
         help="cluster state folder, kept (default: a new folder under "
@@ -2548,6 +2562,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     jobs = a.jobs if a.jobs is not None else (50 if quick else 1000)
     if jobs < 1 or a.clients < 1 or a.namespaces < 1 or a.nodes_per_pool < 1:
         p.error("--jobs, --clients, --namespaces and --nodes-per-pool must be at least 1")
+    if a.floor_writers < 1:
+        p.error("--floor-writers must be at least 1")
     if a.floor_launches and not a.planned_floor:
         p.error("--floor-launches needs --planned-floor (the minimal writer launches them)")
     if not 0 <= a.floor_launches <= jobs:
@@ -2583,6 +2599,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         without_operator=a.without_operator or a.planned_floor,
         planned_floor=a.planned_floor,
         floor_launches=a.floor_launches,
+        floor_writers=a.floor_writers,
         rescore=a.rescore,
     )
 
@@ -2592,8 +2609,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args[:1] == ["--first-events"] and len(args) == 3:  # the independent watch's process
         first_events(Path(args[1]), Path(args[2]))
         return 0
-    if args[:1] == ["--planned-floor-writer"] and len(args) == 4:  # the minimal writer
-        planned_floor_writer(Path(args[1]), Path(args[2]), int(args[3]))
+    if args[:1] == ["--planned-floor-writer"] and len(args) == 5:  # the minimal writer
+        planned_floor_writer(Path(args[1]), Path(args[2]), int(args[3]), int(args[4]))
         return 0
     opts = parse_args(argv)
     if opts.rescore is not None:

@@ -753,13 +753,13 @@ def test_a_floor_run_that_launched_shows_its_pods_in_the_table(tmp_path: Path) -
     }
     path = tmp_path / "planned-floor-2026-11-30.md"
     bench.write_delivery_results(path, {**record, "launched": 0})
-    bench.write_delivery_results(path, record)
+    bench.write_delivery_results(path, {**record, "floor_writers": 32})
     text = path.read_text()
     assert "--floor-launches N" in text
     without, launched = text.splitlines()[-2:]
     assert all(len(row.split(" | ")) == len(bench.FLOOR_COLUMNS) for row in (without, launched))
-    assert "| 0 | – | – |" in without
-    assert "| 250 | 6 / 8 | 12 / 19 (6 / 11) |" in launched
+    assert "| 8, 0 | – | – |" in without  # rows from before --floor-writers had 8
+    assert "| 32, 250 | 6 / 8 | 12 / 19 (6 / 11) |" in launched
     report = bench.delivery_report(
         {**record, "create_outcomes": {"201": 1000}, "all_seen_s": 9.0, "cpu_s_to_all_seen": {}}
     )
@@ -774,8 +774,11 @@ def test_floor_launches_need_the_minimal_writer_and_at_most_every_job() -> None:
         bench.parse_args(["--floor-launches", "10"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--planned-floor", "--jobs", "5", "--floor-launches", "6"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--planned-floor", "--floor-writers", "0"])
     opts = bench.parse_args(["--planned-floor", "--jobs", "5", "--floor-launches", "5"])
     assert opts.floor_launches == 5 and opts.planned_floor and opts.without_operator
+    assert opts.floor_writers == bench.PLANNED_FLOOR_WRITERS
 
 
 def test_the_kernels_way_of_sharing_cores_is_read_and_told(tmp_path: Path) -> None:
