@@ -662,20 +662,23 @@ def test_delivery_results_start_a_table_and_append_rows(tmp_path: Path) -> None:
     assert [json.loads(line)["time"] for line in jsonl] == ["00:30", "00:40"]
 
 
+FLOOR_RECORD = {
+    **DELIVERY_RECORD,
+    "label": "floor",
+    "mode": "planned floor",
+    "plan_p50_s": 1.0,
+    "plan_p99_s": 3.0,
+    "plan_max_s": 4.0,
+    "plan_written_p50_s": 2.0,
+    "plan_written_p99_s": 5.0,
+    "plan_seen_p50_s": 2.4,
+    "plan_seen_p99_s": 6.1,
+}
+"""A `--planned-floor` run's record as `write_delivery_results` takes it."""
+
+
 def test_planned_floor_results_have_columns_of_their_own(tmp_path: Path) -> None:
-    record = {
-        **DELIVERY_RECORD,
-        "label": "floor",
-        "mode": "planned floor",
-        "plan_p50_s": 1.0,
-        "plan_p99_s": 3.0,
-        "plan_max_s": 4.0,
-        "plan_written_p50_s": 2.0,
-        "plan_written_p99_s": 5.0,
-        "plan_seen_p50_s": 2.4,
-        "plan_seen_p99_s": 6.1,
-        "cpu_s_creation": {"kube-apiserver": 20.0, "minimal writer": 3.0},
-    }
+    record = {**FLOOR_RECORD, "cpu_s_creation": {"kube-apiserver": 20.0, "minimal writer": 3.0}}
     path = tmp_path / "planned-floor-2026-11-29.md"
     bench.write_delivery_results(path, record)
     text = path.read_text()
@@ -733,16 +736,8 @@ def test_launch_latencies_run_from_creation_and_from_the_batch_job() -> None:
 
 def test_a_floor_run_that_launched_shows_its_pods_in_the_table(tmp_path: Path) -> None:
     record = {
-        **DELIVERY_RECORD,
+        **FLOOR_RECORD,
         "label": "floor with launches",
-        "mode": "planned floor",
-        "plan_p50_s": 1.0,
-        "plan_p99_s": 3.0,
-        "plan_max_s": 4.0,
-        "plan_written_p50_s": 2.0,
-        "plan_written_p99_s": 5.0,
-        "plan_seen_p50_s": 2.4,
-        "plan_seen_p99_s": 6.1,
         "launched": 250,
         "batch_job_p50_s": 6.0,
         "batch_job_p99_s": 8.0,
