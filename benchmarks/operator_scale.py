@@ -1380,10 +1380,10 @@ class Options:
     """With `without_operator`: the benchmark's minimal writer (`planned_floor_writer`)
     writes each job's Planned condition in the operator's stead."""
     floor_launches: int = 0
-    floor_writers: int = PLANNED_FLOOR_WRITERS
-    """With `planned_floor`: the minimal writer's threads."""
     """With `planned_floor`: how many jobs the minimal writer also launches (a batch Job of
     one pod each), for the floor under creation → first pod."""
+    floor_writers: int = PLANNED_FLOOR_WRITERS
+    """With `planned_floor`: the minimal writer's threads."""
 
 
 def say(msg: str) -> None:
