@@ -916,7 +916,8 @@ def planned_floor_writer(
 
 def launch_latencies(t: Timings) -> dict[str, float]:
     """Creation → first batch Job and → first pod, and batch Job → first pod, p50 and p99,
-    over the jobs that have one (the keys of an operator run's record)."""
+    over the jobs that have one (NaN where none has); the keys of an operator run's record
+    and of a launching `--planned-floor` run's."""
     out: dict[str, float] = {}
     for key, since, at in (
         ("batch_job", t.created, t.first_batch_job),
@@ -924,9 +925,8 @@ def launch_latencies(t: Timings) -> dict[str, float]:
         ("pod_after_batch_job", t.first_batch_job, t.first_pod),
     ):
         lat = latencies(since, at)
-        if lat:
-            out[f"{key}_p50_s"] = percentile(lat, 50)
-            out[f"{key}_p99_s"] = percentile(lat, 99)
+        out[f"{key}_p50_s"] = percentile(lat, 50)
+        out[f"{key}_p99_s"] = percentile(lat, 99)
     return out
 
 
@@ -1980,14 +1980,12 @@ class Bench:
 
     def summary(self) -> dict[str, Any]:
         opts, m, n = self.opts, self.marks, len(self.jobs)
-        created, planned, first_batch_job, first_pod, queued, planned_seen, written = self.timings
+        created, planned, _, first_pod, queued, planned_seen, written = self.timings
         seen_lat = latencies(created, planned_seen)
         written_lat = latencies(created, written)
         plan_lat, pod_lat = latencies(created, planned), latencies(created, first_pod)
         at_once = {k: v for k, v in first_pod.items() if k not in queued}
         pod_at_once = latencies(created, at_once)
-        batch_job_lat = latencies(created, first_batch_job)
-        pod_after_batch_job = latencies(first_batch_job, first_pod)
         span = (max(planned.values()) - min(created.values())) if planned else math.nan
         create = interval(m["start"], m["steady"])
         window = interval(m["steady"], m["steady_end"])
@@ -2009,17 +2007,12 @@ class Bench:
             "plan_seen_p99_s": percentile(seen_lat, 99),
             "plan_written_p50_s": percentile(written_lat, 50),
             "plan_written_p99_s": percentile(written_lat, 99),
-            "pod_p50_s": percentile(pod_lat, 50),
-            "pod_p99_s": percentile(pod_lat, 99),
+            **launch_latencies(self.timings),
             "jobs_with_pods": len(pod_lat),
             "pod_at_once_p50_s": percentile(pod_at_once, 50),
             "pod_at_once_p99_s": percentile(pod_at_once, 99),
             "jobs_launched_at_once": len(pod_at_once),
             "first_queued": self.tracker.first_queued(),
-            "batch_job_p50_s": percentile(batch_job_lat, 50),
-            "batch_job_p99_s": percentile(batch_job_lat, 99),
-            "pod_after_batch_job_p50_s": percentile(pod_after_batch_job, 50),
-            "pod_after_batch_job_p99_s": percentile(pod_after_batch_job, 99),
             "planned_per_s": len(planned) / max(span, 1.0) if planned else 0.0,
             "to_steady_s": round(create.seconds, 1),
             "window_s": round(window.seconds, 1),
