@@ -76,6 +76,11 @@ BREAKS = [
         "from kubetune.control.reconcile.context import Observed",
         "control-layers",
     ),
+    (
+        "kubetune/control/reconcile/launch.py",
+        "from kubetune.control.reconcile import recovery",
+        "reconcile-layers",
+    ),
     ("kubetune/controller/kube.py", "from kubetune.controller import handlers", "thin-handlers"),
     ("kubetune/controller/leader.py", "from kubetune.controller import kube", "thin-handlers"),
     ("kubetune/controller/handlers.py", "from kubetune.controller import run", "thin-handlers"),
