@@ -25,6 +25,7 @@ from pydantic import ValidationError
 
 from kubetune.api.tenancy import Tenant
 from kubetune.api.v1alpha1 import GROUP, GPUPool
+from kubetune.cli.follow import LogSource, ObjectWatcher, Watcher, outcome
 from kubetune.control.builders import (
     CONTAINER_NAME,
     LABEL_ATTEMPT,
@@ -33,7 +34,6 @@ from kubetune.control.builders import (
     label_value,
 )
 from kubetune.controller.kube import FineTuneJobResource, GPUPoolResource
-from kubetune.views import LogSource, ObjectWatcher, Watcher, outcome
 
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 """The label the Job controller puts on a batch Job's pods."""
