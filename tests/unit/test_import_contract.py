@@ -75,11 +75,6 @@ BREAKS = [
         "trainer-knows-no-kubernetes",
     ),
     ("kubetune/planning/arch.py", "from kubetune.planning import estimator", "planning-layers"),
-    (
-        "kubetune/planning/planner/plans.py",
-        "from kubetune.planning.planner import context",
-        "planner-layers",
-    ),
     ("kubetune/control/pods.py", "from kubetune.control import reconcile", "control-layers"),
     ("kubetune/controller/kube.py", "from kubetune.controller import handlers", "thin-handlers"),
     ("kubetune/controller/leader.py", "from kubetune.controller import kube", "thin-handlers"),
@@ -88,6 +83,11 @@ BREAKS = [
         "kubetune_dev/podrunner/podspec.py",
         "from kubetune_dev.podrunner import runner",
         "podrunner-layers",
+    ),
+    (
+        "kubetune/planning/planner/plans.py",
+        "from kubetune.planning.planner import context",
+        "planner-layers",
     ),
 ]
 
