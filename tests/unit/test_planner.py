@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 
 from kubetune.api.errors import InfeasibleError
 from kubetune.api.v1alpha1 import FineTuneJobSpec, GPUPool
-from kubetune.planning import planner as planner_module
 from kubetune.planning.arch import ModelArch
 from kubetune.planning.catalog import default_pools
 from kubetune.planning.estimator import (
@@ -36,6 +35,7 @@ from kubetune.planning.planner import (
     rank_key,
     replan_settings_after_oom,
 )
+from kubetune.planning.planner import context as planner_context
 from kubetune.planning.throughput import HOST_LINK_BYTES_PER_S
 from kubetune.sources import load_arch
 
@@ -606,7 +606,7 @@ def test_activation_offloading_is_the_last_resort_and_is_priced() -> None:
     # for every layer input going to host memory and back.
     roomy = plan_job(job(None), pools("a100-80gb"), arch, NO_LIVE).chosen
     assert not roomy.estimate.setup.activation_offload
-    ctx = planner_module._Context(job(None), arch, NO_LIVE)
+    ctx = planner_context.JobContext(job(None), arch, NO_LIVE)
     setup = replace(chosen.estimate.setup, activation_offload=False)
     without = ctx.candidate(
         l40s[0], "lora", 1, 1, "none", 1, True, replace(chosen.estimate, setup=setup), False
@@ -663,16 +663,16 @@ def test_estimates_are_shared_by_pools(monkeypatch: pytest.MonkeyPatch) -> None:
         calls.append(setup)
         return estimate_vram(arch, setup)
 
-    monkeypatch.setattr(planner_module, "estimate_vram", counting)
+    monkeypatch.setattr(planner_context, "estimate_vram", counting)
     s = spec(model={"uri": "meta-llama/Llama-3.1-70B"}, method="auto")
     arch = load_arch(s.model.uri)
     one = pools("a100-80gb")
     four = [*pools("a100-80gb", "a100-80gb-spot", "h100"), twin(one[0], 1.1)]
-    planner_module._estimate.cache_clear()  # estimates kept from earlier plans
+    planner_context._estimate.cache_clear()  # estimates kept from earlier plans
     plan_job(s, one, arch, NO_LIVE)
     alone = len(calls)
     calls.clear()
-    planner_module._estimate.cache_clear()
+    planner_context._estimate.cache_clear()
     plan_job(s, four, arch, NO_LIVE)
     assert alone > 1
     assert len(calls) == len(set(calls)) == alone

@@ -88,6 +88,45 @@ def loss_chunk_tokens(vocab_size: int) -> int:
     return max(LOSS_CHUNK_MIN_TOKENS, LOSS_CHUNK_FP32_BYTES // (4 * max(vocab_size, 1)))
 
 
+# The dense bf16 tensor-core peak of each GPU, from NVIDIA's datasheets: the trainer's MFU
+# divides by it, and the operator's known GPU products (`kubetune.api.gpus`) and its built-in
+# pool catalog plan with it. No other table holds these figures.
+PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("GH200", 989),
+    ("H200", 989),
+    ("H100 PCIe", 756),
+    ("H100", 989),
+    ("H800", 989),
+    ("B200", 2250),
+    ("A100", 312),
+    ("A800", 312),
+    ("L40S", 362),
+    ("L40", 181),
+    ("NVIDIA A40", 149.7),  # not "A40" alone: "NVIDIA RTX A4000" contains it
+    ("L4", 121),
+    # AWS g5. NVIDIA publishes no A10G datasheet, and published A10-vs-A10G comparisons give
+    # 70 dense bf16 TFLOPS (125 is the A10's datasheet figure).
+    ("A10G", 70),
+    ("A10", 125),
+    ("RTX 4090", 165),
+    ("V100", 125),
+    ("T4", 65),
+)
+"""(a part of the GPU's name, TFLOPS): the first part the name contains wins, so a part that
+contains another comes before it ("H100 PCIe" before "H100", "A10G" before "A10")."""
+
+
+def peak_bf16_tflops(gpu_name: str) -> float | None:
+    """The dense bf16 peak of a GPU named as `torch.cuda.get_device_name()` names it, or as
+    GPU feature discovery labels it (`nvidia.com/gpu.product`: hyphens for the spaces); None
+    for a GPU the table does not know."""
+    name = gpu_name.replace("-", " ")
+    for part, tflops in PEAK_BF16_TFLOPS:
+        if part in name:
+            return tflops
+    return None
+
+
 # Exit codes of the trainer process; the operator's podFailurePolicy keys on them.
 EXIT_OK = 0
 EXIT_CONFIG_ERROR = 2

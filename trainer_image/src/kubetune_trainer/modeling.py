@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kubetune_trainer import attention
-from kubetune_trainer.contract import TrainerConfig
+from kubetune_trainer.contract import TrainerConfig, peak_bf16_tflops
 from kubetune_trainer.distributed import DistEnv, barrier
 from kubetune_trainer.errors import ConfigError
 from kubetune_trainer.hub import hub_call
@@ -41,26 +41,6 @@ from kubetune_trainer.loss import ChunkedLoss, ChunkedLossUnsupported, OffloadAc
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-# Dense bf16 peak FLOP/s per GPU, by a substring of torch.cuda.get_device_name(); used for MFU.
-PEAK_BF16_FLOPS = [
-    ("H200", 989e12),
-    ("H100 PCIe", 756e12),
-    ("H100", 989e12),
-    ("H800", 989e12),
-    ("GH200", 989e12),
-    ("B200", 2250e12),
-    ("A100", 312e12),
-    ("A800", 312e12),
-    ("L40S", 362e12),
-    ("L40", 181e12),
-    ("L4", 121e12),
-    ("A10G", 70e12),
-    ("A10", 125e12),
-    ("RTX 4090", 165e12),
-    ("V100", 125e12),
-    ("T4", 65e12),
-]
 
 
 @dataclass
@@ -352,11 +332,8 @@ def peak_flops(device: torch.device) -> float | None:
         return float(override) * 1e12
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for key, flops in PEAK_BF16_FLOPS:
-        if key in name:
-            return flops
-    return None
+    tflops = peak_bf16_tflops(torch.cuda.get_device_name(device))
+    return None if tflops is None else tflops * 1e12
 
 
 def build_model(cfg: TrainerConfig, env: DistEnv) -> BuiltModel:

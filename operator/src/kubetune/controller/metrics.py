@@ -28,7 +28,7 @@ import importlib.metadata
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -199,7 +199,6 @@ class _StateCollector(Collector):
 
 
 def _job_families(jobs: Mapping[tuple[str, str], _Job]) -> Iterator[Metric]:
-    key = ["namespace", "finetunejob"]
     by_phase = GaugeMetricFamily(
         "kubetune_finetunejobs",
         "FineTuneJobs by phase (from the operator's view)",
@@ -212,7 +211,76 @@ def _job_families(jobs: Mapping[tuple[str, str], _Job]) -> Iterator[Metric]:
     for phase, n in counts.items():
         by_phase.add_metric([phase], n)
     yield by_phase
+    ordered = sorted(jobs.items())
+    yield from _job_plan_families(ordered)
+    for name, documentation, value_of in _JOB_GAUGES:
+        gauge = GaugeMetricFamily(name, documentation, labels=_JOB_KEY)
+        for (namespace, job_name), job in ordered:
+            value = value_of(job)
+            if value is not None:
+                gauge.add_metric([namespace, job_name], value)
+        yield gauge
+    yield from _job_counter_families(ordered)
 
+
+_JOB_KEY = ("namespace", "finetunejob")
+_JOB_GAUGES: tuple[tuple[str, str, Callable[[_Job], float | None]], ...] = (
+    (
+        "kubetune_finetunejob_estimated_cost_usd",
+        "Planned total cost",
+        lambda j: j.estimated_cost_usd,
+    ),
+    (
+        "kubetune_finetunejob_estimated_tokens_per_second",
+        "Planned cluster-wide throughput (the throughput model's figure)",
+        lambda j: j.estimated_tokens_per_second,
+    ),
+    ("kubetune_finetunejob_accrued_cost_usd", "Cost accrued so far", lambda j: j.accrued_cost_usd),
+    (
+        "kubetune_finetunejob_cost_rate_usd_per_hour",
+        "Current spend rate",
+        lambda j: j.cost_rate_usd_per_hour,
+    ),
+    (
+        "kubetune_finetunejob_budget_usd",
+        "spec.resources.maxCostUSD, when set",
+        lambda j: j.budget_usd,
+    ),
+    ("kubetune_finetunejob_step", "Optimizer steps done (as last read)", lambda j: j.step),
+    ("kubetune_finetunejob_total_steps", "Optimizer steps planned", lambda j: j.total_steps),
+    (
+        "kubetune_finetunejob_progress_ratio",
+        "step / totalSteps (0-1)",
+        lambda j: j.step / j.total_steps if j.total_steps else 0.0,
+    ),
+    (
+        "kubetune_finetunejob_eta_seconds",
+        "Estimated seconds of training left",
+        lambda j: j.eta_seconds,
+    ),
+    (
+        "kubetune_finetunejob_last_progress_timestamp_seconds",
+        "When the step count last moved (Unix time)",
+        lambda j: j.last_progress,
+    ),
+    (
+        "kubetune_finetunejob_checkpoint_step",
+        "Step of the newest complete checkpoint",
+        lambda j: j.checkpoint_step,
+    ),
+    (
+        "kubetune_finetunejob_checkpoint_timestamp_seconds",
+        "When the newest complete checkpoint was written (Unix time)",
+        lambda j: j.checkpoint_time,
+    ),
+)
+"""The per-job gauges labelled by the job alone: (name, help, the value, None for no
+sample), in the order they are exposed."""
+
+
+def _job_plan_families(jobs: list[tuple[tuple[str, str], _Job]]) -> Iterator[Metric]:
+    """The series of a job's plan, labelled with its pool (and method)."""
+    key = _JOB_KEY
     info = GaugeMetricFamily(
         "kubetune_finetunejob_info",
         "1 per FineTuneJob; labels carry its phase and plan",
@@ -231,57 +299,7 @@ def _job_families(jobs: Mapping[tuple[str, str], _Job]) -> Iterator[Metric]:
         "Planned peak memory per GPU (the estimator's figure, safety factor not included)",
         labels=[*key, "pool", "method"],
     )
-    est_cost = GaugeMetricFamily(
-        "kubetune_finetunejob_estimated_cost_usd", "Planned total cost", labels=key
-    )
-    est_tps = GaugeMetricFamily(
-        "kubetune_finetunejob_estimated_tokens_per_second",
-        "Planned cluster-wide throughput (the throughput model's figure)",
-        labels=key,
-    )
-    accrued = GaugeMetricFamily(
-        "kubetune_finetunejob_accrued_cost_usd", "Cost accrued so far", labels=key
-    )
-    rate = GaugeMetricFamily(
-        "kubetune_finetunejob_cost_rate_usd_per_hour", "Current spend rate", labels=key
-    )
-    budget = GaugeMetricFamily(
-        "kubetune_finetunejob_budget_usd", "spec.resources.maxCostUSD, when set", labels=key
-    )
-    step = GaugeMetricFamily(
-        "kubetune_finetunejob_step", "Optimizer steps done (as last read)", labels=key
-    )
-    total = GaugeMetricFamily(
-        "kubetune_finetunejob_total_steps", "Optimizer steps planned", labels=key
-    )
-    ratio = GaugeMetricFamily(
-        "kubetune_finetunejob_progress_ratio", "step / totalSteps (0-1)", labels=key
-    )
-    eta = GaugeMetricFamily(
-        "kubetune_finetunejob_eta_seconds", "Estimated seconds of training left", labels=key
-    )
-    progressed = GaugeMetricFamily(
-        "kubetune_finetunejob_last_progress_timestamp_seconds",
-        "When the step count last moved (Unix time)",
-        labels=key,
-    )
-    ckpt_step = GaugeMetricFamily(
-        "kubetune_finetunejob_checkpoint_step", "Step of the newest complete checkpoint", labels=key
-    )
-    ckpt_time = GaugeMetricFamily(
-        "kubetune_finetunejob_checkpoint_timestamp_seconds",
-        "When the newest complete checkpoint was written (Unix time)",
-        labels=key,
-    )
-    restarts = CounterMetricFamily(
-        "kubetune_finetunejob_restarts", "Trainer relaunches of this job", labels=key
-    )
-    recoveries = CounterMetricFamily(
-        "kubetune_finetunejob_recoveries",
-        "Failures the operator handled for this job, by reason",
-        labels=[*key, "reason"],
-    )
-    for (namespace, name), job in sorted(jobs.items()):
+    for (namespace, name), job in jobs:
         k = [namespace, name]
         info.add_metric(
             [*k, job.phase, job.pool, job.method, job.gpu_product, str(job.spot).lower()], 1
@@ -292,32 +310,23 @@ def _job_families(jobs: Mapping[tuple[str, str], _Job]) -> Iterator[Metric]:
             capacity.add_metric([*k, job.pool], job.gpu_memory_bytes)
         if job.estimated_gpu_memory_bytes is not None:
             memory.add_metric([*k, job.pool, job.method], job.estimated_gpu_memory_bytes)
-        if job.estimated_cost_usd is not None:
-            est_cost.add_metric(k, job.estimated_cost_usd)
-        if job.estimated_tokens_per_second is not None:
-            est_tps.add_metric(k, job.estimated_tokens_per_second)
-        accrued.add_metric(k, job.accrued_cost_usd)
-        if job.cost_rate_usd_per_hour is not None:
-            rate.add_metric(k, job.cost_rate_usd_per_hour)
-        if job.budget_usd is not None:
-            budget.add_metric(k, job.budget_usd)
-        step.add_metric(k, job.step)
-        total.add_metric(k, job.total_steps)
-        ratio.add_metric(k, job.step / job.total_steps if job.total_steps else 0.0)
-        if job.eta_seconds is not None:
-            eta.add_metric(k, job.eta_seconds)
-        if job.last_progress is not None:
-            progressed.add_metric(k, job.last_progress)
-        if job.checkpoint_step is not None:
-            ckpt_step.add_metric(k, job.checkpoint_step)
-        if job.checkpoint_time is not None:
-            ckpt_time.add_metric(k, job.checkpoint_time)
-        restarts.add_metric(k, job.restarts)
+    yield from (info, gpus, capacity, memory)
+
+
+def _job_counter_families(jobs: list[tuple[tuple[str, str], _Job]]) -> Iterator[Metric]:
+    restarts = CounterMetricFamily(
+        "kubetune_finetunejob_restarts", "Trainer relaunches of this job", labels=_JOB_KEY
+    )
+    recoveries = CounterMetricFamily(
+        "kubetune_finetunejob_recoveries",
+        "Failures the operator handled for this job, by reason",
+        labels=[*_JOB_KEY, "reason"],
+    )
+    for (namespace, name), job in jobs:
+        restarts.add_metric([namespace, name], job.restarts)
         for reason, n in sorted(job.recoveries.items()):
-            recoveries.add_metric([*k, reason], n)
-    yield from (info, gpus, capacity, memory, est_cost, est_tps, accrued, rate, budget, step, total)
-    yield from (ratio, eta)
-    yield from (progressed, ckpt_step, ckpt_time, restarts, recoveries)
+            recoveries.add_metric([namespace, name, reason], n)
+    yield from (restarts, recoveries)
 
 
 def _pool_families(
@@ -363,6 +372,23 @@ class OperatorMetrics:
         self._reconciled: dict[tuple[str, str], float] = {}
         self._server: Any = None
         r = self.registry
+        self._add_operator_metrics(r)
+        self._add_job_metrics(r)
+        for result in STATUS_WRITE_RESULTS:
+            self.status_writes.labels(result)
+        for phase in FINISHED_PHASES:
+            self.finished.labels(phase)
+        for reason in RECOVERY_REASONS:
+            self.recoveries.labels(reason)
+        r.register(_StateCollector(self))
+        if runtime:
+            ProcessCollector(registry=r)
+            PlatformCollector(registry=r)
+            GCCollector(registry=r)
+
+    def _add_operator_metrics(self, r: CollectorRegistry) -> None:
+        """How the operator itself keeps up: its handler runs, worker threads, event loop and
+        status writes."""
         self.reconcile_duration = Histogram(
             "kubetune_reconcile_duration_seconds",
             "Time one handler run took",
@@ -376,6 +402,32 @@ class OperatorMetrics:
             ["handler", "error"],
             registry=r,
         )
+        self.reconcile_wait = Histogram(
+            "kubetune_reconcile_wait_seconds",
+            "Time a job's look waited for a reconcile worker thread "
+            "(KUBETUNE_PLANNER_WORKERS) before it could decide",
+            buckets=_RECONCILE_BUCKETS,
+            registry=r,
+        )
+        self.loop_lag = Histogram(
+            "kubetune_event_loop_lag_seconds",
+            "How late the operator's event loop ran a timer that was due (sampled every "
+            f"{LOOP_LAG_EVERY_S} s): the time every watch event, job look and API call waits "
+            "for the operator itself",
+            buckets=_RECONCILE_BUCKETS,
+            registry=r,
+        )
+        self.status_writes = Counter(
+            "kubetune_status_writes",
+            "Status writes of FineTuneJobs and GPUPools, by result: ok, rejected (HTTP 422, "
+            "the job is marked StatusRejected) or failed (retries exhausted; tried again later)",
+            ["result"],
+            registry=r,
+        )
+
+    def _add_job_metrics(self, r: CollectorRegistry) -> None:
+        """What happens to jobs: time to plan, to start and in the queue; plans, recoveries
+        and finished jobs."""
         self.time_to_plan = Histogram(
             "kubetune_finetunejob_time_to_plan_seconds",
             "From a job's creation to its first plan",
@@ -421,39 +473,6 @@ class OperatorMetrics:
             ["phase"],
             registry=r,
         )
-        self.reconcile_wait = Histogram(
-            "kubetune_reconcile_wait_seconds",
-            "Time a job's look waited for a reconcile worker thread "
-            "(KUBETUNE_PLANNER_WORKERS) before it could decide",
-            buckets=_RECONCILE_BUCKETS,
-            registry=r,
-        )
-        self.loop_lag = Histogram(
-            "kubetune_event_loop_lag_seconds",
-            "How late the operator's event loop ran a timer that was due (sampled every "
-            f"{LOOP_LAG_EVERY_S} s): the time every watch event, job look and API call waits "
-            "for the operator itself",
-            buckets=_RECONCILE_BUCKETS,
-            registry=r,
-        )
-        self.status_writes = Counter(
-            "kubetune_status_writes",
-            "Status writes of FineTuneJobs and GPUPools, by result: ok, rejected (HTTP 422, "
-            "the job is marked StatusRejected) or failed (retries exhausted; tried again later)",
-            ["result"],
-            registry=r,
-        )
-        for result in STATUS_WRITE_RESULTS:
-            self.status_writes.labels(result)
-        for phase in FINISHED_PHASES:
-            self.finished.labels(phase)
-        for reason in RECOVERY_REASONS:
-            self.recoveries.labels(reason)
-        r.register(_StateCollector(self))
-        if runtime:
-            ProcessCollector(registry=r)
-            PlatformCollector(registry=r)
-            GCCollector(registry=r)
 
     # ------------------------------------------------------------------ jobs
 

@@ -24,8 +24,18 @@ import difflib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cache, cached_property
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
+from kubetune.planning.families import (
+    LLAMA_NAMES,
+    MODEL_TYPE_ALIASES,
+    MODULE_NAMES,
+    SUBCONFIG_DEFAULTS,
+    SUPPORTED_MODEL_TYPES,
+    TEXT_TYPE_FOR,
+    TIED_BY_DEFAULT,
+    ModuleNames,
+)
 from kubetune.planning.models_table import MODELS, KnownModel
 
 __all__ = [
@@ -86,55 +96,6 @@ class LinearLayer:
     def total_params(self) -> int:
         """Parameters of all ``count`` modules."""
         return self.params * self.count
-
-
-@dataclass(frozen=True)
-class _Layout:
-    q: str = "q_proj"
-    k: str = "k_proj"
-    v: str = "v_proj"
-    qkv: str = ""  # fused q/k/v projection, when non-empty
-    o: str = "o_proj"
-    gate: str = "gate_proj"
-    up: str = "up_proj"
-    gate_up: str = ""  # fused gate/up projection, when non-empty
-    down: str = "down_proj"
-    gated: bool = True  # SwiGLU/GeGLU (gate, up, down) vs plain two-matrix MLP
-    attn_prefix: str = "self_attn"
-    mlp_prefix: str = "mlp"
-    expert_gate: str = "gate_proj"
-    expert_up: str = "up_proj"
-    expert_down: str = "down_proj"
-    experts_prefix: str = "mlp.experts.*"
-    router: str = "gate"
-    router_prefix: str = "mlp"
-    peft_experts: bool = True
-    """PEFT's ``all-linear`` puts adapters on the stacked experts and the router (transformers
-    >= 5 stores them as parameters, not ``nn.Linear``; PEFT maps them per model family)."""
-
-
-_LLAMA_LAYOUT = _Layout()
-_LAYOUTS: dict[str, _Layout] = {
-    "mixtral": _Layout(
-        expert_gate="w1",
-        expert_up="w3",
-        expert_down="w2",
-        experts_prefix="block_sparse_moe.experts.*",
-        router_prefix="block_sparse_moe",
-    ),
-    # PEFT 0.21 adapts only the shared expert of Qwen2-MoE under all-linear (tests pin it).
-    "qwen2_moe": _Layout(peft_experts=False),
-    "phi3": _Layout(qkv="qkv_proj", gate_up="gate_up_proj"),
-    "phi": _Layout(o="dense", up="fc1", down="fc2", gated=False),
-    "falcon": _Layout(
-        qkv="query_key_value",
-        o="dense",
-        up="dense_h_to_4h",
-        down="dense_4h_to_h",
-        gated=False,
-        attn_prefix="self_attention",
-    ),
-}
 
 
 @dataclass(frozen=True)
@@ -233,7 +194,7 @@ class ModelArch:
     @property
     def peft_adapts_experts(self) -> bool:
         """Whether LoRA ``all-linear`` adapts the stacked experts and the router (MoE only)."""
-        return _LAYOUTS.get(self.model_type, _LLAMA_LAYOUT).peft_experts
+        return MODULE_NAMES.get(self.model_type, LLAMA_NAMES).peft_experts
 
     @property
     def moe_layers(self) -> int:
@@ -263,7 +224,7 @@ class ModelArch:
 
     @cached_property
     def _linear_layers(self) -> tuple[LinearLayer, ...]:
-        lay = _LAYOUTS.get(self.model_type, _LLAMA_LAYOUT)
+        lay = MODULE_NAMES.get(self.model_type, LLAMA_NAMES)
         h, n = self.hidden_size, self.num_layers
         layers: list[LinearLayer] = []
 
@@ -337,7 +298,7 @@ class ModelArch:
             )
         return tuple(layers)
 
-    def _add_mlp(self, add: _AddFn, lay: _Layout, width: int, count: int, prefix: str) -> None:
+    def _add_mlp(self, add: _AddFn, lay: ModuleNames, width: int, count: int, prefix: str) -> None:
         h, b = self.hidden_size, self.mlp_bias
         if lay.gate_up:
             add(lay.gate_up, h, 2 * width, count, prefix, bias=b)
@@ -426,69 +387,6 @@ class _AddFn(Protocol):
 
 # --------------------------------------------------------------------------- config.json parsing
 
-_TEXT_TYPE_FOR: dict[str, str] = {
-    "gemma3": "gemma3_text",
-    "mistral3": "mistral",
-    "llava": "llama",
-}
-_MODEL_TYPE_ALIASES: dict[str, str] = {
-    "refinedweb": "falcon",
-    "refinedwebmodel": "falcon",
-    "gemma3": "gemma3_text",
-}
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
-    "llama",
-    "mistral",
-    "mixtral",
-    "qwen2",
-    "qwen2_moe",
-    "qwen3",
-    "qwen3_moe",
-    "gemma",
-    "gemma2",
-    "gemma3",
-    "gemma3_text",
-    "phi3",
-    "phi",
-    "falcon",
-)
-
-# transformers config-class defaults for the fields a composite config may leave out of its
-# nested ``text_config`` (sub-configs are serialised as a diff against these defaults).
-_SUBCONFIG_DEFAULTS: dict[str, dict[str, object]] = {
-    "gemma3_text": {
-        "vocab_size": 262208,
-        "hidden_size": 2304,
-        "intermediate_size": 9216,
-        "num_hidden_layers": 26,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "head_dim": 256,
-        "max_position_embeddings": 131072,
-    },
-    "llama": {
-        "vocab_size": 32000,
-        "hidden_size": 4096,
-        "intermediate_size": 11008,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "max_position_embeddings": 2048,
-    },
-    "mistral": {
-        "vocab_size": 32000,
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "max_position_embeddings": 131072,
-    },
-}
-
-# transformers' default for tie_word_embeddings per model_type (a config.json may omit it when
-# it equals the default).
-_TIED_BY_DEFAULT = frozenset({"gemma", "gemma2", "gemma3_text", "falcon"})
-
 
 class _Reader:
     """Typed access to a config dict with actionable errors."""
@@ -569,7 +467,7 @@ def _select_text_config(
     text = cfg.get("text_config")
     if isinstance(text, Mapping) and "num_hidden_layers" not in cfg:
         nested: dict[str, object] = {str(k): v for k, v in text.items()}
-        text_type = str(nested.get("model_type") or _TEXT_TYPE_FOR.get(top_type, "")).lower()
+        text_type = str(nested.get("model_type") or TEXT_TYPE_FOR.get(top_type, "")).lower()
         if "tie_word_embeddings" not in nested and "tie_word_embeddings" in cfg:
             nested["tie_word_embeddings"] = cfg["tie_word_embeddings"]
         return nested, True, text_type
@@ -614,13 +512,13 @@ def arch_from_hf_config(
         )
     where = source or name or "<config dict>"
     text, nested, raw_type = _select_text_config(cfg, where)
-    model_type = _MODEL_TYPE_ALIASES.get(raw_type, raw_type)
+    model_type = MODEL_TYPE_ALIASES.get(raw_type, raw_type)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ArchitectureError(
             f"config.json at {where} has model_type {raw_type or '(missing)'!r}, which kubetune "
             f"cannot size (supported: {', '.join(SUPPORTED_MODEL_TYPES)}). {FIX_UNKNOWN}"
         )
-    r = _Reader(text, where, _SUBCONFIG_DEFAULTS.get(model_type, {}) if nested else {})
+    r = _Reader(text, where, SUBCONFIG_DEFAULTS.get(model_type, {}) if nested else {})
     display = name or str(cfg.get("_name_or_path") or "") or model_type
 
     hidden = r.req_int("hidden_size", "n_embed", "d_model")
@@ -633,54 +531,10 @@ def arch_from_hf_config(
         )
     head_dim = r.opt_int("head_dim", default=hidden // heads)
     kv_heads = r.opt_int("num_key_value_heads", default=heads)
-    tied = r.opt_bool("tie_word_embeddings", default=model_type in _TIED_BY_DEFAULT)
+    tied = r.opt_bool("tie_word_embeddings", default=model_type in TIED_BY_DEFAULT)
     max_pos = r.opt_int("max_position_embeddings", "n_positions", default=0)
-
-    attention_bias = attention_out_bias = mlp_bias = norm_bias = False
-    qk_norm = lm_head_bias = python_tanh_gelu = False
-    norms_per_layer = 2
-    if model_type == "falcon":
-        if r.opt_bool("new_decoder_architecture", default=False):
-            kv_heads = r.opt_int("num_kv_heads", "n_head_kv", default=heads)
-            norms_per_layer = r.opt_int("num_ln_in_parallel_attn", default=2)
-        else:
-            kv_heads = 1 if r.opt_bool("multi_query", default=True) else heads
-            norms_per_layer = 1 if r.opt_bool("parallel_attn", default=True) else 2
-        attention_bias = attention_out_bias = mlp_bias = r.opt_bool("bias", default=False)
-        norm_bias = True
-        intermediate = r.opt_int("ffn_hidden_size", default=4 * hidden)
-    elif model_type == "phi":
-        attention_bias = attention_out_bias = mlp_bias = norm_bias = lm_head_bias = True
-        norms_per_layer = 1  # parallel attention/MLP block with one input LayerNorm
-        qk_norm = r.opt_bool("qk_layernorm", default=False)
-        intermediate = r.req_int("intermediate_size", "n_inner")
-        python_tanh_gelu = text.get("hidden_act", "gelu_new") == "gelu_new"
-    else:
-        intermediate = r.req_int("intermediate_size")
-        if model_type in ("qwen2", "qwen2_moe"):
-            attention_bias = True  # hard-coded on q/k/v; o_proj has none
-        elif model_type != "phi3":
-            attention_bias = attention_out_bias = r.opt_bool("attention_bias", default=False)
-        if model_type == "llama":
-            mlp_bias = r.opt_bool("mlp_bias", default=False)
-        if model_type in ("gemma2", "gemma3_text"):
-            norms_per_layer = 4  # pre/post attention and pre/post feed-forward
-        qk_norm = model_type in ("qwen3", "qwen3_moe", "gemma3_text")
-
-    num_experts = experts_per_token = 1
-    moe_width = shared_width = num_dense = 0
-    # transformers >= 5 writes num_local_experts for Qwen3-MoE too (num_experts is an alias).
-    if model_type == "mixtral":
-        num_experts = r.req_int("num_local_experts", "num_experts")
-        experts_per_token = r.opt_int("num_experts_per_tok", default=2)
-    elif model_type in ("qwen2_moe", "qwen3_moe"):
-        num_experts = r.req_int("num_experts", "num_local_experts")
-        experts_per_token = r.req_int("num_experts_per_tok")
-        moe_width = r.req_int("moe_intermediate_size")
-        num_dense = _num_dense_layers(r, layers, num_experts)
-        if model_type == "qwen2_moe":
-            shared_width = r.opt_int("shared_expert_intermediate_size", default=0)
-
+    family = _family_fields(r, model_type, hidden, heads, kv_heads)
+    experts = _expert_fields(r, model_type, layers)
     try:
         return ModelArch(
             name=display,
@@ -688,28 +542,109 @@ def arch_from_hf_config(
             num_layers=layers,
             hidden_size=hidden,
             num_heads=heads,
-            num_kv_heads=kv_heads,
             head_dim=head_dim,
-            intermediate_size=intermediate,
             vocab_size=vocab,
             tie_embeddings=tied,
-            num_experts=num_experts,
-            experts_per_token=experts_per_token,
-            moe_intermediate_size=moe_width,
-            attention_bias=attention_bias,
             max_position_embeddings=max_pos,
-            attention_out_bias=attention_out_bias,
-            mlp_bias=mlp_bias,
-            norm_bias=norm_bias,
-            norms_per_layer=norms_per_layer,
-            qk_norm=qk_norm,
-            lm_head_bias=lm_head_bias,
-            shared_expert_intermediate_size=shared_width,
-            num_dense_layers=num_dense,
-            python_tanh_gelu=python_tanh_gelu,
+            **family._asdict(),
+            **experts._asdict(),
         )
     except ArchitectureError as exc:
         raise ArchitectureError(f"config.json at {where}: {exc}") from None
+
+
+class _Family(NamedTuple):
+    """The fields each model family reads its own way: K/V heads, MLP width, biases, norms."""
+
+    num_kv_heads: int
+    intermediate_size: int
+    attention_bias: bool = False
+    attention_out_bias: bool = False
+    mlp_bias: bool = False
+    norm_bias: bool = False
+    norms_per_layer: int = 2
+    qk_norm: bool = False
+    lm_head_bias: bool = False
+    python_tanh_gelu: bool = False
+
+
+def _family_fields(r: _Reader, model_type: str, hidden: int, heads: int, kv_heads: int) -> _Family:
+    if model_type == "falcon":
+        if r.opt_bool("new_decoder_architecture", default=False):
+            kv_heads = r.opt_int("num_kv_heads", "n_head_kv", default=heads)
+            norms_per_layer = r.opt_int("num_ln_in_parallel_attn", default=2)
+        else:
+            kv_heads = 1 if r.opt_bool("multi_query", default=True) else heads
+            norms_per_layer = 1 if r.opt_bool("parallel_attn", default=True) else 2
+        bias = r.opt_bool("bias", default=False)
+        width = r.opt_int("ffn_hidden_size", default=4 * hidden)
+        return _Family(
+            kv_heads,
+            width,
+            attention_bias=bias,
+            attention_out_bias=bias,
+            mlp_bias=bias,
+            norm_bias=True,
+            norms_per_layer=norms_per_layer,
+        )
+    if model_type == "phi":
+        qk_norm = r.opt_bool("qk_layernorm", default=False)
+        width = r.req_int("intermediate_size", "n_inner")
+        return _Family(
+            kv_heads,
+            width,
+            attention_bias=True,
+            attention_out_bias=True,
+            mlp_bias=True,
+            norm_bias=True,
+            norms_per_layer=1,  # parallel attention/MLP block with one input LayerNorm
+            qk_norm=qk_norm,
+            lm_head_bias=True,
+            python_tanh_gelu=r.cfg.get("hidden_act", "gelu_new") == "gelu_new",
+        )
+    width = r.req_int("intermediate_size")
+    attention_bias = attention_out_bias = mlp_bias = False
+    if model_type in ("qwen2", "qwen2_moe"):
+        attention_bias = True  # hard-coded on q/k/v; o_proj has none
+    elif model_type != "phi3":
+        attention_bias = attention_out_bias = r.opt_bool("attention_bias", default=False)
+    if model_type == "llama":
+        mlp_bias = r.opt_bool("mlp_bias", default=False)
+    return _Family(
+        kv_heads,
+        width,
+        attention_bias,
+        attention_out_bias,
+        mlp_bias,
+        # pre/post attention and pre/post feed-forward
+        norms_per_layer=4 if model_type in ("gemma2", "gemma3_text") else 2,
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+    )
+
+
+class _Experts(NamedTuple):
+    num_experts: int = 1
+    experts_per_token: int = 1
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    num_dense_layers: int = 0
+
+
+def _expert_fields(r: _Reader, model_type: str, layers: int) -> _Experts:
+    # transformers >= 5 writes num_local_experts for Qwen3-MoE too (num_experts is an alias).
+    if model_type == "mixtral":
+        num_experts = r.req_int("num_local_experts", "num_experts")
+        return _Experts(num_experts, r.opt_int("num_experts_per_tok", default=2))
+    if model_type not in ("qwen2_moe", "qwen3_moe"):
+        return _Experts()
+    num_experts = r.req_int("num_experts", "num_local_experts")
+    per_token = r.req_int("num_experts_per_tok")
+    width = r.req_int("moe_intermediate_size")
+    dense = _num_dense_layers(r, layers, num_experts)
+    shared = 0
+    if model_type == "qwen2_moe":
+        shared = r.opt_int("shared_expert_intermediate_size", default=0)
+    return _Experts(num_experts, per_token, width, shared, dense)
 
 
 # --------------------------------------------------------------------------- built-in table

@@ -941,33 +941,21 @@ def _accumulated_gradient_bytes(
     return after_backward
 
 
+_Moments = dict[str, tuple[float, float, float]]
+"""Moment of the step -> (activations, logits, FSDP buffers) bytes."""
+
+
 def _transient_moments(
     arch: ModelArch,
     setup: TrainingSetup,
     p: _Params,
-    saved: float,
-    working: float,
-    logits: float,
-    unit: float,
-    root: float,
-    logits_grad: float,
-    released: float,
-    loss_backward: tuple[float, float] | None = None,
-) -> dict[str, tuple[float, float, float]]:
+    acts: _Activations,
+    loss: _LossTerms,
+    weights: _Weights,
+) -> _Moments:
     """(activations, logits, FSDP buffers) at each moment of the step that can hold the peak,
     on top of the static state and the gradients (docs/estimator.md, "Peak timing"); the
     gradients at each moment are :func:`_gradients_made`'s.
-
-    ``saved`` is what forward leaves for backward and ``working`` what one layer's backward
-    adds (its recomputation under checkpointing, its gradient buffers); ``released`` is the
-    part of ``saved`` that the blocks run before the last one free (every block's saved
-    tensors but the first block's); ``logits`` is the loss's largest footprint and
-    ``logits_grad`` the gradient of the logits the output projection's backward receives;
-    ``unit`` / ``root`` are the bytes of one gathered decoder block / of the gathered root
-    (embeddings, final norm, untied ``lm_head``).  ``loss_backward`` (the chunked loss only):
-    the (activations, logits) beyond the static state while the chunks run backward one by
-    one, every chunk's saved log-softmax still there, the output projection's weight gradient
-    growing chunk by chunk.
 
     Backward runs the blocks from the last to the first: each frees what it saved and leaves
     its gradients, so memory during block ``j``'s backward is affine in ``j`` and its largest
@@ -975,78 +963,118 @@ def _transient_moments(
     saved activation, one block's gradients) or the **last** (the model's first layer: one
     block's saved activations, every block's gradients).
     """
-    e = _compute_bytes(setup)
-    n = setup.gpus
-    activations = saved + working
-    full_shard = n > 1 and setup.sharding == "full"
-    sharded = n > 1 and setup.sharding in ("full", "grad-op")
-    full = setup.method == "full"
-    table = float(arch.embedding_params * e)
-    # Full fine-tuning trains the embedding table.  Tied to the output projection, the
-    # projection's gradient waits in autograd's input buffer for the embedding's, from the
-    # start of backward to its end (one table), and the end adds the embedding's gradient and
-    # the sum of the two (three tables).  Untied, the output projection's gradient is a
-    # gradient like any other, except under FSDP, where the root's gradients stay unsharded
-    # until its reduce-scatter after the last block; the embedding's gradient (one table) is
-    # made at the end.
-    pending = 0.0
-    end = 0.0
-    if full:
-        if arch.tie_embeddings:
-            pending, end = table, EMBEDDING_GRAD_TABLES_TIED * table
-        else:
-            pending = float(arch.lm_head_params * e) if sharded else 0.0
-            end = pending + table
+    pending, end = _embedding_gradients(arch, setup)
     if setup.cpu_offload:
-        # Parameters on the CPU: the gathered units, their gradients and the root are on the
-        # GPU for the whole step, counted at every moment.
-        buffers = FSDP_GATHERED_UNITS * unit + root
-        if full:
-            buffers += p.per_block * _trainable_bytes(setup)
-        moments = {"loss": (activations + pending, logits, buffers), "end": (end, 0.0, buffers)}
-        if loss_backward is not None:
-            moments["loss backward"] = (*loss_backward, buffers)
-        return moments
-    if not full_shard:
-        # One GPU, DDP, or SHARD_GRAD_OP (whose gathered parameters are in `weights`).
-        moments = {
-            "loss": (saved, logits, 0.0),
-            "first block backward": (activations + pending, 0.0, 0.0),
-            "last block backward": (activations - released + pending, 0.0, 0.0),
-            "end": (end, 0.0, 0.0),
-        }
-        if loss_backward is not None:
-            moments["loss backward"] = (*loss_backward, 0.0)
-        return moments
-    # FULL_SHARD (FSDP2, `reshard_after_forward=True` for the blocks and the root, as
-    # `modeling.shard_model` sets): each block's parameters are gathered for its forward and
-    # again for its backward, with the next block prefetched; the root is gathered for the
-    # forward, freed after it, and gathered again when the output projection's backward
-    # starts, until the end of backward.  While gathered, the root costs its whole unsharded
-    # size next to this GPU's shard.  During backward a block's gradients exist in the compute
-    # dtype (autograd's) and in fp32 (the reduce-scatter input: `reduce_dtype=float32`).
-    blocks = FSDP_GATHERED_UNITS * unit
+        return _offloaded_moments(setup, p, acts, loss, weights, pending, end)
+    if not (setup.gpus > 1 and setup.sharding == "full"):
+        return _unsharded_moments(acts, loss, pending, end)
+    return _full_shard_moments(setup, p, acts, loss, weights, pending, end)
+
+
+def _embedding_gradients(arch: ModelArch, setup: TrainingSetup) -> tuple[float, float]:
+    """(pending, end): the output projection's gradient waiting through backward, and the
+    embedding's gradients at the end of backward.
+
+    Full fine-tuning trains the embedding table.  Tied to the output projection, the
+    projection's gradient waits in autograd's input buffer for the embedding's, from the
+    start of backward to its end (one table), and the end adds the embedding's gradient and
+    the sum of the two (three tables).  Untied, the output projection's gradient is a
+    gradient like any other, except under FSDP, where the root's gradients stay unsharded
+    until its reduce-scatter after the last block; the embedding's gradient (one table) is
+    made at the end.
+    """
+    if setup.method != "full":
+        return 0.0, 0.0
+    table = float(arch.embedding_params * _compute_bytes(setup))
+    if arch.tie_embeddings:
+        return table, EMBEDDING_GRAD_TABLES_TIED * table
+    sharded = setup.gpus > 1 and setup.sharding in ("full", "grad-op")
+    pending = float(arch.lm_head_params * _compute_bytes(setup)) if sharded else 0.0
+    return pending, pending + table
+
+
+def _offloaded_moments(
+    setup: TrainingSetup,
+    p: _Params,
+    acts: _Activations,
+    loss: _LossTerms,
+    weights: _Weights,
+    pending: float,
+    end: float,
+) -> _Moments:
+    """CPU offload: the parameters are on the CPU, and the gathered units, their gradients
+    and the root are on the GPU for the whole step, counted at every moment."""
+    buffers = FSDP_GATHERED_UNITS * weights.unit + weights.root
+    if setup.method == "full":
+        buffers += p.per_block * _trainable_bytes(setup)
+    activations = acts.saved + acts.working
+    moments = {
+        "loss": (activations + pending, loss.logits, buffers),
+        "end": (end, 0.0, buffers),
+    }
+    if loss.backward is not None:
+        moments["loss backward"] = (*loss.backward, buffers)
+    return moments
+
+
+def _unsharded_moments(
+    acts: _Activations, loss: _LossTerms, pending: float, end: float
+) -> _Moments:
+    """One GPU, DDP, or SHARD_GRAD_OP (whose gathered parameters are in `weights`)."""
+    activations = acts.saved + acts.working
+    moments = {
+        "loss": (acts.saved, loss.logits, 0.0),
+        "first block backward": (activations + pending, 0.0, 0.0),
+        "last block backward": (activations - acts.released + pending, 0.0, 0.0),
+        "end": (end, 0.0, 0.0),
+    }
+    if loss.backward is not None:
+        moments["loss backward"] = (*loss.backward, 0.0)
+    return moments
+
+
+def _full_shard_moments(
+    setup: TrainingSetup,
+    p: _Params,
+    acts: _Activations,
+    loss: _LossTerms,
+    weights: _Weights,
+    pending: float,
+    end: float,
+) -> _Moments:
+    """FULL_SHARD (FSDP2, `reshard_after_forward=True` for the blocks and the root, as
+    `modeling.shard_model` sets): each block's parameters are gathered for its forward and
+    again for its backward, with the next block prefetched; the root is gathered for the
+    forward, freed after it, and gathered again when the output projection's backward
+    starts, until the end of backward.  While gathered, the root costs its whole unsharded
+    size next to this GPU's shard.  During backward a block's gradients exist in the compute
+    dtype (autograd's) and in fp32 (the reduce-scatter input: `reduce_dtype=float32`)."""
+    e = _compute_bytes(setup)
+    root = weights.root
+    activations = acts.saved + acts.working
+    blocks = FSDP_GATHERED_UNITS * weights.unit
+    full = setup.method == "full"
     block_grads = float(p.per_block * (e + FSDP_REDUCE_BYTES)) if full else 0.0
     moments = {
         # the loss: every saved activation and the logits; nothing gathered
-        "loss": (saved, logits, 0.0),
+        "loss": (acts.saved, loss.logits, 0.0),
         # the root's all-gather for backward, when the gradient of the logits reaches the
         # output projection: its output buffer and the unsharded parameters it fills
-        "root all-gather": (saved, logits_grad, FSDP_ROOT_GATHER_COPIES * root),
+        "root all-gather": (acts.saved, loss.logits_grad, FSDP_ROOT_GATHER_COPIES * root),
         # a block's backward (the first and the last backward runs): the gathered root, two
         # gathered blocks and one's gradients
         "first block backward": (activations + pending, 0.0, root + blocks + block_grads),
         "last block backward": (
-            activations - released + pending,
+            activations - acts.released + pending,
             0.0,
             root + blocks + block_grads,
         ),
         # the end of backward: the embedding's gradients, the root and two blocks gathered
         "end": (end, 0.0, root + blocks),
     }
-    if loss_backward is not None:
+    if loss.backward is not None:
         # the chunks' backward, the root gathered for it
-        moments["loss backward"] = (*loss_backward, root)
+        moments["loss backward"] = (*loss.backward, root)
     return moments
 
 
@@ -1132,21 +1160,69 @@ def estimate_vram(arch: ModelArch, setup: TrainingSetup) -> VramEstimate:
     """Peak per-GPU memory of training ``arch`` with ``setup``."""
     _validate(setup)
     p = _param_groups(arch, setup.fused_experts)
-    n = setup.gpus
-    distributed = n > 1
-    full_shard = distributed and setup.sharding == "full"
-    grad_op = distributed and setup.sharding == "grad-op"
-    offload = setup.cpu_offload
-    shard = n if (full_shard or grad_op) else 1
-    e = _compute_bytes(setup)
     targets = _targets(arch, setup)
     trainable = (
         arch.total_params if setup.method == "full" else _adapter_params(arch, setup, targets)
     )
+    weights = _weight_terms(arch, setup, p)
+    state = _trainable_state(setup, trainable, weights.padding)
+    acts = _activation_terms(arch, setup, targets)
+    loss = _loss_terms(arch, setup, acts.saved)
+    # ---- the moment of the peak: static state is there throughout; the gradients and the
+    # transient terms are those of the largest moment of the step (docs/estimator.md, "Peak
+    # timing"): with one micro-batch per optimizer step no gradient exists at the loss.
+    moments = _transient_moments(arch, setup, p, acts, loss, weights)
+    peak = _peak_terms(arch, setup, p, targets, trainable, state.gradients, moments)
+    breakdown_f: dict[str, float] = {
+        "weights": weights.weights,
+        "autocast_weight_copies": weights.autocast_copies,
+        "lora_adapters": state.adapters,
+        "gradients": peak.gradients,
+        "ddp_grad_buckets": state.ddp_buckets,
+        "optimizer_states": state.optimizer_states,
+        "activations": peak.activations,
+        "logits": peak.logits,
+        "fsdp_buffers": peak.fsdp_buffers,
+        "dequant_workspace": peak.dequant_workspace,
+        "cuda_context": float(CUDA_CONTEXT_BYTES),
+        "nccl_buffers": float(NCCL_BYTES if setup.gpus > 1 else 0),
+        "allocator_slack": peak.allocator_slack,
+    }
+    breakdown = {name: round(value) for name, value in breakdown_f.items()}
+    return VramEstimate(
+        per_gpu_bytes=sum(breakdown.values()),
+        breakdown=breakdown,
+        trainable_params=trainable,
+        total_params=arch.total_params,
+        setup=setup,
+    )
+
+
+@dataclass(frozen=True)
+class _Weights:
+    """The model's weights on one GPU, and what FSDP gathers of them."""
+
+    weights: float
+    """What one GPU holds for the whole step: its shard, or every weight."""
+    autocast_copies: float
+    """The bf16 casts autocast keeps for backward."""
+    unit: float
+    """One gathered decoder block (an FSDP unit)."""
+    root: float
+    """The gathered root: embeddings, final norm, untied ``lm_head``."""
+    padding: float
+    """Parameters FSDP2's padding adds to this GPU's shard of the stacked experts."""
+
+
+def _weight_terms(arch: ModelArch, setup: TrainingSetup, p: _Params) -> _Weights:
+    """What is stored, what FSDP gathers, what autocast casts."""
+    n = setup.gpus
+    full_shard = n > 1 and setup.sharding == "full"
+    grad_op = n > 1 and setup.sharding == "grad-op"
+    offload = setup.cpu_offload
+    e = _compute_bytes(setup)
     a = _trainable_bytes(setup)
     autocast = setup.precision == "amp-bf16" and not (full_shard or grad_op or offload)
-
-    # ---- weights: what is stored, what FSDP gathers, what autocast casts
     autocast_copies = 0.0
     if setup.method == "full":
         stored = float(p.total * a)
@@ -1187,18 +1263,51 @@ def estimate_vram(arch: ModelArch, setup: TrainingSetup) -> VramEstimate:
         weights += _quant_state_bytes(p, setup) * (1 - 1 / n)
     if not offload:
         weights += padding * (a if setup.method == "full" else e)
+    return _Weights(weights, autocast_copies, unit, root, padding)
 
-    # ---- trainable state
+
+@dataclass(frozen=True)
+class _TrainableState:
+    adapters: float
+    gradients: float
+    """Once backward has made them (where FSDP leaves them: sharded; offload: CPU)."""
+    ddp_buckets: float
+    optimizer_states: float
+
+
+def _trainable_state(setup: TrainingSetup, trainable: int, padding: float) -> _TrainableState:
+    n = setup.gpus
+    offload = setup.cpu_offload
+    shard = n if (n > 1 and setup.sharding in ("full", "grad-op")) else 1
+    a = _trainable_bytes(setup)
     adapters = 0.0 if (setup.method == "full" or offload) else trainable * a / shard
-    # gradients once backward has made them (where FSDP leaves them: sharded; offload: CPU)
     gradients = 0.0 if offload else trainable * a / shard
-    ddp_buckets = float(trainable * a) if (distributed and setup.sharding == "none") else 0.0
+    ddp_buckets = float(trainable * a) if (n > 1 and setup.sharding == "none") else 0.0
     optimizer_states = 0.0 if offload else trainable * _state_bytes_per_param(setup) / shard
     if setup.method == "full" and not offload:
         gradients += padding * a
         optimizer_states += padding * _state_bytes_per_param(setup)
+    return _TrainableState(adapters, gradients, ddp_buckets, optimizer_states)
 
-    # ---- activations (per GPU: never divided by the GPU count)
+
+@dataclass(frozen=True)
+class _Activations:
+    """Activation bytes of one micro-batch on one GPU (never divided by the GPU count)."""
+
+    saved: float
+    """What forward leaves for backward."""
+    working: float
+    """What exists only while one layer's backward runs: its recomputation under
+    checkpointing, and its gradient buffers."""
+    released: float
+    """The part of ``saved`` that the blocks run before the last one free (every block's
+    saved tensors but the first block's)."""
+
+
+def _activation_terms(
+    arch: ModelArch, setup: TrainingSetup, targets: list[LinearLayer]
+) -> _Activations:
+    e = _compute_bytes(setup)
     tokens = setup.micro_batch * setup.seq_len
     per_layer, backward = _layer_bytes_per_token(arch, setup)
     lora_layer, lora_head = _lora_bytes_per_token(arch, setup, targets)
@@ -1219,8 +1328,6 @@ def estimate_vram(arch: ModelArch, setup: TrainingSetup) -> VramEstimate:
     # weight in each forward: an expert-sized tensor per MoE layer, kept for backward.
     delta = _stacked_expert_delta_bytes(arch, setup, targets)
     delta_grad = _stacked_expert_delta_grad_bytes(arch, setup, targets)
-    # `saved`: what forward leaves for backward; `working`: what exists only while a layer's
-    # backward runs (its recomputation under checkpointing, and its gradient buffers).
     if setup.grad_ckpt:
         layer_inputs = kept_layers * tokens * arch.hidden_size * e
         eager = setup.attention == "eager"
@@ -1237,8 +1344,25 @@ def estimate_vram(arch: ModelArch, setup: TrainingSetup) -> VramEstimate:
         working = tokens * backward + delta_grad
         # what the layers whose backward is done saved (MoE: the first layer counted dense)
         released = every_layer * (kept_layers - 1) / kept_layers + max(moe_kept - 1, 0) * delta
+    return _Activations(saved, working, released)
 
-    # ---- logits for the loss
+
+@dataclass(frozen=True)
+class _LossTerms:
+    logits: float
+    """The loss's largest footprint."""
+    logits_grad: float
+    """The gradient of the logits the output projection's backward receives."""
+    backward: tuple[float, float] | None
+    """The chunked loss only: the (activations, logits) beyond the static state while the
+    chunks run backward one by one, every chunk's saved log-softmax still there, the output
+    projection's weight gradient growing chunk by chunk."""
+
+
+def _loss_terms(arch: ModelArch, setup: TrainingSetup, saved: float) -> _LossTerms:
+    """The logits for the loss, plain, chunked or fused (``saved``: the activations)."""
+    e = _compute_bytes(setup)
+    tokens = setup.micro_batch * setup.seq_len
     softcap_logits = arch.model_type in _LOGIT_SOFTCAP_MODEL_TYPES
     fused_kept = 0.0
     if setup.fused_ce:
@@ -1275,15 +1399,34 @@ def estimate_vram(arch: ModelArch, setup: TrainingSetup) -> VramEstimate:
             saved + head_grads,
             float((kept + chunk * chunk_backward) * arch.vocab_size),
         )
+    return _LossTerms(logits, logits_grad, loss_backward)
 
-    # ---- the moment of the peak: static state is there throughout; the gradients and the
-    # transient terms are those of the largest moment of the step (docs/estimator.md, "Peak
-    # timing"): with one micro-batch per optimizer step no gradient exists at the loss.
-    moments = _transient_moments(
-        arch, setup, p, saved, working, logits, unit, root, logits_grad, released, loss_backward
-    )
+
+@dataclass(frozen=True)
+class _Peak:
+    """The terms taken at the moment of the peak, and the allocator's slack."""
+
+    gradients: float
+    activations: float
+    logits: float
+    fsdp_buffers: float
+    dequant_workspace: float
+    allocator_slack: float
+
+
+def _peak_terms(
+    arch: ModelArch,
+    setup: TrainingSetup,
+    p: _Params,
+    targets: list[LinearLayer],
+    trainable: int,
+    gradients: float,
+    moments: _Moments,
+) -> _Peak:
+    """The largest moment of the step, given the gradients once backward has made them."""
+    fsdp = setup.gpus > 1 and setup.sharding in ("full", "grad-op")
     accumulated = _accumulated_gradient_bytes(
-        setup, trainable, gradients, fsdp=full_shard or grad_op or offload
+        setup, trainable, gradients, fsdp=fsdp or setup.cpu_offload
     )
     made = _gradients_made(arch, setup, p, targets, gradients)
     if setup.optimizer_in_backward and gradients:
@@ -1297,6 +1440,7 @@ def estimate_vram(arch: ModelArch, setup: TrainingSetup) -> VramEstimate:
     # trainers quantize more than the blocks, e.g. LitGPT's output projection).
     published = setup.qlora_matmul_keeps_input
     copies = DEQUANT_COPIES_PUBLISHED if published else DEQUANT_COPIES
+    e = _compute_bytes(setup)
     dequant = float(copies * p.largest_quantized * e) if setup.method == "qlora" else 0.0
     dequant_moments = frozenset(moments) if published else _DEQUANT_MOMENTS
 
@@ -1305,7 +1449,6 @@ def estimate_vram(arch: ModelArch, setup: TrainingSetup) -> VramEstimate:
         return sum(moments[moment]) + _gradients_at(accumulated, made[moment]) + held
 
     at_peak = max(moments, key=at)
-    gradients = _gradients_at(accumulated, made[at_peak])
     activations, logits, fsdp_buffers = moments[at_peak]
     # Each transient term's largest value over the moments: the caching allocator keeps what
     # one moment frees (the logits at the start of backward, the gathered root) as cached
@@ -1319,34 +1462,17 @@ def estimate_vram(arch: ModelArch, setup: TrainingSetup) -> VramEstimate:
     if not (setup.chunked_ce or setup.fused_ce):
         # The compute-dtype logits freed when the loss returns leave a segment half the size
         # of the fp32 gradients backward then allocates: it stays cached beside them.
-        cached += tokens * arch.vocab_size * e
-
-    # ---- runtime overheads
+        cached += setup.micro_batch * setup.seq_len * arch.vocab_size * e
     slack = cached + max(
         float(ALLOCATOR_SLACK_MIN_BYTES), ALLOCATOR_SLACK_FRACTION * (largest + dequant)
     )
-    breakdown_f: dict[str, float] = {
-        "weights": weights,
-        "autocast_weight_copies": autocast_copies,
-        "lora_adapters": adapters,
-        "gradients": gradients,
-        "ddp_grad_buckets": ddp_buckets,
-        "optimizer_states": optimizer_states,
-        "activations": activations,
-        "logits": logits,
-        "fsdp_buffers": fsdp_buffers,
-        "dequant_workspace": dequant if at_peak in dequant_moments else 0.0,
-        "cuda_context": float(CUDA_CONTEXT_BYTES),
-        "nccl_buffers": float(NCCL_BYTES if distributed else 0),
-        "allocator_slack": slack,
-    }
-    breakdown = {name: round(value) for name, value in breakdown_f.items()}
-    return VramEstimate(
-        per_gpu_bytes=sum(breakdown.values()),
-        breakdown=breakdown,
-        trainable_params=trainable,
-        total_params=arch.total_params,
-        setup=setup,
+    return _Peak(
+        gradients=_gradients_at(accumulated, made[at_peak]),
+        activations=activations,
+        logits=logits,
+        fsdp_buffers=fsdp_buffers,
+        dequant_workspace=dequant if at_peak in dequant_moments else 0.0,
+        allocator_slack=slack,
     )
 
 
