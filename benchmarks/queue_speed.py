@@ -5,7 +5,7 @@ Every look at a job that waits for GPUs asks the queue how many jobs of its pool
 (`GpuQueue.heads`). A burst of N jobs asks both about N times, so a queue that scans every
 waiting job per question costs N² in all: at 5,000 jobs 25 times what 1,000 cost.
 
-This benchmark times a burst against `controller.runtime.GpuQueue` (each pool's waiting jobs
+This benchmark times a burst against `controller.gpuqueue.GpuQueue` (each pool's waiting jobs
 kept sorted: a bisection per question) and against `ScanQueue` below, the same rules asked by
 scanning every waiting job (`control.queue.count_ahead`, a sort for the heads), as the queue
 did before. The burst: N jobs over 4 pools, random priorities and creation times from a fixed
@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kubetune.control.queue import Ticket, count_ahead
-from kubetune.controller.runtime import GpuQueue
+from kubetune.controller.gpuqueue import GpuQueue
 
 HERE = Path(__file__).resolve().parent
 SEED = 20261125

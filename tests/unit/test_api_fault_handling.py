@@ -22,8 +22,10 @@ from kubetune.api.vocabulary import Reason
 from kubetune.control.reconcile import ControllerSettings
 from kubetune.controller import kube as kube_module
 from kubetune.controller.cache import Caches
+from kubetune.controller.jobloop import JobState
 from kubetune.controller.kube import Kube, StatusRejected
-from kubetune.controller.runtime import REJECTED_RETRY_SECONDS, Runtime, _JobState
+from kubetune.controller.reconcilers import Reconcilers
+from kubetune.controller.status_writes import REJECTED_RETRY_SECONDS, Written
 from kubetune.planning.catalog import default_pools
 from kubetune.sources import load_arch
 from support.reconcile import Store
@@ -158,10 +160,10 @@ class RejectingKube:
         return str(len(self.writes))
 
 
-def runtime(kube: RejectingKube, events: list[Reason]) -> Runtime:
+def reconcilers(kube: RejectingKube, events: list[Reason]) -> Reconcilers:
     settings = ControllerSettings(resync_seconds=120.0)
     loader = partial(load_arch, allow_network=False, local_files=False)
-    rt = Runtime(settings, kube, loader, lambda body, type_, reason, msg: events.append(reason))  # type: ignore[arg-type]
+    rt = Reconcilers(settings, kube, loader, lambda body, type_, reason, msg: events.append(reason))  # type: ignore[arg-type]
     pools = Store({p.name: [p] for p in default_pools()[:2]})
     rt.caches = Caches(Store(), Store(), Store(), Store(), pools)
     return rt
@@ -188,12 +190,12 @@ def body(name: str, **spec: Any) -> dict[str, Any]:
 
 async def test_a_rejected_final_status_write_is_tried_again() -> None:
     kube, events = RejectingKube(), []
-    rt = runtime(kube, events)
+    rt = reconcilers(kube, events)
     job = body("unplannable")
-    state = _JobState(name="unplannable")
+    state = JobState(name="unplannable")
     key = (NAMESPACE, "unplannable")
 
-    delays = [await rt.reconcile_job(key, state, job) for _ in range(3)]
+    delays = [await rt.job_loop.reconcile_job(key, state, job) for _ in range(3)]
 
     # The job fits no pool: its decision is Failed, which the apiserver keeps refusing.
     assert kube.writes[0][1]["phase"] == "Failed"
@@ -203,26 +205,25 @@ async def test_a_rejected_final_status_write_is_tried_again() -> None:
         4 * REJECTED_RETRY_SECONDS,
     ]
     assert events.count(Reason.STATUS_REJECTED) == 3
-    assert state.rejections == 3
+    assert state.written.rejections == 3
 
     kube.rejecting = False
-    delay = await rt.reconcile_job(key, state, job)
+    delay = await rt.job_loop.reconcile_job(key, state, job)
     assert delay is None, "a finished job whose status landed waits for events only"
     assert kube.writes[-1][1]["phase"] == "Failed"
-    assert state.rejections == 0
-    rt.executor.shutdown()
+    assert state.written.rejections == 0
+    rt.job_loop.executor.shutdown()
 
 
 async def test_the_retry_after_rejections_is_capped_by_the_resync_period() -> None:
-    rt = runtime(RejectingKube(), [])
-    state = _JobState(name="x", rejections=30)
-    assert rt._after_rejection(state) == 120.0
+    rt = reconcilers(RejectingKube(), [])
+    assert rt.job_loop.writer.after_rejection(Written(rejections=30)) == 120.0
 
 
 async def test_an_invalid_spec_whose_failed_status_is_rejected_is_tried_again() -> None:
     kube, events = RejectingKube(), []
-    rt = runtime(kube, events)
+    rt = reconcilers(kube, events)
     job = body("broken", method="not-a-method")
-    delay = await rt.reconcile_job((NAMESPACE, "broken"), _JobState(name="broken"), job)
+    delay = await rt.job_loop.reconcile_job((NAMESPACE, "broken"), JobState(name="broken"), job)
     assert delay == REJECTED_RETRY_SECONDS
     assert Reason.INVALID_SPEC in events and Reason.STATUS_REJECTED in events

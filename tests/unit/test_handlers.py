@@ -7,7 +7,8 @@ would show and check what the operator reads and writes.
 
 `ApiServerEmulator` (tests/support/kmock_apiserver.py) closes two gaps between KMock 0.8's
 `KubernetesEmulator` and a real kube-apiserver that kubetune depends on; the tests in "The
-stock emulator" show both.
+stock emulator" show both. The job and pool loops against the same emulator are in
+test_jobloop.py.
 """
 
 from __future__ import annotations
@@ -16,12 +17,7 @@ import asyncio
 import copy
 import json
 import logging
-import time
-from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
-from datetime import UTC, datetime, timedelta, tzinfo
-from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -30,36 +26,44 @@ import httpx2
 import kmock
 import kopf
 import pytest
-import yaml
 from kopf.testing import KopfRunner
-from lightkube import AsyncClient, KubeConfig, codecs
-from lightkube.config.models import Cluster, User
+from lightkube import KubeConfig, codecs
 from lightkube.core.exceptions import ApiError, ConfigError
 from lightkube.resources.core_v1 import Node
 
-from kubetune.api.tenancy import Tenant
-from kubetune.api.v1alpha1 import FineTuneJob, GPUPool, StageInStatus
-from kubetune.api.vocabulary import ConditionType, EventType, Reason
-from kubetune.control.builders import BuildSettings, child_names, labels, owner_reference
-from kubetune.control.capacity import node_info
-from kubetune.control.queue import Ticket
-from kubetune.control.reconcile import ControllerSettings
+from kubetune.api.v1alpha1 import FineTuneJob, GPUPool
+from kubetune.api.vocabulary import ConditionType, Reason
+from kubetune.control.builders import child_names, labels, owner_reference
 from kubetune.controller import handlers
 from kubetune.controller import kube as kube_module
-from kubetune.controller import runtime as runtime_module
-from kubetune.controller.cache import (
-    Caches,
-    child_key,
-    gpu_usage,
-    parse_pool,
-    trimmed_batch_job,
-    trimmed_pod,
-)
+from kubetune.controller.cache import Caches
 from kubetune.controller.kube import Fenced, FineTuneJobResource, Kube, StatusRejected
-from kubetune.controller.runtime import SMALL_MOVE_SLOWDOWN, Runtime, _JobState
-from kubetune.sources import load_arch
+from support import emulated
+from support.emulated import (
+    CONFIGMAPS,
+    EVENTS,
+    FTJ,
+    JOBS,
+    NAMESPACE,
+    STATUS_PATH,
+    caches_from,
+    capacity_cluster,
+    children,
+    client,
+    condition,
+    example_cluster,
+    example_pools,
+    first_attempt,
+    invalid,
+    node,
+    pod,
+    pool,
+    requests,
+    seed,
+    stored,
+    tiny_job,
+)
 from support.kmock_apiserver import ApiServerEmulator, declare_resources
-from support.reconcile import make_job
 
 pytestmark = [
     pytest.mark.unit,
@@ -67,44 +71,11 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning"),
 ]
 
-ROOT = Path(__file__).resolve().parents[2]
-NAMESPACE = "team-a"
-UID = "0b5c6a9e-5f0e-4c1e-9a59-3c2f6d1e7a10"
-T0 = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)
-
-FTJ = "kubetune.io/v1alpha1/finetunejobs"
-POOLS = "kubetune.io/v1alpha1/gpupools"
-NODES = "v1/nodes"
-PODS = "v1/pods"
-JOBS = "batch/v1/jobs"
-PVCS = "v1/persistentvolumeclaims"
-CONFIGMAPS = "v1/configmaps"
-SECRETS = "v1/secrets"
-SERVICES = "v1/services"
-NETWORKPOLICIES = "networking.k8s.io/v1/networkpolicies"
-EVENTS = "v1/events"
-STATUS_PATH = f"/apis/kubetune.io/v1alpha1/namespaces/{NAMESPACE}/finetunejobs/tiny-cpu-lora/status"
-
-PLURALS = {
-    "FineTuneJob": FTJ,
-    "GPUPool": POOLS,
-    "Node": NODES,
-    "Pod": PODS,
-    "Job": JOBS,
-    "PersistentVolumeClaim": PVCS,
-    "ConfigMap": CONFIGMAPS,
-    "Service": SERVICES,
-}
-
 
 # ---------------------------------------------------------------------- the emulator
 
-
-@pytest.fixture
-async def apiserver() -> AsyncIterator[ApiServerEmulator]:
-    async with ApiServerEmulator() as emulator, kmock.Server(emulator):
-        declare_resources(emulator)
-        yield emulator
+apiserver = emulated.apiserver
+kube = emulated.kube
 
 
 @pytest.fixture
@@ -114,141 +85,11 @@ async def stock_apiserver() -> AsyncIterator[kmock.KubernetesEmulator]:
         yield emulator
 
 
-def _client(server: kmock.RawHandler) -> AsyncClient:
-    # lightkube needs a user entry; the emulator accepts any token.
-    config = KubeConfig.from_one(cluster=Cluster(server=str(server.url)), user=User(token="t"))
-    return AsyncClient(config=config, trust_env=False)
-
-
-@pytest.fixture
-async def kube(apiserver: ApiServerEmulator) -> AsyncIterator[Kube]:
-    client = _client(apiserver)
-    yield Kube(client)
-    await client.close()
-
-
 @pytest.fixture
 async def stock_kube(stock_apiserver: kmock.KubernetesEmulator) -> AsyncIterator[Kube]:
-    client = _client(stock_apiserver)
-    yield Kube(client)
-    await client.close()
-
-
-# ---------------------------------------------------------------------- objects
-
-
-def seed(server: kmock.KubernetesEmulator, *manifests: dict[str, Any]) -> None:
-    """Put objects into the emulator as if they had been created earlier."""
-    for manifest in manifests:
-        meta = manifest["metadata"]
-        # kopf patches with a JSON-patch `test` of the resourceVersion it saw.
-        meta.setdefault("resourceVersion", "1")
-        server.objects[PLURALS[manifest["kind"]], meta.get("namespace"), meta["name"]] = manifest
-
-
-def stored(server: kmock.KubernetesEmulator, resource: str, namespace: str | None) -> list[str]:
-    """Names of the live objects of one resource in one namespace."""
-    return sorted(
-        name
-        for (res, ns, name), obj in server.objects.items()
-        if res == kmock.resource(resource) and ns == namespace and not obj.deleted
-    )
-
-
-def example_pools() -> list[dict[str, Any]]:
-    return [d for d in yaml.safe_load_all((ROOT / "examples" / "gpupools.yaml").read_text()) if d]
-
-
-def pool_nodes() -> list[dict[str, Any]]:
-    """One ready node per example pool, with its labels and GPUs."""
-    nodes = []
-    for p in example_pools():
-        n = node(f"{p['metadata']['name']}-0", p["metadata"]["name"], gpus=p["spec"]["gpusPerNode"])
-        n["metadata"]["labels"] = dict(p["spec"]["nodeSelector"])
-        nodes.append(n)
-    return nodes
-
-
-DEMO_CLAIM = "kubetune-demo"
-"""The claim examples/tiny-cpu-lora.yaml reads its model and data from."""
-
-
-def claim(name: str, namespace: str = NAMESPACE) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "PersistentVolumeClaim",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}},
-    }
-
-
-def example_cluster() -> list[dict[str, Any]]:
-    """The example GPUPools with a free node each, and the claim the tiny job reads."""
-    return [*example_pools(), *pool_nodes(), claim(DEMO_CLAIM)]
-
-
-def pool(name: str) -> dict[str, Any]:
-    return next(p for p in example_pools() if p["metadata"]["name"] == name)
-
-
-def node(
-    name: str,
-    pool_name: str,
-    gpus: int = 8,
-    ready: bool = True,
-    unschedulable: bool = False,
-) -> dict[str, Any]:
-    spec: dict[str, Any] = {"unschedulable": True} if unschedulable else {}
-    return {
-        "apiVersion": "v1",
-        "kind": "Node",
-        "metadata": {"name": name, "labels": {"kubetune.io/pool": pool_name}},
-        "spec": spec,
-        "status": {
-            "allocatable": {"cpu": "96", "memory": "1Ti", "nvidia.com/gpu": str(gpus)},
-            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
-        },
-    }
-
-
-def pod(
-    name: str,
-    *,
-    node_name: str | None = None,
-    gpus: tuple[int, ...] = (),
-    phase: str = "Running",
-    namespace: str = NAMESPACE,
-    pod_labels: dict[str, str] | None = None,
-) -> dict[str, Any]:
-    containers = [
-        {"name": f"c{i}", "image": "trainer", "resources": {"limits": {"nvidia.com/gpu": str(n)}}}
-        for i, n in enumerate(gpus)
-    ] or [{"name": "c0", "image": "sidecar"}]
-    spec: dict[str, Any] = {"containers": containers}
-    if node_name:
-        spec["nodeName"] = node_name
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "namespace": namespace, "labels": pod_labels or {}},
-        "spec": spec,
-        "status": {"phase": phase},
-    }
-
-
-def tiny_job() -> dict[str, Any]:
-    """examples/tiny-cpu-lora.yaml as the apiserver would hand it to the operator."""
-    job: dict[str, Any] = yaml.safe_load((ROOT / "examples" / "tiny-cpu-lora.yaml").read_text())
-    job["metadata"].update(namespace=NAMESPACE, uid=UID, generation=1, resourceVersion="1")
-    return job
-
-
-def requests(
-    server: kmock.RawHandler, action: kmock.action, resource: str | None = None
-) -> list[kmock.Request]:
-    """The requests the emulator served, of one action (and resource)."""
-    wanted = kmock.resource(resource) if resource else None
-    return [r for r in server if r.action == action and (wanted is None or r.resource == wanted)]
+    api = client(stock_apiserver)
+    yield Kube(api)
+    await api.close()
 
 
 # ---------------------------------------------------------------------- create / delete
@@ -381,16 +222,6 @@ async def test_patch_status_reports_a_rejection_with_its_fields(
     assert len([r for r in apiserver if r.method == "PATCH"]) == 1  # not retried
 
 
-def invalid(field: str) -> kmock.KubernetesError:
-    """The apiserver's 422 for a status that breaks the CRD schema."""
-    return kmock.KubernetesError(
-        422,
-        "Invalid",
-        f'FineTuneJob.kubetune.io "tiny-cpu-lora" is invalid: {field}: Invalid value',
-        {"causes": [{"reason": "FieldValueInvalid", "field": field}]},
-    )
-
-
 async def test_a_fenced_replica_writes_nothing(apiserver: ApiServerEmulator, kube: Kube) -> None:
     fenced = Kube(kube.client, may_write=lambda: False)
 
@@ -405,37 +236,6 @@ async def test_a_fenced_replica_writes_nothing(apiserver: ApiServerEmulator, kub
 
 
 # ---------------------------------------------------------------------- the caches
-
-
-def caches_from(server: kmock.KubernetesEmulator) -> Caches:
-    """The indexes kopf would hold for what the emulator stores, made by the same index
-    functions the operator registers (controller/handlers.py)."""
-    index: dict[str, defaultdict[Any, list[Any]]] = {
-        name: defaultdict(list) for name in ("pods", "jobs", "nodes", "gpus", "pools")
-    }
-    for (resource, _, name), obj in list(server.objects.items()):
-        if obj.deleted:
-            continue
-        body = copy.deepcopy(dict(obj))
-        key = child_key(body)
-        if resource == kmock.resource(PODS):
-            if key is not None:
-                index["pods"][key].append(trimmed_pod(body))
-            for node_name, gpus in (gpu_usage(body) or {}).items():
-                index["gpus"][node_name].append(gpus)
-        elif resource == kmock.resource(JOBS) and key is not None:
-            index["jobs"][key].append(trimmed_batch_job(body))
-        elif resource == kmock.resource(NODES):
-            index["nodes"][name].append(node_info(body))
-        elif resource == kmock.resource(POOLS):
-            index["pools"][name].append(parse_pool(body))
-    return Caches(
-        pods=dict(index["pods"]),
-        batch_jobs=dict(index["jobs"]),
-        nodes=dict(index["nodes"]),
-        gpu_pods=dict(index["gpus"]),
-        pools=dict(index["pools"]),
-    )
 
 
 def batch_job_of(job: FineTuneJob, attempt: int, **extra: Any) -> dict[str, Any]:
@@ -605,14 +405,14 @@ def test_the_wake_ups_run_on_the_event_loop_as_kopf_calls_them(
     job = tiny_job()
     key = (job["metadata"]["namespace"], job["metadata"]["name"])
     state = SimpleNamespace(generation=0, wake=SimpleNamespace(set=noted("job wake")))
-    runtime = SimpleNamespace(
+    reconcilers = SimpleNamespace(
         wake=noted("wake"),
         capacity_changed=noted("capacity_changed"),
         pool_generations={},
         jobs={key: state},
         caches=object(),
     )
-    monkeypatch.setattr(handlers._State, "runtime", runtime)
+    monkeypatch.setattr(handlers._State, "reconcilers", reconcilers)
     # The job's loop runs already: its new spec wakes it.
     monkeypatch.setattr(handlers._State, "loops", SimpleNamespace(observe=lambda *_, **__: False))
     monkeypatch.setattr(handlers._State, "gpu_pods", {})
@@ -697,28 +497,6 @@ def test_an_unreadable_pool_is_left_out_of_planning(apiserver: ApiServerEmulator
 
     assert [p.name for p in caches.valid_pools()] == ["l4"]
     assert "spec.gpusPerNode" in caches.pools["broken"][0]
-
-
-def capacity_cluster() -> list[dict[str, Any]]:
-    """Four h100 nodes (two usable) and one a100 node, with pods in every state."""
-    return [
-        node("h100-0", "h100"),
-        node("h100-1", "h100"),
-        node("h100-2", "h100", ready=False),
-        node("h100-3", "h100", unschedulable=True),
-        node("a100-0", "a100-80gb"),
-        # Hold GPUs: running and bound-but-pending pods, all containers, all namespaces.
-        pod("train-0", node_name="h100-0", gpus=(2, 2)),
-        pod("starting", node_name="h100-0", gpus=(2,), phase="Pending"),
-        pod("other-team", node_name="h100-1", gpus=(1,), namespace="team-b"),
-        # Hold none: finished, unscheduled, without GPUs, or on nodes outside the pool.
-        pod("done", node_name="h100-1", gpus=(8,), phase="Succeeded"),
-        pod("crashed", node_name="h100-1", gpus=(8,), phase="Failed"),
-        pod("queued", gpus=(8,), phase="Pending"),
-        pod("cpu-only", node_name="h100-1"),
-        pod("notready-node", node_name="h100-2", gpus=(8,)),
-        pod("a100-user", node_name="a100-0", gpus=(8,)),
-    ]
 
 
 def capacity(server: kmock.KubernetesEmulator, pool_name: str) -> dict[str, Any]:
@@ -825,650 +603,6 @@ async def test_corrected_emulator_filters_by_label(
     assert sorted(str(n) for n in names) == ["h100-0", "h100-1", "h100-2", "h100-3"]
 
 
-# ---------------------------------------------------------------------- the job loop
-
-
-class Clock(datetime):
-    """The runtime's wall clock, set by the test."""
-
-    current = T0
-
-    @classmethod
-    def now(cls, tz: tzinfo | None = None) -> Clock:
-        return cls.current  # type: ignore[return-value]
-
-
-@pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> type[Clock]:
-    monkeypatch.setattr(Clock, "current", T0)
-    monkeypatch.setattr(runtime_module, "datetime", Clock)
-    return Clock
-
-
-class Loop:
-    """One job's loop state in a `Runtime` pointed at the emulator; each `look()` refreshes
-    the caches from the emulator (as the watches would) and runs one reconcile."""
-
-    def __init__(self, server: ApiServerEmulator, kube: Kube, **settings: Any) -> None:
-        self.server = server
-        self.events: list[tuple[str, str, str]] = []
-        self.runtime = Runtime(
-            ControllerSettings(**settings),
-            kube,
-            partial(load_arch, allow_network=False, local_files=False),
-            lambda _body, type_, reason, message: self.events.append(
-                (str(type_), str(reason), message)
-            ),
-        )
-        self.state = _JobState(name="tiny-cpu-lora")
-        self.key = ("team-a", "tiny-cpu-lora")
-
-    def body(self) -> dict[str, Any]:
-        return copy.deepcopy(dict(self.server.objects[FTJ, NAMESPACE, "tiny-cpu-lora"]))
-
-    async def look(self) -> float | None:
-        self.runtime.caches = caches_from(self.server)
-        self.runtime.capacity_changed()
-        return await self.runtime._look(self.key, self.state, self.body())
-
-    def status(self) -> dict[str, Any]:
-        return dict(self.body().get("status") or {})
-
-    def status_patches(self) -> list[dict[str, Any]]:
-        return [r.data["status"] for r in self.server if r.method == "PATCH" and r.subresource]
-
-
-@pytest.fixture
-def loop(apiserver: ApiServerEmulator, kube: Kube, clock: type[Clock]) -> Loop:
-    return Loop(apiserver, kube)
-
-
-def children(server: kmock.KubernetesEmulator) -> dict[str, list[str]]:
-    return {
-        "pvc": [name for name in stored(server, PVCS, NAMESPACE) if name != DEMO_CLAIM],
-        "configmap": stored(server, CONFIGMAPS, NAMESPACE),
-        "service": stored(server, SERVICES, NAMESPACE),
-        "job": stored(server, JOBS, NAMESPACE),
-    }
-
-
-def first_attempt() -> dict[str, list[str]]:
-    """`children` once the tiny job's first attempt launched."""
-    names = child_names("tiny-cpu-lora", 1)
-    return {
-        "pvc": [names.pvc],
-        "configmap": [names.config_map],
-        "service": [names.service],
-        "job": [names.job],
-    }
-
-
-def condition(status: dict[str, Any], type_: str) -> dict[str, Any]:
-    return next(x for x in status["conditions"] if x["type"] == type_)
-
-
-async def test_new_job_is_planned_and_launched(apiserver: ApiServerEmulator, loop: Loop) -> None:
-    seed(apiserver, *example_cluster(), tiny_job())
-
-    delay = await loop.look()
-
-    names = child_names("tiny-cpu-lora", 1)
-    assert children(apiserver) == first_attempt()
-    owner = {
-        "apiVersion": "kubetune.io/v1alpha1",
-        "kind": "FineTuneJob",
-        "name": "tiny-cpu-lora",
-        "uid": UID,
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }
-    for resource, name in [
-        (CONFIGMAPS, names.config_map),
-        (SERVICES, names.service),
-        (JOBS, names.job),
-    ]:
-        assert apiserver.objects[resource, NAMESPACE, name]["metadata"]["ownerReferences"] == [
-            owner
-        ]
-    # The checkpoint volume outlives the job by default (retention: retain): no owner,
-    # only a note of whose it is.
-    pvc = apiserver.objects[PVCS, NAMESPACE, names.pvc]
-    assert "ownerReferences" not in pvc["metadata"]
-    assert pvc["metadata"]["annotations"]["kubetune.io/job-uid"] == UID
-
-    status = loop.status()
-    assert status["phase"] == "Running"
-    assert status["attempt"] == 1
-    assert status["observedGeneration"] == 1
-    assert status["message"] == "launched attempt 1"
-    assert status["startTime"] == "2026-11-22T12:00:00Z"
-    plan = status["plan"]
-    assert plan["method"] == "lora"
-    assert plan["nodes"] * plan["gpusPerNode"] == 1
-    # The trainer goes where the plan says.
-    trainer = apiserver.objects[JOBS, NAMESPACE, names.job]
-    assert trainer["metadata"]["labels"]["kubetune.io/attempt"] == "1"
-    assert trainer["spec"]["completionMode"] == "Indexed"
-    pod_spec = trainer["spec"]["template"]["spec"]
-    assert pod_spec["nodeSelector"] == pool(plan["pool"])["spec"]["nodeSelector"]
-    assert condition(status, ConditionType.PLANNED)["status"] == "True"
-    assert condition(status, ConditionType.PLANNED)["reason"] == Reason.PLAN_READY
-    assert condition(status, ConditionType.RUNNING)["status"] == "False"
-    assert condition(status, ConditionType.RUNNING)["reason"] == Reason.PODS_STARTING
-    assert status["cost"]["estimatedUSD"] == plan["estimatedCostUSD"]
-
-    assert [(t, r) for t, r, _ in loop.events] == [
-        ("Normal", Reason.PLAN_READY),
-        ("Normal", "Launched"),
-    ]
-    assert loop.events[1][2] == f"Attempt 1 on pool {plan['pool']}"
-    # The next look comes from the decision: a running job's poll interval.
-    assert delay == ControllerSettings().poll_seconds
-    # One status write, through the status subresource, with only what changed.
-    assert len(loop.status_patches()) == 1
-
-
-async def test_the_plan_is_written_before_the_batch_job_is_created(
-    apiserver: ApiServerEmulator, loop: Loop
-) -> None:
-    seed(apiserver, *example_cluster(), tiny_job())
-
-    await loop.look()
-
-    # On a busy API server every round trip is seconds: the status carrying the plan goes
-    # out with the first creates, and the batch Job, whose pods mount them, after both.
-    served = [(r.method, r.resource, bool(r.subresource)) for r in apiserver]
-    status_write = served.index(("PATCH", kmock.resource(FTJ), True))
-    batch_job = served.index(("POST", kmock.resource(JOBS), False))
-    assert status_write < batch_job
-    assert {r for r in served[:batch_job] if r[0] == "POST"} == {
-        ("POST", kmock.resource(resource), False)
-        for resource in (PVCS, CONFIGMAPS, SERVICES, NETWORKPOLICIES)
-    }
-
-
-async def test_a_status_write_that_fails_launches_no_trainer(
-    apiserver: ApiServerEmulator, loop: Loop, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    seed(apiserver, *example_cluster(), tiny_job())
-    monkeypatch.setattr(kube_module, "RETRY_DELAYS", (0.0,))
-    apiserver[f"patch {STATUS_PATH}"][:2] << kmock.KubernetesError(500, "InternalError", "down")
-
-    delay = await loop.look()
-
-    # The look failed and is retried; nothing says attempt 1 started, so no batch Job does.
-    assert delay == 2.0
-    assert children(apiserver)["job"] == []
-
-    await loop.look()
-
-    assert loop.status()["attempt"] == 1
-    assert children(apiserver)["job"] == [child_names("tiny-cpu-lora", 1).job]
-    assert len(requests(apiserver, kmock.action.CREATE, JOBS)) == 1
-
-
-async def test_looking_again_creates_nothing_and_writes_the_cost_clock_only_when_due(
-    apiserver: ApiServerEmulator, loop: Loop, clock: type[Clock]
-) -> None:
-    seed(apiserver, *example_cluster(), tiny_job())
-    await loop.look()
-    launched = children(apiserver)
-    creates = len(requests(apiserver, kmock.action.CREATE))
-    first = loop.status()
-    del loop.events[:]
-    clock.current += timedelta(minutes=1)
-
-    await loop.look()
-
-    # Children are created once per attempt: no POST answered 409.
-    assert children(apiserver) == launched
-    assert len(requests(apiserver, kmock.action.CREATE)) == creates
-    assert loop.events == []
-    # Only the cost clock moved: that waits for the progress write interval.
-    assert len(loop.status_patches()) == 1
-
-    loop.state.written_at -= ControllerSettings().progress_write_seconds
-    await loop.look()
-
-    # No trainer pod runs here (no kubelet): the clock moves, the cost does not, and the
-    # patch carries what changed only.
-    assert first["cost"]["updatedAt"] != "2026-11-22T12:01:00Z"
-    assert loop.status_patches()[-1] == {"cost": {"updatedAt": "2026-11-22T12:01:00Z"}}
-    assert loop.status()["cost"] == {**first["cost"], "updatedAt": "2026-11-22T12:01:00Z"}
-
-
-async def test_a_batch_job_deleted_behind_the_operator_is_created_again(
-    apiserver: ApiServerEmulator, loop: Loop
-) -> None:
-    seed(apiserver, *example_cluster(), tiny_job())
-    await loop.look()
-    launched = children(apiserver)
-    names = child_names("tiny-cpu-lora", 1)
-    apiserver.objects[JOBS, NAMESPACE, names.job].delete()
-    assert children(apiserver)["job"] == []
-    # The batch Job was created by this loop a moment ago; after a resync period, a
-    # missing one is created again.
-    loop.state.created = {
-        k: v - loop.runtime.settings.resync_seconds - 1 for k, v in loop.state.created.items()
-    }
-
-    await loop.look()
-
-    assert children(apiserver) == launched
-
-
-async def test_a_batch_job_collected_with_its_deleted_job_is_not_created_again(
-    apiserver: ApiServerEmulator, loop: Loop
-) -> None:
-    """No finalizer holds a deleted job: the garbage collector may delete its batch Job
-    before the job's loop hears of the deletion. The loop must not start a trainer again for
-    a job that is gone (nor for another job created since under its name)."""
-    seed(apiserver, *example_cluster(), tiny_job())
-    await loop.look()
-    names = child_names("tiny-cpu-lora", 1)
-    await loop.look()  # the batch Job is in the cache now
-    assert names.job in loop.state.seen_batch_jobs
-    stale = loop.body()
-    apiserver.objects[JOBS, NAMESPACE, names.job].delete()
-    apiserver.objects[FTJ, NAMESPACE, "tiny-cpu-lora"].delete()
-    loop.state.created = {
-        k: v - loop.runtime.settings.resync_seconds - 1 for k, v in loop.state.created.items()
-    }
-    loop.runtime.caches = caches_from(apiserver)
-
-    await loop.runtime._look(loop.key, loop.state, stale)
-
-    assert children(apiserver)["job"] == []
-    assert len(requests(apiserver, kmock.action.CREATE, JOBS)) == 1
-
-    # Created again under the same name: another uid, still not this loop's to launch.
-    seed(apiserver, {**tiny_job(), "metadata": {**tiny_job()["metadata"], "uid": "another"}})
-    await loop.runtime._look(loop.key, loop.state, stale)
-
-    assert children(apiserver)["job"] == []
-
-
-async def test_a_child_owned_by_someone_else_fails_the_job(
-    apiserver: ApiServerEmulator, loop: Loop
-) -> None:
-    names = child_names("tiny-cpu-lora", 1)
-    foreign = {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {"name": names.service, "namespace": NAMESPACE, "uid": "someone-else"},
-    }
-    seed(apiserver, *example_cluster(), tiny_job(), foreign)
-
-    await loop.look()
-
-    status = loop.status()
-    assert status["phase"] == "Failed"
-    assert condition(status, ConditionType.FAILED)["reason"] == Reason.CHILD_CONFLICT
-    assert f"a Service named {names.service} already exists" in status["message"]
-    assert "To fix:" in status["message"]
-    assert [(t, r) for t, r, _ in loop.events] == [("Warning", Reason.CHILD_CONFLICT)]
-    # The batch Job comes after the objects its pods use: with one of them foreign, no
-    # trainer is started.
-    assert children(apiserver)["job"] == []
-
-
-@pytest.mark.parametrize("uptime", [30.0, 100_000.0])
-async def test_children_are_created_whatever_the_machine_uptime(
-    apiserver: ApiServerEmulator, loop: Loop, monkeypatch: pytest.MonkeyPatch, uptime: float
-) -> None:
-    """The monotonic clock counts from boot: on a node up for less than the resync period,
-    "never created" must not read as "created a moment ago" (an operator on a new node
-    would create no child for its first ten minutes)."""
-    start = time.monotonic()
-    young = SimpleNamespace(monotonic=lambda: time.monotonic() - start + uptime, time=time.time)
-    monkeypatch.setattr(runtime_module, "time", young)
-    seed(apiserver, *example_cluster(), tiny_job())
-
-    await loop.look()
-
-    assert children(apiserver) == first_attempt()
-    assert len(loop.status_patches()) == 1  # and the status went out at once
-
-
-async def test_job_with_no_pools_waits_for_them(apiserver: ApiServerEmulator, loop: Loop) -> None:
-    seed(apiserver, tiny_job(), claim(DEMO_CLAIM))
-
-    delay = await loop.look()
-
-    assert children(apiserver) == {"pvc": [], "configmap": [], "service": [], "job": []}
-    status = loop.status()
-    assert status["phase"] == "Planning"
-    assert status["attempt"] == 0
-    assert condition(status, ConditionType.PLANNED)["reason"] == Reason.NO_POOLS
-    assert status["message"].startswith("no GPUPool exists yet")
-    assert loop.events == []
-    # Waiting for pools counts as queued: a new pool wakes it; otherwise it retries.
-    assert loop.key in loop.runtime.queued
-    assert delay == ControllerSettings().queue_retry_seconds
-
-
-async def test_a_job_deep_in_a_queue_waits_for_events(
-    apiserver: ApiServerEmulator, loop: Loop
-) -> None:
-    """At the front of a queue a job looks again at its queue retry; further back nothing
-    but its place moving can change what it does or shows, and that wakes it: it sleeps
-    until the resync, or until a status write it held back is due."""
-    busy = [
-        pod(f"holds-{n['metadata']['name']}", node_name=n["metadata"]["name"], gpus=(8,))
-        for n in pool_nodes()
-    ]
-    seed(apiserver, *example_cluster(), *busy, tiny_job())
-    settings = ControllerSettings()
-
-    assert await loop.look() == settings.queue_retry_seconds
-    status = loop.status()
-    assert status["phase"] == "Queued" and "position 1 in the queue" in status["message"]
-
-    # Ten go before it (the job has no creationTimestamp here: same time, earlier names).
-    pool_name = status["plan"]["pool"]
-    ahead = [Ticket(NAMESPACE, f"early-{i:02d}", 0, "", pool_name, 1, 1) for i in range(10)]
-    for t in ahead:
-        loop.runtime.queue.admit(t.key, t, [0], queued=True)
-    pace = settings.progress_write_seconds
-
-    # Its new place alone is written at the progress pace: the look comes back when due.
-    delay = await loop.look()
-    assert delay is not None and pace - 5 < delay <= pace
-    assert "position 1 in the queue" in loop.status()["message"]
-    loop.state.written_at -= pace
-    assert await loop.look() == settings.resync_seconds
-    assert "position 11 in the queue" in loop.status()["message"]
-
-    # Two leave: a move by two of eleven is shown at once, at the progress pace.
-    for t in ahead[:2]:
-        loop.runtime.queue.stop_waiting(t.key)
-    delay = await loop.look()
-    assert delay is not None and pace - 5 < delay <= pace
-    loop.state.written_at -= pace
-    assert await loop.look() == settings.resync_seconds
-    assert "position 9 in the queue" in loop.status()["message"]
-
-
-async def test_a_small_move_deep_in_a_queue_is_shown_after_ten_progress_writes(
-    apiserver: ApiServerEmulator, kube: Kube, clock: type[Clock]
-) -> None:
-    """A move by less than a tenth of a deep place wakes nobody, yet the status must show it
-    in time: a job deep in a queue looks every SMALL_MOVE_SLOWDOWN progress writes (never
-    less often than the resync; at the defaults both are ten minutes)."""
-    loop = Loop(apiserver, kube, progress_write_seconds=2.0)
-    busy = [
-        pod(f"holds-{n['metadata']['name']}", node_name=n["metadata"]["name"], gpus=(8,))
-        for n in pool_nodes()
-    ]
-    seed(apiserver, *example_cluster(), *busy, tiny_job())
-    await loop.look()
-    pool_name = loop.status()["plan"]["pool"]
-    ahead = [Ticket(NAMESPACE, f"early-{i:02d}", 0, "", pool_name, 1, 1) for i in range(21)]
-    for t in ahead[:20]:
-        loop.runtime.queue.admit(t.key, t, [0], queued=True)
-    loop.state.written_at -= 2.0
-    assert await loop.look() == SMALL_MOVE_SLOWDOWN * 2.0
-    assert "position 21 in the queue" in loop.status()["message"]
-
-    loop.runtime.queue.admit(ahead[20].key, ahead[20], [0], queued=True)  # 21 → 22
-    assert loop.key not in loop.runtime.queue.moved()  # too small to wake it
-    delay = await loop.look()  # the look it makes anyway, one such period later
-    assert delay is not None and delay <= SMALL_MOVE_SLOWDOWN * 2.0
-    loop.state.written_at -= SMALL_MOVE_SLOWDOWN * 2.0
-    await loop.look()
-    assert "position 22 in the queue" in loop.status()["message"]
-
-
-async def test_a_job_whose_claim_is_missing_is_held_until_it_exists(
-    apiserver: ApiServerEmulator, loop: Loop
-) -> None:
-    seed(apiserver, *example_pools(), *pool_nodes(), tiny_job())
-
-    delay = await loop.look()
-
-    assert children(apiserver) == {"pvc": [], "configmap": [], "service": [], "job": []}
-    status = loop.status()
-    assert status["phase"] == "Pending"
-    held = condition(status, ConditionType.INPUTS_READY)
-    assert (held["status"], held["reason"]) == ("False", Reason.MISSING_VOLUME)
-    assert (
-        f"PersistentVolumeClaim {DEMO_CLAIM!r} (spec.model.uri) does not exist" in held["message"]
-    )
-    assert [(t, r) for t, r, _ in loop.events] == [("Warning", Reason.MISSING_VOLUME)]
-    assert delay == ControllerSettings().queue_retry_seconds
-
-    seed(apiserver, claim(DEMO_CLAIM))
-    await loop.look()
-
-    status = loop.status()
-    assert status["phase"] == "Running"
-    assert condition(status, ConditionType.INPUTS_READY)["reason"] == Reason.INPUTS_FOUND
-    assert children(apiserver)["job"] == [child_names("tiny-cpu-lora", 1).job]
-
-
-async def test_a_secret_the_operator_may_not_read_is_not_checked(
-    apiserver: ApiServerEmulator, loop: Loop, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    job = tiny_job()
-    job["spec"]["model"]["tokenSecretRef"] = {"name": "hf", "key": "token"}
-    seed(apiserver, *example_cluster(), job)
-    consented = Tenant(NAMESPACE, allowed_secrets=frozenset({"hf"}))
-    monkeypatch.setattr(Caches, "tenant", lambda self, namespace: consented)
-    apiserver[f"get /api/v1/namespaces/{NAMESPACE}/secrets/hf"] << kmock.KubernetesError(
-        403, "Forbidden", "secrets is forbidden"
-    )
-
-    await loop.look()
-
-    # The preflight asked, was refused (no rbac.secretPreflight rule) and let the job go:
-    # the pods' errors tell of a missing Secret instead.
-    asked = [r for r in apiserver if r.method == "GET" and r.resource == kmock.resource(SECRETS)]
-    assert len(asked) == 1
-    assert loop.status()["phase"] == "Running"
-
-
-async def test_a_job_from_a_newer_crd_is_left_alone_with_a_warning(
-    apiserver: ApiServerEmulator, loop: Loop
-) -> None:
-    """CRDs applied before the operator is upgraded: a field the operator does not know must
-    not fail the job (a running one would lose its run); it waits for the new operator."""
-    body = tiny_job()
-    body["spec"]["recovery"] = {"maxRestarts": 3, "somethingNewer": 2}
-    body["status"] = {"phase": "Running", "attempt": 1}
-    seed(apiserver, body)
-
-    delay = await loop.look()
-    await loop.look()
-
-    assert loop.status() == {"phase": "Running", "attempt": 1}  # untouched
-    assert [(t, r) for t, r, _ in loop.events] == [("Warning", Reason.OPERATOR_OUTDATED)]
-    assert "spec.recovery.somethingNewer" in loop.events[0][2]
-    assert delay == ControllerSettings().resync_seconds
-    assert children(apiserver) == {"pvc": [], "configmap": [], "service": [], "job": []}
-
-
-async def test_invalid_job_fails_with_a_warning(apiserver: ApiServerEmulator, loop: Loop) -> None:
-    body = tiny_job()
-    body["spec"]["method"] = "full"  # with spec.lora set: admission would have refused it
-    seed(apiserver, body)
-
-    delay = await loop.look()
-
-    status = loop.status()
-    assert status["phase"] == "Failed"
-    assert condition(status, ConditionType.FAILED)["reason"] == Reason.INVALID_SPEC
-    assert [(t, r) for t, r, _ in loop.events] == [("Warning", Reason.INVALID_SPEC)]
-    assert delay is None  # finished: no further look until an event
-
-
-async def test_a_rejected_status_write_does_not_stop_the_job(
-    apiserver: ApiServerEmulator, loop: Loop
-) -> None:
-    seed(apiserver, *example_cluster(), tiny_job())
-    apiserver[kmock.method.PATCH][:1] << invalid("status.plan")
-
-    delay = await loop.look()
-
-    # The launch happened; its status write was refused as invalid; the job got the
-    # reason and the loop carries on.
-    assert children(apiserver)["job"] == [child_names("tiny-cpu-lora", 1).job]
-    assert (str(EventType.WARNING), Reason.STATUS_REJECTED) in [(t, r) for t, r, _ in loop.events]
-    assert "status.plan" in loop.status()["message"]
-    assert delay is not None
-
-    await loop.look()
-
-    # The next look writes the whole status (the adopted launch) without trouble.
-    assert loop.status()["phase"] == "Running"
-    assert loop.status()["attempt"] == 1
-
-
-async def test_a_failed_look_is_retried_with_growing_backoff(
-    apiserver: ApiServerEmulator, loop: Loop, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    seed(apiserver, *example_cluster(), tiny_job())
-
-    async def down(*_: Any, **__: Any) -> str:
-        raise httpx2.ConnectError("connection refused")
-
-    monkeypatch.setattr(loop.runtime.kube, "patch_status", down)
-
-    delays = [await loop.look() for _ in range(4)]
-
-    assert delays == [2.0, 4.0, 8.0, 16.0]
-    assert loop.state.failures == 4
-    # Whatever failed, the job stays due: liveness sees it once nothing succeeds.
-    assert loop.state.due_at is not None
-
-
-async def test_the_latest_written_status_wins_over_a_stale_cache(
-    apiserver: ApiServerEmulator, loop: Loop
-) -> None:
-    seed(apiserver, *example_cluster(), tiny_job())
-    stale = loop.body()  # what the watch still shows while the first write travels
-    stale["metadata"]["resourceVersion"] = "0"  # older than anything written
-    await loop.look()
-
-    loop.runtime.caches = caches_from(apiserver)
-    await loop.runtime._look(loop.key, loop.state, stale)
-
-    # Seen through the stale body, the job would be planned and launched again.
-    assert [(t, r) for t, r, _ in loop.events].count(("Normal", "Launched")) == 1
-    assert len(stored(apiserver, JOBS, NAMESPACE)) == 1
-
-
-def test_a_job_is_validated_again_only_when_what_it_is_made_of_changed() -> None:
-    """Most looks of a running job see the same object and status: the model made of them
-    is reused, and made anew from whatever changed."""
-    state = _JobState(name="tiny")
-    body = tiny_job()
-    first = Runtime._validated(state, body)
-    assert Runtime._validated(state, copy.deepcopy(body)) is first
-    # The spec changed: a new model, with the change.
-    changed = copy.deepcopy(body)
-    changed["metadata"].update(resourceVersion="2", generation=2)
-    changed["spec"]["suspend"] = True
-    second = Runtime._validated(state, changed)
-    assert second is not first and second.spec.suspend
-    # Only the status changed (the status this loop wrote, before the watch delivers it).
-    written = {**changed, "status": {"phase": "Running"}}
-    third = Runtime._validated(state, written)
-    assert third is not second and third.status is not None and third.status.phase == "Running"
-    assert Runtime._validated(state, copy.deepcopy(written)) is third
-
-
-# ---------------------------------------------------------------------- health
-
-
-def test_a_stage_in_keeps_what_other_unfinished_jobs_read_from_the_cache(kube: Kube) -> None:
-    def job(model: str, phase: str = "Running") -> FineTuneJob:
-        staged = StageInStatus(model_path=model).model_dump()
-        body = make_job().model_dump(by_alias=True)
-        return FineTuneJob.model_validate({**body, "status": {"phase": phase, "stageIn": staged}})
-
-    runtime = Runtime(ControllerSettings(), kube, load_arch, lambda *_: None)
-    runtime.note_cache_use(("a", "x"), job("/cache/models/x"))
-    runtime.note_cache_use(("a", "y"), job("/cache/models/y"))
-    runtime.note_cache_use(("b", "z"), job("/cache/models/z"))
-    runtime.note_cache_use(("a", "done"), job("/cache/models/old", phase="Succeeded"))
-    # the namespace's cache: only its own unfinished jobs count, never the asking job
-    assert runtime.cache_in_use(("a", "x")) == ("/cache/models/y",)
-    assert runtime.cache_in_use(("a", "new")) == ("/cache/models/x", "/cache/models/y")
-    # a job that finished stops holding its entries
-    runtime.note_cache_use(("a", "y"), job("/cache/models/y", phase="Failed"))
-    assert runtime.cache_in_use(("a", "new")) == ("/cache/models/x",)
-    # one cache for the cluster: every namespace's jobs read it
-    shared = BuildSettings(cache_volume={"persistentVolumeClaim": {"claimName": "cache"}})
-    runtime.settings = replace(runtime.settings, build=shared)
-    assert runtime.cache_in_use(("a", "new")) == ("/cache/models/x", "/cache/models/z")
-
-
-def test_liveness_fails_only_when_every_due_job_stalled(kube: Kube) -> None:
-    runtime = Runtime(ControllerSettings(stall_seconds=60), kube, load_arch, lambda *_: None)
-    now = runtime.last_success
-    runtime.jobs[("a", "x")] = _JobState(name="x", due_at=now + 10)
-    runtime.jobs[("a", "idle")] = _JobState(name="idle", due_at=None)
-
-    assert runtime.stalled(now + 30) == []
-    assert runtime.stalled(now + 100) == ["a/x"]  # overdue 90 s, nothing succeeded for 100 s
-    assert runtime.health() == {"jobs": 2, "queued": 0}
-
-    runtime.last_success -= 100
-    runtime.jobs[("a", "x")].due_at = now - 90
-    with pytest.raises(RuntimeError, match="no reconcile succeeded for 60s; 1 job"):
-        runtime.health()
-
-
-# ---------------------------------------------------------------------- the pool loop
-
-
-async def test_pool_capacity_is_written_only_when_it_changed(
-    apiserver: ApiServerEmulator, loop: Loop
-) -> None:
-    body = pool("h100")
-    body["metadata"]["generation"] = 3
-    # The product alone: the status shows the memory the planner takes for it.
-    body["spec"]["gpu"] = {"product": body["spec"]["gpu"]["product"]}
-    seed(apiserver, *capacity_cluster(), body)
-    loop.runtime.caches = caches_from(apiserver)
-
-    await loop.runtime.reconcile_pool(copy.deepcopy(dict(apiserver.objects[POOLS, None, "h100"])))
-
-    status = dict(apiserver.objects[POOLS, None, "h100"]["status"])
-    assert status.pop("updatedAt")
-    (valid,) = status.pop("conditions")
-    assert (valid["type"], valid["status"], valid["reason"]) == ("Valid", "True", "Accepted")
-    assert status == {
-        "nodes": 2,
-        "allocatableGPUs": 16,
-        "freeGPUs": 9,
-        "freeGPUsPerNode": [2, 7],
-        "nodeMemoryGiB": 1024.0,
-        "observedGeneration": 3,
-        "gpuMemoryGiB": 80.0,
-    }
-    writes = len([r for r in apiserver if r.method == "PATCH"])
-
-    await loop.runtime.reconcile_pool(copy.deepcopy(dict(apiserver.objects[POOLS, None, "h100"])))
-
-    assert len([r for r in apiserver if r.method == "PATCH"]) == writes
-
-
-async def test_an_unreadable_pool_gets_a_condition(
-    apiserver: ApiServerEmulator, loop: Loop
-) -> None:
-    body = pool("h100")
-    body["spec"]["gpusPerNode"] = "eight"
-    seed(apiserver, body)
-    loop.runtime.caches = caches_from(apiserver)
-
-    await loop.runtime.reconcile_pool(copy.deepcopy(dict(apiserver.objects[POOLS, None, "h100"])))
-
-    (valid,) = apiserver.objects[POOLS, None, "h100"]["status"]["conditions"]
-    assert (valid["type"], valid["status"], valid["reason"]) == ("Valid", "False", "InvalidSpec")
-    assert "spec.gpusPerNode" in valid["message"] and "To fix:" in valid["message"]
-
-
 # ---------------------------------------------------------------------- the operator
 # kopf itself, in a thread with its own loop, against the same emulator. The emulator has
 # no resourceVersion semantics: a watch replays every object's current state, so kopf may
@@ -1482,7 +616,7 @@ async def operator_run(
     """`kopf run -m kubetune.controller.handlers` logged in to the emulator."""
     write_kubeconfig(apiserver, tmp_path, monkeypatch)
     # The operator's startup and cleanup rewrite the module state.
-    monkeypatch.setattr(handlers._State, "runtime", None)
+    monkeypatch.setattr(handlers._State, "reconcilers", None)
     monkeypatch.setattr(handlers._State, "loops", None)
     monkeypatch.setattr(handlers._State, "nodes", {})
     monkeypatch.setattr(handlers._State, "gpu_pods", {})
@@ -1699,90 +833,3 @@ def test_wake_up_successes_are_not_logged(caplog: pytest.LogCaptureFixture) -> N
         "Handler 'finetunejob_loop' succeeded.",
         "Handler 'pod_changed' failed with an exception. Will retry.",
     ]
-
-
-def test_a_queued_jobs_new_position_alone_waits_like_progress() -> None:
-    only_volatile = runtime_module.only_volatile
-    queued = {
-        "phase": "Queued",
-        "message": "position 7 in the queue of pool a100: 6 job(s) ahead (higher priority, "
-        "or created earlier) go first",
-        "conditions": [
-            {"type": "Queued", "status": "True", "message": "position 7 in the queue of pool a100"}
-        ],
-    }
-    moved = {
-        "message": "position 3 in the queue of pool a100: 2 job(s) ahead (higher priority, "
-        "or created earlier) go first",
-        "conditions": [
-            {"type": "Queued", "status": "True", "message": "position 3 in the queue of pool a100"}
-        ],
-    }
-    assert only_volatile(queued, moved)
-    assert only_volatile(queued, {"progress": {"step": 3}})
-    # At the front it waits for GPUs, not for jobs: that is news, written at once.
-    front = {"message": "position 1 in the queue of pool a100: waiting for 8 free GPU(s)"}
-    assert not only_volatile(queued, front)
-    assert not only_volatile(queued, {**moved, "phase": "Running"})
-    assert not only_volatile(queued, {**moved, "plan": {"pool": "h100"}})
-    # A running job's message is never throttled.
-    assert not only_volatile({**queued, "phase": "Running"}, moved)
-
-
-def test_stage_in_progress_alone_waits_like_progress() -> None:
-    only_volatile = runtime_module.only_volatile
-    staging = {
-        "phase": "Planning",
-        "message": "staging in: 1.0 GB of 4.0 GB, 1 of 7 files",
-        "stageIn": {"bytesDone": 10**9, "bytesTotal": 4 * 10**9},
-    }
-    more = {
-        "message": "staging in: 2.0 GB of 4.0 GB, 3 of 7 files",
-        "stageIn": {"bytesDone": 2 * 10**9, "bytesTotal": 4 * 10**9},
-        "progress": {"summary": "stage-in 2.0 GB/4.0 GB"},
-    }
-    assert only_volatile(staging, more)
-    # Its result, a failure or the plan is news, written at once.
-    assert not only_volatile(staging, {**more, "stageIn": {"modelPath": "/cache/models/m"}})
-    assert not only_volatile(staging, {**more, "phase": "Failed"})
-    assert not only_volatile(staging, {**more, "plan": {"pool": "h100"}})
-    assert not only_volatile(staging, {"message": "staging in: pod demo-stagein-x1 is pending"}
-                             | {"conditions": []})  # fmt: skip
-
-
-def test_the_status_patch_carries_what_changed_and_nulls_what_went() -> None:
-    merge_patch = runtime_module.merge_patch
-    old = {
-        "phase": "Queued",
-        "plan": {"pool": "a100", "chunkedCrossEntropy": True, "rejected": [{"pool": "l4"}]},
-        "cost": {"accruedUSD": 0.0, "updatedAt": "12:00"},
-    }
-    # A re-plan that no longer chunks the loss: the stored plan must lose that field, which a
-    # merge patch of the whole plan object would leave in place.
-    replanned = {
-        "phase": "Queued",
-        "plan": {"pool": "a100", "rejected": []},
-        "cost": {"accruedUSD": 0.0, "updatedAt": "12:01"},
-    }
-    assert merge_patch(old, replanned) == {
-        "plan": {"chunkedCrossEntropy": None, "rejected": []},
-        "cost": {"updatedAt": "12:01"},
-    }
-    assert merge_patch(old, old) == {}
-    assert merge_patch(old, {"phase": "Running"}) == {
-        "phase": "Running",
-        "plan": None,
-        "cost": None,
-    }
-    assert merge_patch({}, {"plan": {}}) == {"plan": {}}
-
-
-def test_a_stage_in_whose_result_is_known_is_not_progress_alone() -> None:
-    only_volatile = runtime_module.only_volatile
-    done = {
-        "phase": "Planning",
-        "message": "staging in: 4.0 GB of 4.0 GB",
-        "stageIn": {"bytesDone": 4 * 10**9, "modelPath": "/cache/models/m"},
-    }
-    # The patch carries only the field that moved; the result stored before still counts.
-    assert not only_volatile(done, {"stageIn": {"bytesDone": 5 * 10**9}})

@@ -1,21 +1,22 @@
-"""The queue for GPUs: order, no overtaking, reservations (control/queue.py) and the
-operator's shared queue (controller/runtime.GpuQueue)."""
+"""The queue for GPUs: order, no overtaking, reservations (control/queue.py), the
+operator's shared queue (controller/gpuqueue.GpuQueue) and a look's admission
+(controller/admission.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from datetime import UTC, datetime, timedelta
-from functools import partial
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kubetune.api.v1alpha1 import FineTuneJobStatus
-from kubetune.api.vocabulary import Phase
+from kubetune.api.vocabulary import Phase, QueueWait
 from kubetune.control.capacity import NodeInfo
 from kubetune.control.queue import (
+    Place,
     Ticket,
     Waiting,
     ahead_of,
@@ -25,8 +26,12 @@ from kubetune.control.queue import (
     why_wait,
 )
 from kubetune.control.reconcile import ControllerSettings
+from kubetune.controller.admission import Admission, release_when_bound
 from kubetune.controller.cache import Caches
-from kubetune.controller.runtime import SMALL_MOVE_SLOWDOWN, GpuQueue, Runtime, _JobState
+from kubetune.controller.gpuqueue import GpuQueue
+from kubetune.controller.jobloop import JobState
+from kubetune.controller.reconcilers import Reconcilers
+from kubetune.controller.status_writes import SMALL_MOVE_SLOWDOWN, StatusWriter, Written
 from kubetune.planning.catalog import default_pools
 from kubetune.sources import load_arch
 from support.reconcile import Store, make_job, run, unschedulable
@@ -71,6 +76,62 @@ def test_a_job_never_overtakes_one_ahead_of_it() -> None:
     assert why_wait(big, [big, small], free=[8]) is None
 
 
+def test_a_wait_says_where_the_job_waits_as_its_message_does() -> None:
+    """status.queue comes from the same answer as the message: the pool, the place, and
+    whether the job waits for jobs ahead or for free GPUs."""
+    queue = GpuQueue()
+    big = ticket("big", gpus=8, created="2026-11-24T00:00:00Z")
+    small = ticket("small", gpus=1, created="2026-11-24T00:00:01Z")
+
+    front = queue.admit(big.key, big, [4], queued=False)
+    assert front is not None and front.place == Place("a100", 1, QueueWait.FREE_GPUS)
+    behind = queue.admit(small.key, small, [4], queued=False)
+    assert behind is not None and behind.place == Place("a100", 2, QueueWait.JOBS_AHEAD)
+    assert behind.message.startswith("position 2 in the queue of pool a100: 1 job(s) ahead")
+    full = queue.admit(small.key, small, [0], queued=True)
+    assert full is not None and full.place == Place("a100", 2, QueueWait.FREE_GPUS)
+    assert full.message.startswith("position 2 in the queue of pool a100: waiting for 1 free")
+    assert full.place.status().to_wire() == {
+        "pool": "a100",
+        "position": 2,
+        "jobsAhead": 1,
+        "waitingFor": "FreeGPUs",
+    }
+    # A job that would move here and may not joins no queue: no place to show.
+    mover = ticket("mover", gpus=8, created="2026-11-24T00:05:00Z")
+    stays = queue.admit(mover.key, mover, [0], queued=True, join=False)
+    assert stays is not None and stays.place is None
+
+
+async def test_a_queued_job_shows_the_place_its_look_was_given() -> None:
+    """The job loop puts the queue's answer of its look into status.queue; a look that did
+    not ask keeps the place shown, and a job that is not Queued shows none."""
+    job, _ = run(make_job())
+    plan = job.status.plan  # type: ignore[union-attr]
+    assert plan is not None
+    view = Reconcilers(ControllerSettings(), None, load_arch, lambda *_: None).view  # type: ignore[arg-type]
+    full = {plan.pool: {"freeGPUsPerNode": [0] * plan.nodes}}
+    loop = asyncio.get_running_loop()
+
+    admit = Admission(view, loop, (NAMESPACE, "q"), job, full, (0, time.monotonic()))
+    status = FineTuneJobStatus(phase=Phase.QUEUED)
+    admit.show(status)
+    assert status.queue is None, "not asked: nothing to show yet"
+    why = admit(plan, True)
+    assert why is not None and why.startswith(f"position 1 in the queue of pool {plan.pool}")
+    admit.show(status)
+    assert status.queue is not None
+    assert (status.queue.pool, status.queue.position) == (plan.pool, 1)
+    assert status.queue.waiting_for == QueueWait.FREE_GPUS
+
+    shown = status.queue
+    Admission(view, loop, (NAMESPACE, "q"), job, full, (0, time.monotonic())).show(status)
+    assert status.queue is shown, "a look that did not ask keeps the place"
+    status.phase = Phase.RUNNING
+    admit.show(status)
+    assert status.queue is None
+
+
 def test_reservations_take_the_best_fitting_nodes() -> None:
     reserved = [ticket("r1", gpus=2), ticket("r2", gpus=4, nodes=2)]
 
@@ -91,7 +152,7 @@ def test_two_jobs_never_launch_into_the_same_free_gpus() -> None:
     assert queue.admit(("team-a", "first"), first, [8], queued=False) is None
     why = queue.admit(("team-a", "second"), second, [8], queued=False)
 
-    assert why is not None and "waiting for 8 free GPU(s)" in why
+    assert why is not None and "waiting for 8 free GPU(s)" in why.message
     assert queue.reserved_in("a100") == [first]
     # The first one's pods hold the GPUs now: the capacity says 0 free, the reservation goes.
     assert queue.release(("team-a", "first"))
@@ -114,7 +175,7 @@ def test_a_reservation_given_back_counts_for_looks_from_the_same_capacity_versio
 
     for seen in (6, 7):  # capacity from before the binding: 8 free that are not
         why = queue.admit(("team-a", "second"), second, [8], queued=False, seen=seen)
-        assert why is not None and "waiting for 8 free GPU(s)" in why, seen
+        assert why is not None and "waiting for 8 free GPU(s)" in why.message, seen
     assert queue.admit(("team-a", "second"), second, [0], queued=False, seen=8) is not None
     # A later version whose capacity shows 8 free: the first job's pod finished meanwhile.
     assert queue.admit(("team-a", "second"), second, [8], queued=False, seen=9) is None
@@ -128,8 +189,12 @@ def test_jobs_the_planner_queued_hold_their_place() -> None:
     why_old = queue.admit(("team-a", "old"), old, [0], queued=True)
     why_new = queue.admit(("team-a", "new"), new, [1], queued=False)
 
-    assert why_old is not None and why_old.startswith("position 1 in the queue of pool a100")
-    assert why_new is not None and why_new.startswith("position 2 in the queue of pool a100")
+    assert why_old is not None and why_old.message.startswith(
+        "position 1 in the queue of pool a100"
+    )
+    assert why_new is not None and why_new.message.startswith(
+        "position 2 in the queue of pool a100"
+    )
     queue.stop_waiting(("team-a", "old"))  # e.g. deleted, or moved to another pool
     assert queue.admit(("team-a", "new"), new, [1], queued=False) is None
     assert queue.version == 1
@@ -151,25 +216,25 @@ def test_a_change_of_capacity_wakes_the_front_of_each_queue() -> None:
     }
 
 
-def _looks_queued(rt: Runtime, i: int) -> Ticket:
+def _looks_queued(rt: Reconcilers, i: int) -> Ticket:
     """Job q<i> looks and queues in pool a100 (the i-th created)."""
     t = ticket(f"q{i:02d}", created=f"2026-11-24T00:{i:02d}:00Z")
-    rt.queue.admit(t.key, t, [0], queued=True)
+    rt.view.queue.admit(t.key, t, [0], queued=True)
     return t
 
 
-def _waiting_runtime(jobs: int) -> tuple[Runtime, list[tuple[str, str]]]:
+def _waiting_runtime(jobs: int) -> tuple[Reconcilers, list[tuple[str, str]]]:
     """A runtime whose queue of pool a100 holds `jobs` jobs, each looked at once."""
-    rt = Runtime(ControllerSettings(), None, load_arch, lambda *_: None)  # type: ignore[arg-type]
+    rt = Reconcilers(ControllerSettings(), None, load_arch, lambda *_: None)  # type: ignore[arg-type]
     keys = []
     for i in range(jobs):
         t = _looks_queued(rt, i)
-        rt.jobs[t.key] = _JobState(name=t.name)
+        rt.jobs[t.key] = JobState(name=t.name)
         keys.append(t.key)
     return rt, keys
 
 
-def _woken(rt: Runtime) -> set[str]:
+def _woken(rt: Reconcilers) -> set[str]:
     woken = {state.name for state in rt.jobs.values() if state.wake.is_set()}
     for state in rt.jobs.values():
         state.wake.clear()
@@ -181,9 +246,9 @@ def test_jobs_deep_in_a_queue_are_woken_when_their_place_moved_by_a_tenth() -> N
     place moved by a tenth of the place it last saw, or into the first ten places."""
     rt, keys = _waiting_runtime(40)
     for key in keys[:3]:  # three leave the front: the others move up by three
-        assert rt.queue.stop_waiting(key)
-    assert not rt.queue.stop_waiting(keys[0])
-    rt.queue_changed()  # no event loop: the wake pass runs at once
+        assert rt.view.queue.stop_waiting(key)
+    assert not rt.view.queue.stop_waiting(keys[0])
+    rt.view.queue_changed()  # no event loop: the wake pass runs at once
 
     # q03..q10 are the first eight now; q11..q29 saw places 12..30, of which three is a
     # tenth or more; q30..q39 saw 31..40 and wait.
@@ -191,16 +256,16 @@ def test_jobs_deep_in_a_queue_are_woken_when_their_place_moved_by_a_tenth() -> N
 
     for i in range(3, 30):  # their looks see their new places
         _looks_queued(rt, i)
-    rt.queue_changed()
+    rt.view.queue_changed()
     assert _woken(rt) == {f"q{i:02d}" for i in range(3, 11)}  # the front only
 
     # One joins ahead of all of them (higher priority): everyone moves back by one, which
     # only those within the first ten places show at once.
     first = ticket("urgent", priority=5, created="2026-11-24T01:00:00Z")
-    rt.queue.admit(first.key, first, [0], queued=True)
-    rt.queue_changed()
+    rt.view.queue.admit(first.key, first, [0], queued=True)
+    rt.view.queue_changed()
     assert _woken(rt) == {f"q{i:02d}" for i in range(3, 13)}
-    rt.executor.shutdown()
+    rt.job_loop.executor.shutdown()
 
 
 async def test_a_job_that_joins_ahead_wakes_those_whose_place_it_moved() -> None:
@@ -211,7 +276,7 @@ async def test_a_job_that_joins_ahead_wakes_those_whose_place_it_moved() -> None
     job, _ = run(make_job())
     plan = job.status.plan  # type: ignore[union-attr]
     assert plan is not None
-    rt = Runtime(ControllerSettings(), None, load_arch, lambda *_: None)  # type: ignore[arg-type]
+    rt = Reconcilers(ControllerSettings(), None, load_arch, lambda *_: None)  # type: ignore[arg-type]
     loop = asyncio.get_running_loop()
     full = {plan.pool: {"freeGPUsPerNode": [0] * plan.nodes}}
 
@@ -225,10 +290,10 @@ async def test_a_job_that_joins_ahead_wakes_those_whose_place_it_moved() -> None
             update={"resources": job.spec.resources.model_copy(update={"priority": priority})}
         )
         one = job.model_copy(update={"metadata": meta, "spec": spec})
-        admit = partial(rt._admit, loop, (NAMESPACE, name), one, full, (0, time.monotonic()))
-        why = await loop.run_in_executor(rt.executor, admit, plan, True)
+        admit = Admission(rt.view, loop, (NAMESPACE, name), one, full, (0, time.monotonic()))
+        why = await loop.run_in_executor(rt.job_loop.executor, admit, plan, True)
         assert why is not None and "position" in why
-        rt.jobs.setdefault((NAMESPACE, name), _JobState(name=name))
+        rt.jobs.setdefault((NAMESPACE, name), JobState(name=name))
 
     async def woken_after_a_burst() -> set[str]:
         await asyncio.sleep(0.7)  # the wake pass runs once per burst of changes, 0.5 s on
@@ -242,7 +307,7 @@ async def test_a_job_that_joins_ahead_wakes_those_whose_place_it_moved() -> None
         assert await woken_after_a_burst() == set(), "joining at the end moves nobody"
 
         await queues("urgent", 40, priority=5)
-        assert rt.queue.position((NAMESPACE, "urgent")) == 1
+        assert rt.view.queue.position((NAMESPACE, "urgent")) == 1
         # Everyone moved back a place, which the ten that had the first ten places show at
         # once (q00..q09); q10 and q11 moved by less than a tenth (and the first eight of a
         # queue, the new job among them, are woken on any change).
@@ -251,7 +316,7 @@ async def test_a_job_that_joins_ahead_wakes_those_whose_place_it_moved() -> None
         await queues("urgent", 40, priority=5)  # its next look: the same ticket
         assert await woken_after_a_burst() == set()
     finally:
-        rt.executor.shutdown()
+        rt.job_loop.executor.shutdown()
 
 
 def test_a_pool_nobody_waits_for_getting_free_gpus_wakes_every_waiting_job() -> None:
@@ -265,7 +330,7 @@ def test_a_pool_nobody_waits_for_getting_free_gpus_wakes_every_waiting_job() -> 
     rt.caches = Caches(
         Store(), Store(), Store({"n1": [node]}), gpu_pods, Store({pool.name: [pool]})
     )
-    assert pool.name not in rt.queue.waiting_pools()
+    assert pool.name not in rt.view.queue.waiting_pools()
 
     rt.capacity_changed()
     assert _woken(rt) == {f"q{i:02d}" for i in range(8)}  # the pool is full: the front only
@@ -277,7 +342,7 @@ def test_a_pool_nobody_waits_for_getting_free_gpus_wakes_every_waiting_job() -> 
     gpu_pods["n1"] = []
     rt.capacity_changed()
     assert _woken(rt) == {f"q{i:02d}" for i in range(20)}  # two more
-    rt.executor.shutdown()
+    rt.job_loop.executor.shutdown()
 
 
 def test_positions_are_kept_for_the_waiting_only() -> None:
@@ -365,67 +430,77 @@ async def test_a_look_from_older_capacity_counts_a_reservation_given_back_since(
     pool = next(p for p in default_pools() if p.name == plan.pool)
     node = NodeInfo("n1", dict(pool.spec.node_selector), plan.gpus_per_node, True)
     gpu_pods: Store = Store()
-    rt = Runtime(ControllerSettings(), None, load_arch, lambda *_: None)  # type: ignore[arg-type]
+    rt = Reconcilers(ControllerSettings(), None, load_arch, lambda *_: None)  # type: ignore[arg-type]
     pools = Store({pool.name: [pool]})
     rt.caches = Caches(Store(), Store(), Store({"n1": [node]}), gpu_pods, pools)
     loop = asyncio.get_running_loop()
     first, second = (NAMESPACE, "first"), (NAMESPACE, "second")
 
-    def look() -> partial[str | None]:
+    def look() -> Admission:
         """What a look captures at its start, then admits with later (in a worker thread)."""
-        version, _ = rt.view_version
-        _, capacity = rt.live_pools()
-        return partial(rt._admit, loop, second, job, capacity, (version, time.monotonic()))
+        version, _ = rt.view.view_version
+        _, capacity = rt.view.live_pools()
+        return Admission(rt.view, loop, second, job, capacity, (version, time.monotonic()))
 
     try:
         early = look()  # the second job's look starts here: all GPUs free
-        admit_first = partial(
-            rt._admit, loop, first, job, rt.live_pools()[1], (0, time.monotonic())
+        admit_first = Admission(
+            rt.view, loop, first, job, rt.view.live_pools()[1], (0, time.monotonic())
         )
-        assert await loop.run_in_executor(rt.executor, admit_first, plan, False) is None
+        assert await loop.run_in_executor(rt.job_loop.executor, admit_first, plan, False) is None
         gpu_pods["n1"] = [plan.gpus_per_node]  # its pod got the node
         rt.capacity_changed()
-        rt._release_when_bound(
-            first, Phase.RUNNING, [{"spec": {"nodeName": "n1"}}], rt.view_version[0]
+        release_when_bound(
+            rt.view,
+            rt.settings,
+            first,
+            Phase.RUNNING,
+            [{"spec": {"nodeName": "n1"}}],
+            rt.view.view_version[0],
         )
-        assert rt.queue.reserved_in(pool.name) == []
+        assert rt.view.queue.reserved_in(pool.name) == []
 
-        why = await loop.run_in_executor(rt.executor, early, plan, False)
+        why = await loop.run_in_executor(rt.job_loop.executor, early, plan, False)
         assert why is not None and "waiting for" in why
         late = look()
-        why = await loop.run_in_executor(rt.executor, late, plan, False)
+        why = await loop.run_in_executor(rt.job_loop.executor, late, plan, False)
         assert why is not None and "waiting for" in why
-        assert rt.queue.reserved_in(pool.name) == []
+        assert rt.view.queue.reserved_in(pool.name) == []
 
         gpu_pods["n1"] = []  # the first job finished
         rt.capacity_changed()
-        assert await loop.run_in_executor(rt.executor, look(), plan, False) is None
+        assert await loop.run_in_executor(rt.job_loop.executor, look(), plan, False) is None
     finally:
-        rt.executor.shutdown()
+        rt.job_loop.executor.shutdown()
 
 
 def test_a_reservation_holds_until_its_pods_are_turned_away_long_enough() -> None:
     """In a burst a job's batch Job may be created minutes after admission: its reservation
     must not lapse before its pods exist, or its GPUs go to the next job as well."""
-    rt = Runtime(ControllerSettings(), None, load_arch, lambda *_: None)  # type: ignore[arg-type]
+    rt = Reconcilers(ControllerSettings(), None, load_arch, lambda *_: None)  # type: ignore[arg-type]
     key = (NAMESPACE, "late")
-    rt.queue.admit(key, ticket("late", gpus=8), [8], queued=False)
-    ticket_, _ = rt.queue.reserved[key]
+    rt.view.queue.admit(key, ticket("late", gpus=8), [8], queued=False)
+    ticket_, _ = rt.view.queue.reserved[key]
     # Admitted long ago (longer than the reschedule time), no pod yet: it holds.
     long_ago = time.monotonic() - ControllerSettings().reschedule_seconds - 5
-    rt.queue.reserved[key] = (ticket_, long_ago)
-    rt._release_when_bound(key, Phase.RUNNING, [], 0)
-    assert rt.queue.reservation(key) is not None
+    rt.view.queue.reserved[key] = (ticket_, long_ago)
+    release_when_bound(rt.view, rt.settings, key, Phase.RUNNING, [], 0)
+    assert rt.view.queue.reservation(key) is not None
 
     refused_at = datetime.now(UTC) - timedelta(seconds=ControllerSettings().reschedule_seconds)
-    rt._release_when_bound(
-        key, Phase.RUNNING, [unschedulable("late-0", refused_at + timedelta(seconds=30))], 0
+    release_when_bound(
+        rt.view,
+        rt.settings,
+        key,
+        Phase.RUNNING,
+        [unschedulable("late-0", refused_at + timedelta(seconds=30))],
+        0,
     )
-    assert rt.queue.reservation(key) is not None, "turned away, but not for long yet"
+    assert rt.view.queue.reservation(key) is not None, "turned away, but not for long yet"
     refused = unschedulable("late-0", refused_at - timedelta(seconds=5))
-    rt._release_when_bound(key, Phase.RUNNING, [refused], 0)
-    assert rt.queue.reservation(key) is None
-    rt.executor.shutdown()
+    release_when_bound(rt.view, rt.settings, key, Phase.RUNNING, [refused], 0)
+    assert rt.view.queue.reservation(key) is None
+    rt.job_loop.executor.shutdown()
 
 
 class _StatusWrites:
@@ -446,6 +521,12 @@ def _queued(position: int) -> FineTuneJobStatus:
             "phase": "Queued",
             "message": f"{where}: {position - 1} job(s) ahead (higher priority, or created "
             "earlier) go first",
+            "queue": {
+                "pool": "a100",
+                "position": position,
+                "jobsAhead": position - 1,
+                "waitingFor": "JobsAhead",
+            },
         }
     )
 
@@ -457,16 +538,16 @@ async def test_a_deep_position_is_written_after_every_tenth_of_the_way() -> None
     usual pace."""
     settings = ControllerSettings()
     writes = _StatusWrites()
-    rt = Runtime(settings, writes, load_arch, lambda *_: None)  # type: ignore[arg-type]
-    state = _JobState(name="deep")
+    writer = StatusWriter(settings, writes, lambda *_: None)  # type: ignore[arg-type]
+    written = Written()
 
     async def write(shown: int, now: int, seconds_ago: float) -> bool:
         """Whether the job, its status showing position `shown`, writes position `now`
         `seconds_ago` after its last write."""
-        state.written_at = time.monotonic() - seconds_ago
+        written.at = time.monotonic() - seconds_ago
         before = len(writes.patches)
         old = _queued(shown).to_wire()
-        assert await rt._write_status(NAMESPACE, "deep", state, old, _queued(now).to_wire(), {})
+        assert await writer.write(written, NAMESPACE, "deep", old, _queued(now).to_wire(), {})
         return len(writes.patches) > before
 
     pace = settings.progress_write_seconds
@@ -478,4 +559,3 @@ async def test_a_deep_position_is_written_after_every_tenth_of_the_way() -> None
     assert await write(10, 9, pace + 1)  # within the first ten every move, at the usual pace
     assert writes.patches[-1]["message"] == _queued(9).message
     assert not await write(11, 10, pace + 1)
-    rt.executor.shutdown()

@@ -24,23 +24,15 @@ from kubetune.control.builders import (
     label_value,
     owner_reference,
 )
-from kubetune.control.reconcile import ControllerSettings
 from kubetune.controller.kube import Kube
 from kubetune.controller.settings import settings_from_env
+from support.emulated import NAMESPACE, condition, example_cluster, requests, seed, tiny_job
 from support.kmock_apiserver import ApiServerEmulator
-from unit import test_handlers as emulated
+from unit import test_jobloop as emulated
 from unit.test_builders import full_8b_job, full_8b_plan, h100_pool, tiny_lora_job
-from unit.test_handlers import (
-    NAMESPACE,
-    Loop,
-    condition,
-    example_cluster,
-    requests,
-    seed,
-    tiny_job,
-)
+from unit.test_jobloop import Loop
 
-# The emulated API server, a Kube client of it and the runtime's clock (test_handlers.py).
+# The emulated API server, a Kube client of it and the loops' clock (test_jobloop.py).
 apiserver = emulated.apiserver
 kube = emulated.kube
 clock = emulated.clock
@@ -199,7 +191,7 @@ def test_bad_settings_stop_the_operator_with_a_fix(env: dict[str, str], message:
     assert "to fix" in str(err.value)
 
 
-# --------------------------------------------------------------------------- runtime
+# --------------------------------------------------------------------------- the job loop
 
 
 def _network_policies(server: kmock.KubernetesEmulator) -> dict[str, dict[str, Any]]:
@@ -211,9 +203,7 @@ def _network_policies(server: kmock.KubernetesEmulator) -> dict[str, dict[str, A
 
 
 def _loop(server: ApiServerEmulator, kube: Kube, build: BuildSettings) -> Loop:
-    loop = Loop(server, kube)
-    loop.runtime.settings = ControllerSettings(build=build)
-    return loop
+    return Loop(server, kube, build=build)
 
 
 async def test_launch_creates_the_policy_before_the_batch_job(

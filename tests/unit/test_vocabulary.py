@@ -23,6 +23,7 @@ from kubetune.api.vocabulary import (
     ConditionType,
     Phase,
     PlanReason,
+    QueueWait,
     Reason,
     RecoveryReason,
 )
@@ -48,6 +49,7 @@ DEFINED_IN = {
         tuple(Reason),
         tuple(RecoveryReason),
         tuple(PlanReason),
+        tuple(QueueWait),
     ),
 }
 
@@ -77,6 +79,7 @@ def _at(schema: dict[str, Any], *path: str) -> dict[str, Any]:
         (("status", "phase"), tuple(Phase)),
         (("status", "plan", "reason"), tuple(PlanReason)),
         (("status", "recoveries", "[]", "reason"), tuple(RecoveryReason)),
+        (("status", "queue", "waitingFor"), tuple(QueueWait)),
         (("spec", "method"), ("auto", *METHODS)),
         (("status", "plan", "method"), METHODS),
         (("status", "plan", "sharding"), SHARDINGS),

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic.alias_generators import to_camel
 
 from kubetune.api.gpus import GPU_PRODUCT_LABEL, KNOWN_GPUS
-from kubetune.api.vocabulary import Phase, PlanReason, RecoveryReason
+from kubetune.api.vocabulary import Phase, PlanReason, QueueWait, RecoveryReason
 from kubetune_trainer.contract import (
     DatasetFormat,
     GGUFType,
@@ -909,6 +909,20 @@ class PlanStatus(_Model):
         return data
 
 
+class QueueStatus(_Model):
+    """Where a Queued job waits for GPUs (status.queue), as of its last look: each pool's
+    queue goes by spec.resources.priority, then creation time. status.message says the same
+    for people; this is what programs (and the operator's own write throttle) read."""
+
+    pool: str = Field(description="The GPUPool whose queue the job is in.")
+    position: int = Field(ge=1, description="Its place in that queue (1: it goes next).")
+    jobs_ahead: int = Field(ge=0, description="Jobs of that queue that go first (position - 1).")
+    waiting_for: QueueWait = Field(
+        description="JobsAhead: jobs ahead of it go first; FreeGPUs: its pool lacks free GPUs "
+        "for its plan."
+    )
+
+
 class ProgressStatus(_Model):
     step: int = Field(default=0, description="Optimizer steps done.")
     total_steps: int = Field(default=0, description="Optimizer steps planned.")
@@ -1079,6 +1093,9 @@ class FineTuneJobStatus(_Model):
     message: str | None = Field(default=None, description="Latest human-readable news.")
     conditions: list[Condition] = Field(default_factory=list, description="Current conditions.")
     plan: PlanStatus | None = Field(default=None, description="The plan being executed.")
+    queue: QueueStatus | None = Field(
+        default=None, description="Where the job waits for GPUs; set only while it is Queued."
+    )
     upstream: UpstreamStatus | None = Field(
         default=None, description="The FineTuneJob an `ftj://` model comes from."
     )

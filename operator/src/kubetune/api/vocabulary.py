@@ -212,6 +212,16 @@ class PlanReason(StrEnum):
     """A trainer pod found no room in the previous pool."""
 
 
+class QueueWait(StrEnum):
+    """What a Queued job waits for in its pool's queue (`status.queue.waitingFor`)."""
+
+    JOBS_AHEAD = "JobsAhead"
+    """Jobs ahead of it in the queue (a higher priority, or created earlier) go first."""
+    FREE_GPUS = "FreeGPUs"
+    """Its pool has not enough free GPUs for its layout, after those reserved for jobs
+    admitted before it."""
+
+
 class StepKind(StrEnum):
     """The CPU-only steps around training: the `kubetune.io/step` label of their Job and pod,
     and the name of their container."""

@@ -14,6 +14,9 @@ from bisect import bisect_left, insort
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+from kubetune.api.v1alpha1 import QueueStatus
+from kubetune.api.vocabulary import QueueWait
+
 
 @dataclass(frozen=True)
 class Ticket:
@@ -164,16 +167,66 @@ def small_place_move(shown: int, now: int) -> bool:
     return now != shown and abs(now - shown) * 10 < shown
 
 
-def wait_reason(ticket: Ticket, ahead: int, free: Sequence[int]) -> str | None:
-    """`why_wait` for a job with `ahead` jobs before it in its pool's queue."""
+@dataclass(frozen=True)
+class Place:
+    """Where a job waits: its pool's queue, its place in it (1 first), and what it waits for
+    (status.queue once the job is Queued)."""
+
+    pool: str
+    position: int
+    waiting_for: QueueWait
+
+    def status(self) -> QueueStatus:
+        return QueueStatus(
+            pool=self.pool,
+            position=self.position,
+            jobs_ahead=self.position - 1,
+            waiting_for=self.waiting_for,
+        )
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Why a job may not launch now: what its status says, and where it waits (None: it
+    joined no queue)."""
+
+    message: str
+    place: Place | None = None
+
+
+def queue_wait(ticket: Ticket, ahead: int, free: Sequence[int]) -> Wait | None:
+    """`wait_reason`, with the job's place."""
     if ahead:
-        return (
+        return Wait(
             f"position {ahead + 1} in the queue of pool {ticket.pool}: "
-            f"{ahead} job(s) ahead (higher priority, or created earlier) go first"
+            f"{ahead} job(s) ahead (higher priority, or created earlier) go first",
+            Place(ticket.pool, ahead + 1, QueueWait.JOBS_AHEAD),
         )
     if not fits(free, ticket.nodes, ticket.gpus_per_node):
-        return (
+        return Wait(
             f"position 1 in the queue of pool {ticket.pool}: waiting for {ticket.gpus} free "
-            f"GPU(s) ({ticket.nodes} node(s) with {ticket.gpus_per_node} free each)"
+            f"GPU(s) ({ticket.nodes} node(s) with {ticket.gpus_per_node} free each)",
+            Place(ticket.pool, 1, QueueWait.FREE_GPUS),
         )
     return None
+
+
+def wait_reason(ticket: Ticket, ahead: int, free: Sequence[int]) -> str | None:
+    """`why_wait` for a job with `ahead` jobs before it in its pool's queue."""
+    wait = queue_wait(ticket, ahead, free)
+    return None if wait is None else wait.message
+
+
+def full_pool_wait(ticket: Ticket, position: int) -> Wait:
+    """A job the planner found no room for: it waits at `position` of its pool's queue."""
+    return Wait(
+        f"position {position} in the queue of pool {ticket.pool}: waiting for "
+        f"{ticket.gpus} free GPU(s); re-planning as capacity changes",
+        Place(ticket.pool, position, QueueWait.FREE_GPUS),
+    )
+
+
+def no_room_wait(ticket: Ticket) -> Wait:
+    """A job that would move to the ticket's pool (its pods found no room where they are),
+    which has no room for it either: it stays where it is, in no queue."""
+    return Wait(f"pool {ticket.pool} has no {ticket.gpus} free GPU(s)")

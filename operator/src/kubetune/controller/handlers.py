@@ -1,4 +1,4 @@
-"""kopf handlers: thin glue between kopf and `kubetune.controller.runtime`.
+"""kopf handlers: thin glue between kopf and `kubetune.controller.reconcilers`.
 
 Run with `kopf run -m kubetune.controller.handlers --all-namespaces` (or `kubetune operator`).
 
@@ -9,9 +9,9 @@ What is registered here:
   of pods holding GPUs, of Nodes and of GPUPools; kopf fills them before any loop starts;
 - event handlers that wake the loop a change concerns: a child's change wakes its job, a
   change of a job's spec wakes the job, a change of capacity wakes queued jobs and pools;
-- the loops of controller/runtime.py: one per FineTuneJob, started by the job's first event
-  and stopped by its deletion (controller/loops.py, no finalizer on the job), and one per
-  GPUPool, a kopf daemon.
+- the reconcile loops (controller/reconcilers.py): one per FineTuneJob, started by the job's
+  first event and stopped by its deletion (controller/loops.py, no finalizer on the job), and
+  one per GPUPool, a kopf daemon.
 
 kopf's daemons need a finalizer on each object to stop cleanly; a GPUPool carries one,
 named `kubetune.io/finalizer`, which kopf removes as soon as the pool is deleted while the
@@ -50,7 +50,7 @@ from kubetune.controller.cache import (
 )
 from kubetune.controller.kube import Kube
 from kubetune.controller.loops import JobLoops
-from kubetune.controller.runtime import Runtime
+from kubetune.controller.reconcilers import Reconcilers
 from kubetune.controller.settings import settings_from_env
 from kubetune.sources import load_arch
 
@@ -70,7 +70,7 @@ LOOP_STOP_SECONDS = 10.0
 
 
 class _State:
-    runtime: Runtime | None = None
+    reconcilers: Reconcilers | None = None
     loops: JobLoops | None = None
     loop_lag: asyncio.Task[None] | None = None
     nodes: dict[str, NodeInfo] = {}  # noqa: RUF012 - the operator's one process-wide view
@@ -87,10 +87,10 @@ def _forget_job(body: Mapping[str, Any]) -> None:
     metrics.forget_job(str(meta.get("namespace")), str(meta.get("name")))
 
 
-def _runtime() -> Runtime:
-    if _State.runtime is None:
+def _reconcilers() -> Reconcilers:
+    if _State.reconcilers is None:
         raise kopf.TemporaryError("the operator is still starting", delay=1)
-    return _State.runtime
+    return _State.reconcilers
 
 
 def _caches(kwargs: Mapping[str, Any]) -> Caches:
@@ -140,8 +140,8 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         AsyncClient(), metrics_port=controller.build.metrics_port, may_write=leader.may_write
     )
     loader = partial(load_arch, allow_network=controller.allow_network, local_files=False)
-    _State.runtime = Runtime(controller, kube, loader, _post_event)
-    _State.loops = JobLoops(_State.runtime.run_job, forget=_forget_job)
+    _State.reconcilers = Reconcilers(controller, kube, loader, _post_event)
+    _State.loops = JobLoops(_State.reconcilers.run_job, forget=_forget_job)
     _State.loop_lag = asyncio.get_running_loop().create_task(metrics.sample_loop_lag())
     try:
         port = metrics.start_server()
@@ -166,16 +166,15 @@ async def close_client(**_: Any) -> None:
     if _State.loops is not None:
         await _State.loops.stop_all(timeout=LOOP_STOP_SECONDS)
         _State.loops = None
-    if _State.runtime is not None:
-        _State.runtime.executor.shutdown(wait=False, cancel_futures=True)
-        await _State.runtime.kube.client.close()
-        _State.runtime = None
+    if _State.reconcilers is not None:
+        await _State.reconcilers.close()
+        _State.reconcilers = None
 
 
 @kopf.on.probe(id="reconciles")
 def reconciles(**_: Any) -> dict[str, Any]:
-    """Liveness: fails when reconciliation stalled for every job (runtime.health)."""
-    return _runtime().health()
+    """Liveness: fails when reconciliation stalled for every job (Reconcilers.health)."""
+    return _reconcilers().health()
 
 
 # ---------------------------------------------------------------------- caches
@@ -258,8 +257,8 @@ logging.getLogger("kopf.objects").addFilter(QuietWakeUps())
 @kopf.on.event(*PODS, labels=CHILD)
 async def child_changed(body: kopf.Body, **_: Any) -> None:
     key = child_key(body)
-    if key is not None and _State.runtime is not None:
-        _State.runtime.wake(key)
+    if key is not None and _State.reconcilers is not None:
+        _State.reconcilers.wake(key)
 
 
 @kopf.on.event(*PODS)
@@ -271,8 +270,8 @@ async def pod_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
             _State.gpu_pods.pop(uid, None)
         else:
             _State.gpu_pods[uid] = held
-        if _State.runtime is not None:
-            _State.runtime.capacity_changed()
+        if _State.reconcilers is not None:
+            _State.reconcilers.capacity_changed()
 
 
 @kopf.on.event(*NODES)
@@ -284,22 +283,22 @@ async def node_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
             _State.nodes.pop(name, None)
         else:
             _State.nodes[name] = info
-        if _State.runtime is not None:
-            _State.runtime.capacity_changed()
+        if _State.reconcilers is not None:
+            _State.reconcilers.capacity_changed()
 
 
 @kopf.on.event(*POOLS)
 async def pool_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
     if type == "DELETED":
         metrics.forget_pool(str(body.metadata.name))
-    runtime = _State.runtime
-    if runtime is None:
+    reconcilers = _State.reconcilers
+    if reconcilers is None:
         return
     # Its own status writes come back here too; only a new spec or a deletion matters.
     generation = (type, body.metadata.get("generation"))
-    if runtime.pool_generations.get(str(body.metadata.name)) != generation:
-        runtime.pool_generations[str(body.metadata.name)] = generation
-        runtime.capacity_changed()
+    if reconcilers.pool_generations.get(str(body.metadata.name)) != generation:
+        reconcilers.pool_generations[str(body.metadata.name)] = generation
+        reconcilers.capacity_changed()
 
 
 @kopf.on.event(*FTJ)
@@ -309,15 +308,15 @@ async def finetunejob_changed(body: kopf.Body, type: str | None, **kwargs: Any) 
     deleted = type == "DELETED"
     if deleted:
         metrics.forget_job(str(body.metadata.namespace), str(body.metadata.name))
-    runtime, loops = _State.runtime, _State.loops
-    if runtime is None or loops is None:
+    reconcilers, loops = _State.reconcilers, _State.loops
+    if reconcilers is None or loops is None:
         return
-    if runtime.caches is None:
-        runtime.caches = _caches(kwargs)
+    if reconcilers.caches is None:
+        reconcilers.caches = _caches(kwargs)
     if loops.observe(body, deleted=deleted) or deleted:
         return
     key = job_key_of(body.metadata)
-    state = runtime.jobs.get(key)
+    state = reconcilers.jobs.get(key)
     if state is None:
         return
     # A deletionTimestamp needs no wake-up here: `observe` set the loop's stop flag, which
@@ -331,7 +330,7 @@ async def finetunejob_changed(body: kopf.Body, type: str | None, **kwargs: Any) 
 
 @kopf.daemon(*POOLS, cancellation_backoff=5.0, cancellation_timeout=10.0)
 async def gpupool_loop(body: kopf.Body, stopped: kopf.DaemonStopped, **kwargs: Any) -> None:
-    runtime = _runtime()
-    if runtime.caches is None:
-        runtime.caches = _caches(kwargs)
-    await runtime.run_pool(body, stopped)
+    reconcilers = _reconcilers()
+    if reconcilers.caches is None:
+        reconcilers.caches = _caches(kwargs)
+    await reconcilers.run_pool(body, stopped)

@@ -35,7 +35,7 @@ deleted is cancelled (a look waits at most for the API server's timeouts)."""
 
 
 class StopFlag:
-    """Set once a loop must stop (the `Stopped` of controller/runtime.py)."""
+    """Set once a loop must stop (the `Stopped` of controller/waiting.py)."""
 
     def __init__(self) -> None:
         self._event = asyncio.Event()
