@@ -38,7 +38,7 @@ class AdmitFn(Protocol):
     """Asked before a new plan launches, with the plan and whether the planner found it must
     wait for capacity: None launches it, a message queues the job with that message. With
     `join=False` (a running job that would move to another pool) a message only means "not
-    now": the job joins no queue. The operator passes its queue (controller/runtime.py);
+    now": the job joins no queue. The operator passes its queue (controller/admission.py);
     `wait_when_busy` is the default."""
 
     def __call__(self, plan: PlanStatus, queued: bool, join: bool = True) -> str | None: ...
