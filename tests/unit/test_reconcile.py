@@ -15,10 +15,11 @@ from typing import Any
 import pytest
 
 from kubetune.api.tenancy import Tenant
+from kubetune.api.units import quantity_value
 from kubetune.api.v1alpha1 import FineTuneJobStatus, LabelSelector, PlanStatus, Recovery
 from kubetune.api.vocabulary import ConditionType, PlanReason, Reason, RecoveryReason
 from kubetune.control import conditions as c
-from kubetune.control.builders import BuildSettings, checkpoint_size, quantity_value
+from kubetune.control.builders import BuildSettings, checkpoint_size
 from kubetune.control.reconcile import (
     KEEP_RECOVERIES,
     Decision,

@@ -27,10 +27,10 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from decimal import Decimal
 from typing import Any, Literal, get_args
 
 from kubetune.api.errors import SpecError
+from kubetune.api.units import quantity_value
 from kubetune.api.v1alpha1 import API_VERSION, FineTuneJob, GPUPool, PlanStatus, StageInStatus
 from kubetune.api.vocabulary import StepKind
 from kubetune.control.pods import TRAINER_CONTAINER
@@ -103,8 +103,6 @@ tests use it to exercise OOM recovery without a GPU; never set it on real work."
 _MAX_BASE = 63 - len("-a99999") - len("-9999")
 _HASH_LEN = 6
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
-"""A plain Kubernetes quantity: a decimal number and an optional SI or binary suffix."""
 
 
 @dataclass(frozen=True)
@@ -771,31 +769,6 @@ def build_network_policy(job: FineTuneJob, settings: BuildSettings) -> dict[str,
 # --------------------------------------------------------------------------- batch Job
 
 
-_QUANTITY_SCALE: dict[str, Decimal | int] = {
-    "": 1, "m": Decimal("0.001"), "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-    "P": 10**15, "E": 10**18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
-    "Pi": 2**50, "Ei": 2**60,
-}  # fmt: skip
-
-
-def quantity_value(quantity: str) -> Decimal:
-    """The number a simple Kubernetes quantity stands for: `200Gi` → 214748364800."""
-    match = QUANTITY.match(quantity)
-    if match is None:
-        raise ValueError(f"{quantity!r} is not a simple Kubernetes quantity")
-    return Decimal(match.group(1)) * _QUANTITY_SCALE[match.group(2) or ""]
-
-
-def _scale_quantity(quantity: str, factor: int) -> str:
-    """`quantity × factor` for simple quantities such as `4`, `500m`, `16Gi`, `1.5`."""
-    match = QUANTITY.match(quantity)
-    if match is None:
-        raise ValueError(f"cannot scale quantity {quantity!r}")
-    number = Decimal(match.group(1)) * factor
-    text = format(number.normalize(), "f")
-    return f"{text}{match.group(2) or ''}"
-
-
 def host_memory_gib(plan: PlanStatus, settings: BuildSettings) -> float:
     """Host memory of one trainer pod: the per-GPU amount for each of its GPUs, plus what the
     plan keeps in host memory (offloaded activations), times the plan's host-memory scale
@@ -809,6 +782,15 @@ def memory_quantity(gib: float) -> str:
     if gib == int(gib):
         return f"{int(gib)}Gi"
     return f"{math.ceil(gib * 1024)}Mi"
+
+
+def _cpu_request(cpu_per_gpu: str, gpus: int) -> str:
+    """`cpu_per_gpu` for each of the pod's GPUs, in millicores where it is given in them
+    (`1500m` × 8 → `12000m`), else in cores (`4` × 8 → `32`, `1.5` × 3 → `4.5`)."""
+    cores = quantity_value(cpu_per_gpu) * gpus
+    if cpu_per_gpu.endswith("m"):
+        return f"{format((cores * 1000).normalize(), 'f')}m"
+    return format(cores.normalize(), "f")
 
 
 def _torchrun_args(
@@ -967,7 +949,7 @@ def _trainer_resources(plan: PlanStatus, settings: BuildSettings) -> dict[str, A
         # node until the kubelet evicts it or its neighbours.
         limits["memory"] = memory
     return {
-        "requests": {"cpu": _scale_quantity(settings.cpu_per_gpu, gpus), "memory": memory},
+        "requests": {"cpu": _cpu_request(settings.cpu_per_gpu, gpus), "memory": memory},
         "limits": limits,
     }
 

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 from kubetune.api.errors import InfeasibleError, SpecError
 from kubetune.api.tenancy import Tenant
-from kubetune.api.units import about, size
+from kubetune.api.units import about, quantity_value, size
 from kubetune.api.v1alpha1 import (
     CHAIN_SCHEME,
     INT64_MAX,
@@ -66,7 +66,6 @@ from kubetune.control import progress
 from kubetune.control.builders import (
     ANNOTATION_TEST_FAULTS,
     CACHE_CLAIM,
-    QUANTITY,
     BuildSettings,
     InputRef,
     build_children,
@@ -83,7 +82,6 @@ from kubetune.control.builders import (
     needs_export,
     needs_stage_in,
     needs_stage_out,
-    quantity_value,
     single_node,
 )
 from kubetune.control.conditions import get_condition, is_true, now_rfc3339
@@ -992,7 +990,7 @@ class _Reconciler:
         requests = ((claim.get("spec") or {}).get("resources") or {}).get("requests") or {}
         have = str(requests.get("storage") or "")
         want = checkpoint_size(self.job, plan)
-        if not QUANTITY.match(have) or quantity_value(want) <= quantity_value(have):
+        if not have or quantity_value(want) <= quantity_value(have):
             return
         name = str((claim.get("metadata") or {}).get("name"))
         storage_class = (claim.get("spec") or {}).get("storageClassName") or "(none)"
