@@ -40,7 +40,8 @@ from lightkube.resources.core_v1 import Node
 from kubetune.api.tenancy import Tenant
 from kubetune.api.v1alpha1 import FineTuneJob, GPUPool, StageInStatus
 from kubetune.api.vocabulary import ConditionType, EventType, Reason
-from kubetune.control.builders import BuildSettings, child_names, labels, owner_reference
+from kubetune.control.build.names import child_names, labels, owner_reference
+from kubetune.control.build.settings import BuildSettings
 from kubetune.control.capacity import node_info
 from kubetune.control.queue import Ticket
 from kubetune.control.reconcile import ControllerSettings

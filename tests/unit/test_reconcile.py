@@ -19,7 +19,8 @@ from kubetune.api.units import quantity_value
 from kubetune.api.v1alpha1 import FineTuneJobStatus, LabelSelector, PlanStatus, Recovery
 from kubetune.api.vocabulary import ConditionType, PlanReason, Reason, RecoveryReason
 from kubetune.control import conditions as c
-from kubetune.control.builders import BuildSettings, checkpoint_size
+from kubetune.control.build.settings import BuildSettings
+from kubetune.control.build.storage import checkpoint_size
 from kubetune.control.reconcile import (
     KEEP_RECOVERIES,
     Decision,

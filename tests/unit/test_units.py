@@ -11,7 +11,8 @@ from decimal import Decimal
 import pytest
 
 from kubetune.api.units import quantity_value
-from kubetune.control.builders import GPU_RESOURCE, BuildSettings
+from kubetune.api.vocabulary import GPU_RESOURCE
+from kubetune.control.build.settings import BuildSettings
 from kubetune.control.capacity import node_info
 from kubetune.controller.settings import settings_from_env
 

@@ -23,8 +23,8 @@ from rich.table import Table
 
 from kubetune.api.units import about
 from kubetune.api.v1alpha1 import GPUPool
-from kubetune.api.vocabulary import TERMINAL_PHASES
-from kubetune.control.builders import COMPLETION_INDEX_ANNOTATION, CONTAINER_NAME, GPU_RESOURCE
+from kubetune.api.vocabulary import COMPLETION_INDEX_ANNOTATION, GPU_RESOURCE, TERMINAL_PHASES
+from kubetune.control.build.trainer import CONTAINER_NAME
 
 NONE = "-"
 

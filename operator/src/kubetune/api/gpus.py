@@ -9,10 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
-"""The node label GPU feature discovery (alone, or in NVIDIA's GPU operator) sets to the
-node's GPU product; a GPUPool without a nodeSelector selects the nodes labelled with its own."""
-
 
 @dataclass(frozen=True)
 class GPUFacts:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kubetune.api.units import quantity_value
-from kubetune.control.builders import GPU_RESOURCE
+from kubetune.api.vocabulary import GPU_RESOURCE
 from kubetune.control.pods import POD_DONE
 
 

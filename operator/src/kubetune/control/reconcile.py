@@ -53,6 +53,7 @@ from kubetune.api.v1alpha1 import (
     parse_duration,
 )
 from kubetune.api.vocabulary import (
+    ANNOTATION_TEST_FAULTS,
     ConditionType,
     EventType,
     Phase,
@@ -63,27 +64,27 @@ from kubetune.api.vocabulary import (
 )
 from kubetune.control import pods as p
 from kubetune.control import progress
-from kubetune.control.builders import (
-    ANNOTATION_TEST_FAULTS,
-    CACHE_CLAIM,
-    BuildSettings,
-    InputRef,
-    build_children,
+from kubetune.control.build.children import build_children
+from kubetune.control.build.names import child_names
+from kubetune.control.build.settings import BuildSettings
+from kubetune.control.build.stages import (
     build_export,
     build_stage_in,
     build_stage_out,
-    checkpoint_size,
-    child_names,
     fetched_sources,
     gguf_uri,
-    host_memory_gib,
-    input_refs,
-    memory_quantity,
     needs_export,
     needs_stage_in,
     needs_stage_out,
+)
+from kubetune.control.build.storage import (
+    CACHE_CLAIM,
+    InputRef,
+    checkpoint_size,
+    input_refs,
     single_node,
 )
+from kubetune.control.build.trainer import host_memory_gib, memory_quantity
 from kubetune.control.conditions import get_condition, is_true, now_rfc3339
 from kubetune.control.lifecycle import Transitions, is_finished
 from kubetune.planning.arch import ArchitectureError, ModelArch, arch_from_hf_config

@@ -49,7 +49,7 @@ from kubetune.api.v1alpha1 import (
     PlanStatus,
 )
 from kubetune.api.vocabulary import TERMINAL_PHASES, EventType, Phase, PoolConditionType, Reason
-from kubetune.control.builders import input_refs
+from kubetune.control.build.storage import input_refs
 from kubetune.control.conditions import now_rfc3339
 from kubetune.control.lifecycle import failed, is_finished
 from kubetune.control.pods import unschedulable_since

@@ -62,7 +62,7 @@ from typing import Any, get_args
 
 from kubetune.api.units import quantity_value
 from kubetune.api.v1alpha1 import Objective
-from kubetune.control.builders import BuildSettings
+from kubetune.control.build.settings import BuildSettings
 from kubetune.control.reconcile import ControllerSettings
 from kubetune.planning.planner import PlannerSettings
 
