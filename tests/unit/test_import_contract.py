@@ -58,7 +58,7 @@ BREAKS = [
     ("kubetune/planning/planner.py", "import kubetune_dev.cluster", "product-without-tooling"),
     ("kubetune/controller/kube.py", "from kubetune_dev import cli", "product-without-tooling"),
     ("kubetune/control/build/config.py", "import kubetune_trainer.recipe", "trainer-contract-only"),
-    ("kubetune/control/reconcile.py", "from kubetune import controller", "layers"),
+    ("kubetune/control/reconcile/__init__.py", "from kubetune import controller", "layers"),
     ("kubetune/api/v1alpha1.py", "from kubetune.planning import planner", "layers"),
     ("kubetune/sources.py", "import kubetune.cli", "layers"),
     ("kubetune/controller/run.py", "import kubetune.cli", "layers"),
@@ -71,7 +71,16 @@ BREAKS = [
         "trainer-knows-no-kubernetes",
     ),
     ("kubetune/planning/arch.py", "from kubetune.planning import estimator", "planning-layers"),
-    ("kubetune/control/pods.py", "from kubetune.control import reconcile", "control-layers"),
+    (
+        "kubetune/control/pods.py",
+        "from kubetune.control.reconcile.context import Observed",
+        "control-layers",
+    ),
+    (
+        "kubetune/control/reconcile/launch.py",
+        "from kubetune.control.reconcile import recovery",
+        "reconcile-layers",
+    ),
     (
         "kubetune/control/build/names.py",
         "from kubetune.control.build import trainer",

@@ -16,33 +16,23 @@ import pytest
 
 from kubetune.api.tenancy import Tenant
 from kubetune.api.units import quantity_value
-from kubetune.api.v1alpha1 import FineTuneJobStatus, LabelSelector, PlanStatus, Recovery
-from kubetune.api.vocabulary import ConditionType, PlanReason, Reason, RecoveryReason
+from kubetune.api.v1alpha1 import FineTuneJobStatus, LabelSelector
+from kubetune.api.vocabulary import ConditionType, Phase, Reason
 from kubetune.control import conditions as c
 from kubetune.control.build.settings import BuildSettings
 from kubetune.control.build.storage import checkpoint_size
-from kubetune.control.reconcile import (
-    KEEP_RECOVERIES,
-    Decision,
-    Observed,
-    preemptions_without_progress,
-    reconcile,
-    trim_recoveries,
-)
+from kubetune.control.reconcile import PHASE_HANDLERS, Decision, Observed, reconcile
 from kubetune.planning.arch import ArchitectureError
 from kubetune.planning.catalog import default_pools
-from kubetune_trainer.contract import EXIT_CONFIG_ERROR, EXIT_OOM, EXIT_PREEMPTED
 from support.reconcile import (
     SETTINGS,
     T0,
     batch_job,
     busy,
-    load_arch,
     make_job,
     observed,
     pod,
     run,
-    unschedulable,
 )
 
 pytestmark = pytest.mark.unit
@@ -56,7 +46,7 @@ def test_new_job_is_planned_and_launched() -> None:
     job, d = run(make_job())
     s = job.status
     assert s is not None and s.plan is not None
-    assert s.phase == "Running"
+    assert s.phase == Phase.RUNNING
     assert s.attempt == 1
     assert kinds(d) == ["PersistentVolumeClaim", "ConfigMap", "Service", "NetworkPolicy", "Job"]
     assert d.create[-1]["metadata"]["name"] == "demo-a1"
@@ -65,6 +55,10 @@ def test_new_job_is_planned_and_launched() -> None:
     assert s.progress is not None and s.progress.total_steps == s.plan.total_steps
     assert s.cost is not None and s.cost.estimated_usd == s.plan.estimated_cost_usd
     assert s.observed_generation == 1
+
+
+def test_every_phase_has_its_handler() -> None:
+    assert set(PHASE_HANDLERS) == set(Phase)
 
 
 def test_reconcile_is_idempotent_once_running() -> None:
@@ -83,7 +77,7 @@ def test_reconcile_is_idempotent_once_running() -> None:
 
 def test_no_pools_waits_instead_of_failing() -> None:
     job, d = run(make_job(), pools=[])
-    assert job.status is not None and job.status.phase == "Planning"
+    assert job.status is not None and job.status.phase == Phase.PLANNING
     cond = c.get_condition(job.status.conditions, ConditionType.PLANNED)
     assert cond is not None and cond.reason == Reason.NO_POOLS
     assert d.create == [] and d.requeue_after == SETTINGS.queue_retry_seconds
@@ -98,7 +92,7 @@ def test_infeasible_job_fails_with_advice() -> None:
         )
     )
     s = job.status
-    assert s is not None and s.phase == "Failed"
+    assert s is not None and s.phase == Phase.FAILED
     assert "To fix:" in (s.message or "")
     assert c.get_condition(s.conditions, ConditionType.FAILED).reason == Reason.INFEASIBLE  # type: ignore[union-attr]
     assert d.create == []
@@ -112,7 +106,7 @@ def test_unknown_architecture_fails_permanently() -> None:
     # Named by spec.model.architecture: the model's own files would not be read for it.
     job = make_job(model={"uri": "pvc://models/x", "architecture": "acme/x"})
     d = reconcile(job, observed(None), SETTINGS, now=T0, load_arch=loader)
-    assert d.status.phase == "Failed"
+    assert d.status.phase == Phase.FAILED
     assert (
         c.get_condition(d.status.conditions, ConditionType.FAILED).reason
         == Reason.UNKNOWN_ARCHITECTURE
@@ -121,11 +115,11 @@ def test_unknown_architecture_fails_permanently() -> None:
 
 def test_queued_until_capacity_frees() -> None:
     job, d = run(make_job(), pools=busy(default_pools(), free=0))
-    assert job.status is not None and job.status.phase == "Queued"
+    assert job.status is not None and job.status.phase == Phase.QUEUED
     assert c.is_true(job.status.conditions, ConditionType.QUEUED)
     assert d.create == [] and d.requeue_after == SETTINGS.queue_retry_seconds
     job, d = run(job, pools=busy(default_pools(), free=8), now=T0 + timedelta(minutes=1))
-    assert job.status is not None and job.status.phase == "Running"
+    assert job.status is not None and job.status.phase == Phase.RUNNING
     assert not c.is_true(job.status.conditions, ConditionType.QUEUED)
     assert kinds(d)[-1] == "Job"
 
@@ -134,7 +128,7 @@ def test_success_then_ttl_cleanup() -> None:
     job, _ = run(make_job(ttlSecondsAfterFinished=60))
     job, d = run(job, observed(batch_job("Complete")), now=T0 + timedelta(minutes=5))
     s = job.status
-    assert s is not None and s.phase == "Succeeded"
+    assert s is not None and s.phase == Phase.SUCCEEDED
     assert s.progress is not None and s.progress.percent == 100
     assert d.requeue_after == 60 and not d.delete_self
     _, d = run(job, observed(batch_job("Complete")), now=T0 + timedelta(minutes=7))
@@ -145,304 +139,22 @@ def test_suspend_stops_the_trainer_and_resume_relaunches() -> None:
     job, _ = run(make_job())
     suspended = job.model_copy(update={"spec": job.spec.model_copy(update={"suspend": True})})
     job, d = run(suspended, observed(batch_job(active=1)))
-    assert job.status is not None and job.status.phase == "Suspended"
+    assert job.status is not None and job.status.phase == Phase.SUSPENDED
     assert d.delete_jobs == ["demo-a1"]
     resumed = job.model_copy(update={"spec": job.spec.model_copy(update={"suspend": False})})
     # Resumed at once: the suspended trainer still writes its checkpoint; wait for it.
     waiting, d = run(resumed, observed(None, [pod("demo-a1-0")]))
-    assert waiting.status is not None and waiting.status.phase == "Suspended"
+    assert waiting.status is not None and waiting.status.phase == Phase.SUSPENDED
     assert d.create == [] and waiting.status.attempt == 1
     assert waiting.status.message == "resuming once the trainer stops: pod demo-a1-0"
     # A pod whose deletion is long overdue is on a lost node: it does not hold the resume.
     lost = pod("demo-a1-0")
     lost["metadata"]["deletionTimestamp"] = "2026-11-22T11:58:00Z"  # T0 - 2 min
     job, d = run(resumed, observed(None, [lost]))
-    assert job.status is not None and job.status.phase == "Running"
+    assert job.status is not None and job.status.phase == Phase.RUNNING
     assert job.status.attempt == 2
     assert d.create[-1]["metadata"]["name"] == "demo-a2"
     assert not c.is_true(job.status.conditions, ConditionType.SUSPENDED)
-
-
-def test_oom_replans_with_a_safer_layout_then_gives_up() -> None:
-    job, _ = run(make_job(recovery={"maxOOMReplans": 2}))
-    first = job.status.plan  # type: ignore[union-attr]
-    assert first is not None
-    oom = observed(batch_job("Failed"), [pod("demo-a1-0", EXIT_OOM, msg="peak_gib=79.5")])
-    job, d = run(job, oom, now=T0 + timedelta(minutes=3))
-    s = job.status
-    assert s is not None and s.plan is not None
-    assert s.plan.revision == 2
-    assert s.plan.reason.startswith("OutOfMemory")
-    assert s.plan.memory_scale > 1.0
-    assert [r.reason for r in s.recoveries] == ["OOM"]
-    assert s.attempt == 2 and d.create[-1]["metadata"]["name"] == "demo-a2"
-    assert "demo-a1" in d.delete_jobs
-    new_layout = (
-        s.plan.pool,
-        s.plan.total_gpus,
-        s.plan.micro_batch_size,
-        s.plan.gradient_checkpointing,
-    )
-    old_layout = (
-        first.pool,
-        first.total_gpus,
-        first.micro_batch_size,
-        first.gradient_checkpointing,
-    )
-    assert new_layout != old_layout
-    assert s.failed_layouts == [
-        f"{first.pool}/lora/{first.total_gpus}/{first.micro_batch_size}/"
-        + ("ckpt" if first.gradient_checkpointing else "nockpt")
-    ]
-    # Second OOM → another re-plan; third → give up with a clear message.
-    job, _ = run(job, oom, now=T0 + timedelta(minutes=6))
-    assert job.status is not None and job.status.plan.revision == 3  # type: ignore[union-attr]
-    job, d = run(job, oom, now=T0 + timedelta(minutes=9))
-    s = job.status
-    assert s is not None and s.phase == "Failed"
-    assert c.get_condition(s.conditions, ConditionType.FAILED).reason == Reason.OOM_LIMIT  # type: ignore[union-attr]
-    assert "maxOOMReplans=2" in (s.message or "")
-
-
-def test_config_error_is_permanent() -> None:
-    job, _ = run(make_job())
-    bad = observed(
-        batch_job("Failed"),
-        [pod("demo-a1-0", EXIT_CONFIG_ERROR, msg="train.jsonl line 3: missing 'output'")],
-    )
-    job, d = run(job, bad)
-    s = job.status
-    assert s is not None and s.phase == "Failed"
-    assert "line 3" in (s.message or "")
-    assert d.create == []
-
-
-def test_generic_failure_relaunches_until_the_limit() -> None:
-    job, _ = run(make_job(recovery={"maxRestarts": 1}))
-    crash = observed(batch_job("Failed"), [pod("demo-a1-0", 1, msg="segfault")])
-    job, d = run(job, crash)
-    assert d.create[-1]["metadata"]["name"] == "demo-a2"
-    assert job.status is not None and job.status.restarts == 1 and job.status.attempt == 2
-    assert job.status.recoveries[-1].reason == "PodFailure"
-    crash2 = observed(
-        {**batch_job("Failed"), "metadata": {"name": "demo-a2"}}, [pod("demo-a2-0", 1)]
-    )
-    job, _d = run(job, crash2)
-    assert job.status is not None and job.status.phase == "Failed"
-    assert (
-        c.get_condition(job.status.conditions, ConditionType.FAILED).reason == Reason.RESTART_LIMIT
-    )  # type: ignore[union-attr]
-
-
-def test_preemption_is_recorded_once() -> None:
-    job, _ = run(make_job())
-    pre = observed(batch_job(active=1), [pod("demo-a1-0", EXIT_PREEMPTED)])
-    job, first = run(job, pre)
-    job, second = run(job, pre)
-    s = job.status
-    assert s is not None and s.restarts == 1
-    assert [r.reason for r in s.recoveries] == ["Preemption"]
-    assert [e.reason for e in first.events].count(Reason.PREEMPTED) == 1
-    assert Reason.PREEMPTED not in [e.reason for e in second.events]
-    evicted = observed(
-        batch_job(active=1),
-        [pod("demo-a1-0", EXIT_PREEMPTED), pod("demo-a1-0b", 137, disrupted=True)],
-    )
-    job, _ = run(job, evicted)
-    assert job.status is not None and job.status.restarts == 2
-    assert [r.reason for r in job.status.recoveries] == ["Preemption", "Preemption"]
-    assert all(r.attempt == 1 for r in job.status.recoveries)
-
-
-def test_a_preempted_attempt_with_no_pod_left_is_relaunched_at_once() -> None:
-    """The Job controller would replace the pod only after its back-off (10 s, then 20 s,
-    40 s ...: ignored failures count too), so a new attempt starts at once."""
-    job, _ = run(make_job())
-    preempted = observed(batch_job(active=0), [pod("demo-a1-0-aaaaa", EXIT_PREEMPTED)])
-    job, d = run(job, preempted)
-    s = job.status
-    assert s is not None and s.phase == "Running" and s.attempt == 2 and s.restarts == 1
-    assert [(r.reason, r.attempt) for r in s.recoveries] == [("Preemption", 1)]
-    assert d.delete_jobs == ["demo-a1"]
-    assert [m["metadata"]["name"] for m in d.create if m["kind"] == "Job"] == ["demo-a2"]
-    assert [e.reason for e in d.events] == [Reason.PREEMPTED, Reason.LAUNCHED]
-    # The new attempt's first look, before the Job controller made its pod: nothing more.
-    job, d = run(job, observed({**batch_job(), "metadata": {"name": "demo-a2"}}))
-    assert job.status is not None and job.status.attempt == 2 and job.status.restarts == 1
-    assert d.delete_jobs == [] and kinds(d) == []
-
-
-def test_a_preempted_pod_is_left_to_the_batch_job_while_another_runs_or_is_replaced() -> None:
-    job, _ = run(make_job())
-    # One node's pod of a two-node attempt preempted, the other still saving: wait for it.
-    saving = observed(
-        batch_job(active=1), [pod("demo-a1-0-aaaaa"), pod("demo-a1-1-bbbbb", EXIT_PREEMPTED)]
-    )
-    job, d = run(job, saving)
-    assert job.status is not None and job.status.attempt == 1 and d.delete_jobs == []
-    # The Job controller's status still counts a pod active (its replacement, not yet seen).
-    replaced = observed(batch_job(active=1), [pod("demo-a1-1-bbbbb", EXIT_PREEMPTED)])
-    job, d = run(job, replaced)
-    assert job.status is not None and job.status.attempt == 1 and d.delete_jobs == []
-    # Both ended (every rank checkpointed): one preemption, the next attempt now.
-    ended = observed(
-        batch_job(active=0),
-        [pod("demo-a1-0-aaaaa", EXIT_PREEMPTED), pod("demo-a1-1-bbbbb", EXIT_PREEMPTED)],
-    )
-    job, d = run(job, ended)
-    s = job.status
-    assert s is not None and s.attempt == 2 and s.restarts == 2
-    assert preemptions_without_progress(s.recoveries) == 1
-    assert d.delete_jobs == ["demo-a1"]
-
-
-def test_a_crashed_pod_is_left_to_the_batch_job_and_its_back_off() -> None:
-    job, _ = run(make_job())
-    job, _ = run(job, observed(batch_job(active=0), [pod("demo-a1-0-aaaaa", EXIT_PREEMPTED)]))
-    assert job.status is not None and job.status.attempt == 2
-    crashed = observed(
-        {**batch_job(active=0), "metadata": {"name": "demo-a2"}, "status": {"failed": 1}},
-        [pod("demo-a2-0-ccccc", 1)],
-    )
-    job, d = run(job, crashed)
-    s = job.status
-    assert s is not None and s.attempt == 2 and s.restarts == 2
-    assert [r.reason for r in s.recoveries] == ["Preemption", "PodFailure"]
-    assert d.delete_jobs == [] and kinds(d) == []
-
-
-def test_preemptions_in_attempts_of_their_own_count_past_the_kept_recoveries() -> None:
-    """Each preemption now starts an attempt of its own; a limit above KEEP_RECOVERIES is
-    still reached, since the run of preemptions is kept."""
-    limit = KEEP_RECOVERIES + 5
-    job, _ = run(make_job(recovery={"maxPreemptionsWithoutProgress": limit}))
-    for _ in range(limit + 1):
-        s = job.status
-        assert s is not None and s.phase == "Running"
-        a = s.attempt
-        ended = observed(
-            {**batch_job(active=0), "metadata": {"name": f"demo-a{a}"}},
-            [pod(f"demo-a{a}-0-aaaaa", EXIT_PREEMPTED)],
-        )
-        job, d = run(job, ended)
-    s = job.status
-    assert s is not None and s.phase == "Failed" and s.attempt == limit + 1
-    assert d.delete_jobs == [f"demo-a{limit + 1}"]  # its batch Job stops
-    assert c.get_condition(s.conditions, ConditionType.FAILED).reason == Reason.PREEMPTION_LIMIT  # type: ignore[union-attr]
-    assert len(s.recoveries) == limit + 1 and s.recovery_counts == {"Preemption": limit + 1}
-
-
-def test_an_oom_exit_seen_before_the_job_fails_is_left_to_the_replan() -> None:
-    job, _ = run(make_job())
-    # The pod has failed with the OOM code; the Job controller has not failed the Job yet.
-    job, _ = run(job, observed(batch_job(active=0), [pod("demo-a1-0", EXIT_OOM)]))
-    assert job.status is not None and job.status.recoveries == []
-    job, _ = run(job, observed(batch_job("Failed"), [pod("demo-a1-0", EXIT_OOM)]))
-    assert job.status is not None
-    assert [r.reason for r in job.status.recoveries] == ["OOM"]
-
-
-def test_a_killed_pod_is_a_pod_failure_recorded_once() -> None:
-    job, _ = run(make_job())
-    killed = observed(batch_job(active=0), [pod("demo-a1-0", 137, msg="Killed")])
-    job, first = run(job, killed)
-    job, _ = run(job, killed)
-    s = job.status
-    assert s is not None and s.restarts == 1 and s.phase == "Running"
-    (rec,) = s.recoveries
-    assert rec.reason == "PodFailure" and rec.message.startswith("pod demo-a1-0 failed (exit")
-    assert Reason.TRAINER_FAILED in [e.reason for e in first.events]
-
-
-@pytest.mark.parametrize(("failed", "reason"), [(0, "Preemption"), (1, "PodFailure")])
-def test_a_pod_gone_before_its_end_was_seen_is_classified_by_the_job(
-    failed: int, reason: str
-) -> None:
-    job, _ = run(make_job())
-    job, _ = run(job, observed(batch_job(active=1), [pod("demo-a1-0-aaaaa")]))
-    assert job.status is not None and job.status.trainer_pods == ["demo-a1-0-aaaaa"]
-    replaced = observed(
-        {**batch_job(active=1), "status": {"active": 1, "failed": failed}},
-        [pod("demo-a1-0-bbbbb")],
-    )
-    job, _ = run(job, replaced)
-    job, _ = run(job, replaced)
-    s = job.status
-    assert s is not None and [r.reason for r in s.recoveries] == [reason]
-    assert s.restarts == 1 and s.trainer_pods == ["demo-a1-0-bbbbb"]
-
-
-def test_a_pod_without_room_moves_the_job_to_another_pool() -> None:
-    job, _ = run(make_job())
-    first = job.status.plan  # type: ignore[union-attr]
-    assert first is not None
-    stuck = observed(batch_job(active=1), [unschedulable("demo-a1-0-bbbbb", T0)])
-    # Not yet: it may still get room.
-    job, d = run(job, stuck, now=T0 + timedelta(seconds=SETTINGS.reschedule_seconds - 5))
-    assert d.create == [] and job.status is not None and job.status.attempt == 1
-    job, d = run(job, stuck, now=T0 + timedelta(seconds=SETTINGS.reschedule_seconds + 1))
-    s = job.status
-    assert s is not None and s.plan is not None
-    assert s.attempt == 2 and s.plan.revision == 2 and s.plan.pool != first.pool
-    assert s.plan.reason == PlanReason.UNSCHEDULABLE
-    assert (s.plan.message or "").startswith("pod demo-a1-0-bbbbb found no room")
-    assert [(r.reason, r.pod) for r in s.recoveries] == [
-        (RecoveryReason.RESCHEDULED, "demo-a1-0-bbbbb")
-    ]
-    assert d.delete_jobs == ["demo-a1"]
-    assert d.create[-1]["metadata"]["name"] == "demo-a2"
-    assert Reason.RESCHEDULED in [e.reason for e in d.events]
-
-
-def test_a_move_waits_for_the_queue_of_the_pool_it_would_move_to() -> None:
-    """A move is a launch: the new pool's queue and reservations decide it, and a job that
-    may not go now stays where it is (it joins no queue: it still has its pods)."""
-    job, _ = run(make_job())
-    stuck = observed(batch_job(active=1), [unschedulable("demo-a1-0-bbbbb", T0)])
-    asked: list[tuple[str, bool, bool]] = []
-
-    def queue_full(plan: PlanStatus, queued: bool, join: bool = True) -> str | None:
-        asked.append((plan.pool, queued, join))
-        return "position 3 in the queue"
-
-    late = T0 + timedelta(seconds=SETTINGS.reschedule_seconds + 1)
-    d = reconcile(job, stuck, SETTINGS, now=late, load_arch=load_arch, admit=queue_full)
-
-    assert len(asked) == 1 and asked[0][1:] == (False, False)
-    assert d.create == [] and d.delete_jobs == []
-    s = d.status
-    assert s.attempt == 1 and s.restarts == 0 and s.recoveries == [] and s.phase == "Running"
-    assert s.plan is not None and s.plan.revision == 1
-
-
-def test_a_pod_stuck_on_its_volume_does_not_move() -> None:
-    job, _ = run(make_job())
-    pod = unschedulable("demo-a1-0-bbbbb", T0)
-    pod["status"]["conditions"][0]["message"] = (
-        '0/4 nodes are available: persistentvolumeclaim "data" not found.'
-    )
-    job, d = run(job, observed(batch_job(active=1), [pod]), now=T0 + timedelta(hours=1))
-    assert job.status is not None and job.status.attempt == 1 and d.create == []
-
-
-def test_moving_pools_counts_against_the_restart_limit() -> None:
-    job, _ = run(make_job(recovery={"maxRestarts": 0}))
-    stuck = observed(batch_job(active=1), [unschedulable("demo-a1-0-bbbbb", T0)])
-    job, d = run(job, stuck, now=T0 + timedelta(hours=1))
-    s = job.status
-    assert s is not None and s.phase == "Failed"
-    assert c.get_condition(s.conditions, ConditionType.FAILED).reason == Reason.RESTART_LIMIT  # type: ignore[union-attr]
-    assert d.delete_jobs == ["demo-a1"]
-
-
-def test_a_pod_without_room_waits_when_no_other_pool_is_allowed() -> None:
-    job, _ = run(make_job())
-    pool = job.status.plan.pool  # type: ignore[union-attr]
-    job, _ = run(job.model_copy(update={"spec": make_job(resources={"pools": [pool]}).spec}))
-    stuck = observed(batch_job(active=1), [unschedulable("demo-a1-0-bbbbb", T0)])
-    job, d = run(job, stuck, now=T0 + timedelta(hours=1))
-    assert job.status is not None and job.status.attempt == 1
-    assert d.create == [] and d.delete_jobs == []
 
 
 def test_a_launch_the_status_never_recorded_is_adopted() -> None:
@@ -456,7 +168,7 @@ def test_a_launch_the_status_never_recorded_is_adopted() -> None:
     )
     job, d = run(job, newer)
     s = job.status
-    assert s is not None and s.attempt == 2 and s.phase == "Running"
+    assert s is not None and s.attempt == 2 and s.phase == Phase.RUNNING
     assert d.create == []
     assert d.delete_jobs == ["demo-a1"]
     assert Reason.ADOPTED in [e.reason for e in d.events]
@@ -465,7 +177,7 @@ def test_a_launch_the_status_never_recorded_is_adopted() -> None:
 def test_a_finished_job_deletes_every_batch_job_left() -> None:
     job, _ = run(make_job())
     job, _ = run(job, observed(batch_job("Complete")))
-    assert job.status is not None and job.status.phase == "Succeeded"
+    assert job.status is not None and job.status.phase == Phase.SUCCEEDED
     left = Observed(pools=default_pools(), attempt=1, other_attempts=[2])
     _, d = run(job, left)
     assert d.delete_jobs == ["demo-a2"]
@@ -474,7 +186,7 @@ def test_a_finished_job_deletes_every_batch_job_left() -> None:
 def test_unknown_lora_targets_fail_the_job_with_the_fix() -> None:
     job, d = run(make_job(lora={"targetModules": ["foo_proj"]}))
     s = job.status
-    assert s is not None and s.phase == "Failed" and d.create == []
+    assert s is not None and s.phase == Phase.FAILED and d.create == []
     assert c.get_condition(s.conditions, ConditionType.FAILED).reason == Reason.INVALID_SPEC  # type: ignore[union-attr]
     assert "foo_proj" in (s.message or "") and "To fix" in (s.message or "")
 
@@ -482,7 +194,7 @@ def test_unknown_lora_targets_fail_the_job_with_the_fix() -> None:
 def test_a_plan_too_large_for_int64_fails_instead_of_breaking_the_status() -> None:
     job, d = run(make_job(training={"epochs": 100}, dataset={"numExamples": 10**17}))
     s = job.status
-    assert s is not None and s.phase == "Failed" and d.create == []
+    assert s is not None and s.phase == Phase.FAILED and d.create == []
     assert "does not fit in a 64-bit integer" in (s.message or "")
     FineTuneJobStatus.model_validate(s.to_wire())
 
@@ -493,11 +205,11 @@ def test_failing_outside_reconcile_keeps_the_plan_and_says_why() -> None:
     job, _ = run(make_job())
     assert job.status is not None
     status = failed(job.status, Reason.INVALID_SPEC, "rejected", T0)
-    assert status.phase == "Failed" and status.message == "rejected"
+    assert status.phase == Phase.FAILED and status.message == "rejected"
     assert status.plan == job.status.plan
     cond = c.get_condition(status.conditions, ConditionType.FAILED)
     assert cond is not None and cond.reason == Reason.INVALID_SPEC
-    assert job.status.phase == "Running"  # the original is untouched
+    assert job.status.phase == Phase.RUNNING  # the original is untouched
 
 
 FAULTS_ON = replace(SETTINGS, build=BuildSettings(allow_test_faults=True))
@@ -508,7 +220,7 @@ def test_a_bad_fault_annotation_fails_the_job_with_the_fix() -> None:
     job.metadata["annotations"] = {"kubetune.io/test-faults": "{oops"}
     job, d = run(job, settings=FAULTS_ON)
     s = job.status
-    assert s is not None and s.phase == "Failed" and s.attempt == 0
+    assert s is not None and s.phase == Phase.FAILED and s.attempt == 0
     assert "kubetune.io/test-faults is not JSON" in (s.message or "")
     assert "To fix:" in (s.message or "")
     assert d.create == []
@@ -520,10 +232,10 @@ def test_budget_stops_the_job() -> None:
     assert rate is not None and rate > 0
     running = observed(batch_job(active=1, ready=1), [pod("demo-a1-0")])
     job, d = run(job, running, now=T0 + timedelta(hours=0.5 / rate))
-    assert job.status is not None and job.status.phase == "Running"
+    assert job.status is not None and job.status.phase == Phase.RUNNING
     job, d = run(job, running, now=T0 + timedelta(hours=1.01 / rate))
     s = job.status
-    assert s is not None and s.phase == "Failed"
+    assert s is not None and s.phase == Phase.FAILED
     assert c.get_condition(s.conditions, ConditionType.FAILED).reason == Reason.BUDGET_EXCEEDED  # type: ignore[union-attr]
     assert s.cost is not None and s.cost.accrued_usd >= 1.0
     assert d.delete_jobs == ["demo-a1"]
@@ -532,7 +244,7 @@ def test_budget_stops_the_job() -> None:
 def test_deadline_stops_the_job() -> None:
     job, _ = run(make_job(resources={"deadline": "100h"}))
     job, _d = run(job, observed(batch_job(active=1)), now=T0 + timedelta(hours=101))
-    assert job.status is not None and job.status.phase == "Failed"
+    assert job.status is not None and job.status.phase == Phase.FAILED
     assert (
         c.get_condition(job.status.conditions, ConditionType.FAILED).reason
         == Reason.DEADLINE_EXCEEDED
@@ -641,7 +353,7 @@ def test_fault_annotation_is_ignored_with_a_warning_without_the_setting() -> Non
     job = make_job()
     job.metadata["annotations"] = {"kubetune.io/test-faults": '{"oomAtStep": 2}'}
     job, d = run(job)
-    assert job.status is not None and job.status.phase == "Running"
+    assert job.status is not None and job.status.phase == Phase.RUNNING
     (ignored,) = [e for e in d.events if e.reason == Reason.TEST_FAULTS_IGNORED]
     assert ignored.type == "Warning" and "KUBETUNE_ALLOW_TEST_FAULTS" in ignored.message
     _, d = run(job, settings=FAULTS_ON)  # obeyed: no warning
@@ -665,9 +377,9 @@ def test_a_trainer_image_off_the_allow_list_fails_before_planning(
     s = job.status
     assert s is not None
     if not refused:
-        assert s.phase == "Running"
+        assert s.phase == Phase.RUNNING
         return
-    assert s.phase == "Failed" and s.plan is None and d.create == []
+    assert s.phase == Phase.FAILED and s.plan is None and d.create == []
     assert c.get_condition(s.conditions, ConditionType.FAILED).reason == Reason.IMAGE_NOT_ALLOWED  # type: ignore[union-attr]
     assert f"spec.trainerImage {image!r} is not allowed on this cluster" in (s.message or "")
     assert "To fix: remove spec.trainerImage" in (s.message or "")
@@ -679,7 +391,7 @@ def test_a_secret_the_namespace_did_not_allow_fails_before_planning() -> None:
     other = Tenant.of("team-a", {}, {"kubetune.io/allowed-secrets": "s3-creds"})
     refused, d = run(job, Observed(pools=default_pools(), tenant=other))
     s = refused.status
-    assert s is not None and s.phase == "Failed" and d.create == []
+    assert s is not None and s.phase == Phase.FAILED and d.create == []
     assert c.get_condition(s.conditions, ConditionType.FAILED).reason == Reason.SECRET_NOT_ALLOWED  # type: ignore[union-attr]
     assert s.message == (
         "spec.model.tokenSecretRef names Secret 'hf-token', which namespace team-a has not "
@@ -689,7 +401,7 @@ def test_a_secret_the_namespace_did_not_allow_fails_before_planning() -> None:
     )
     consenting = Tenant.of("team-a", {}, {"kubetune.io/allowed-secrets": "s3-creds, hf-token"})
     allowed, _ = run(job, Observed(pools=default_pools(), tenant=consenting))
-    assert allowed.status is not None and allowed.status.phase == "Running"
+    assert allowed.status is not None and allowed.status.phase == Phase.RUNNING
 
 
 def test_pools_keep_to_the_namespaces_they_select() -> None:
@@ -733,153 +445,6 @@ def test_pools_keep_to_the_namespaces_they_select() -> None:
     assert "ask the cluster admin for a pool this namespace may use" in (s.message or "")
 
 
-# ---------------------------------------------------------------------- bounded recovery
-
-
-def running_with(step: int, checkpoint: int = 0, pods: bool = True) -> Observed:
-    metrics = {"step": float(step), "total_steps": 100.0}
-    if checkpoint:
-        metrics["last_checkpoint_step"] = float(checkpoint)
-    return Observed(
-        pools=default_pools(),
-        batch_job=batch_job(active=1, ready=1),
-        pods=[pod("demo-a1-0")] if pods else [],
-        trainer_metrics=metrics,
-    )
-
-
-def test_a_stalled_attempt_is_relaunched_from_its_checkpoint() -> None:
-    job, _ = run(make_job(recovery={"stallTimeoutSeconds": 600}))
-    # No step reported yet (loading the model): the stall timer has not started.
-    job, d = run(job, observed(batch_job(active=1, ready=1), [pod("demo-a1-0")]),
-                 now=T0 + timedelta(hours=3))  # fmt: skip
-    assert job.status is not None and job.status.attempt == 1 and not d.delete_jobs
-    job, _ = run(job, running_with(5, checkpoint=4), now=T0 + timedelta(hours=3, minutes=1))
-    job, d = run(job, running_with(5, checkpoint=4), now=T0 + timedelta(hours=3, minutes=10))
-    assert job.status is not None and job.status.attempt == 1 and not d.delete_jobs
-    job, d = run(job, running_with(5, checkpoint=4), now=T0 + timedelta(hours=3, minutes=12))
-    s = job.status
-    assert s is not None and s.phase == "Running" and s.attempt == 2 and s.restarts == 1
-    (rec,) = s.recoveries
-    assert rec.reason == RecoveryReason.STALLED and rec.step == 4
-    assert rec.message == "no step progress for 660s (stall timeout 600s) at step 5"
-    assert d.delete_jobs == ["demo-a1"] and "Job" in [m["kind"] for m in d.create]
-    assert [e.reason for e in d.events if e.type == "Warning"] == [Reason.STALLED]
-    assert s.recovery_counts == {"Stalled": 1}
-    # The new attempt loads and reports the checkpoint's step for a long while: not timed.
-    job, d = run(job, running_with(4, checkpoint=4), now=T0 + timedelta(hours=3, minutes=13))
-    job, d = run(job, running_with(4, checkpoint=4), now=T0 + timedelta(hours=5))
-    assert job.status is not None and job.status.attempt == 2 and not d.delete_jobs
-
-
-def test_stall_detection_can_be_turned_off_and_counts_against_max_restarts() -> None:
-    off, _ = run(make_job(recovery={"stallTimeoutSeconds": 0}))
-    off, _ = run(off, running_with(5), now=T0 + timedelta(minutes=1))
-    off, d = run(off, running_with(5), now=T0 + timedelta(days=2))
-    assert off.status is not None and off.status.attempt == 1 and not d.delete_jobs
-    capped, _ = run(make_job(recovery={"stallTimeoutSeconds": 60, "maxRestarts": 0}))
-    capped, _ = run(capped, running_with(5), now=T0 + timedelta(minutes=1))
-    capped, d = run(capped, running_with(5), now=T0 + timedelta(minutes=3))
-    s = capped.status
-    assert s is not None and s.phase == "Failed"
-    assert c.get_condition(s.conditions, ConditionType.FAILED).reason == Reason.RESTART_LIMIT  # type: ignore[union-attr]
-    assert "trainer stalled (no step progress for 120s" in (s.message or "")
-
-
-def test_preemptions_without_progress_are_bounded() -> None:
-    job, _ = run(make_job(recovery={"maxPreemptionsWithoutProgress": 2}))
-    job, _ = run(job, running_with(3, checkpoint=2, pods=False))
-    for i in range(2):  # preempted twice at the same checkpoint: still within the limit
-        job, _ = run(job, observed(batch_job(active=1), [pod(f"demo-a1-0-{i}", EXIT_PREEMPTED)]))
-        assert job.status is not None and job.status.phase == "Running"
-    # A new checkpoint in between: the count starts again.
-    job, _ = run(job, running_with(9, checkpoint=8, pods=False))
-    for i in range(2, 4):
-        job, _ = run(job, observed(batch_job(active=1), [pod(f"demo-a1-0-{i}", EXIT_PREEMPTED)]))
-        assert job.status is not None and job.status.phase == "Running"
-    job, d = run(job, observed(batch_job(active=1), [pod("demo-a1-0-4", EXIT_PREEMPTED)]))
-    s = job.status
-    assert s is not None and s.phase == "Failed"
-    assert c.get_condition(s.conditions, ConditionType.FAILED).reason == Reason.PREEMPTION_LIMIT  # type: ignore[union-attr]
-    assert (s.message or "").startswith(
-        "preempted 3 times in a row without a new checkpoint in between "
-        "(spec.recovery.maxPreemptionsWithoutProgress=2). To fix:"
-    )
-    assert d.delete_jobs == ["demo-a1"]
-    assert s.recovery_counts == {"Preemption": 5}
-
-
-def test_a_trainer_pod_on_a_node_that_is_not_ready_is_reported_with_the_fix() -> None:
-    job, _ = run(make_job())
-    on_node = {**pod("demo-a1-0"), "spec": {"nodeName": "gpu-7"}}
-    lost = replace(
-        running_with(5, checkpoint=4), pods=[on_node], lost_nodes={"gpu-7": "2026-11-22T12:03:00Z"}
-    )
-    job, d = run(job, lost, now=T0 + timedelta(minutes=5))
-    s = job.status
-    assert s is not None and s.phase == "Running"
-    cond = c.get_condition(s.conditions, ConditionType.RUNNING)
-    assert cond is not None and cond.status == "False" and cond.reason == Reason.NODE_NOT_READY
-    assert (s.message or "").startswith(
-        "attempt 1: pod demo-a1-0 is on node gpu-7, not Ready since 2026-11-22T12:03:00Z"
-    )
-    assert "To fix: if the machine is lost, delete the Node object" in (s.message or "")
-    assert [e.reason for e in d.events if e.type == "Warning"] == [Reason.NODE_NOT_READY]
-    # Said once, not on every look; gone once the node is Ready again.
-    job, d = run(job, lost, now=T0 + timedelta(minutes=6))
-    assert Reason.NODE_NOT_READY not in [e.reason for e in d.events]
-    job, d = run(job, replace(lost, lost_nodes={}), now=T0 + timedelta(minutes=7))
-    cond = c.get_condition(job.status.conditions, ConditionType.RUNNING)  # type: ignore[union-attr]
-    assert cond is not None and cond.reason == Reason.TRAINING
-    assert not d.delete_jobs and job.status is not None and job.status.attempt == 1
-
-
-def test_a_preempted_two_node_attempt_counts_once_against_the_limit() -> None:
-    """Both pods of a two-node attempt exit with the preemption code when one is preempted
-    (every rank checkpoints): one preemption. Their replacements preempted again at the
-    same checkpoint: the second."""
-
-    def preempted(pod: str, step: int = 8, attempt: int = 1) -> Recovery:
-        return Recovery(
-            reason=RecoveryReason.PREEMPTION, time="t", attempt=attempt, step=step, pod=pod
-        )
-
-    first = [preempted("demo-a1-1-x7k2p"), preempted("demo-a1-0-q9zt4")]
-    assert preemptions_without_progress(first) == 1
-    again = [*first, preempted("demo-a1-0-b2c3d"), preempted("demo-a1-1-k4l5m")]
-    assert preemptions_without_progress(again) == 2
-    # One pod at a time (one node): each is a preemption of its own, as before.
-    single = [preempted("demo-a1-0-aaaaa"), preempted("demo-a1-0-bbbbb")]
-    assert preemptions_without_progress(single) == 2
-    # Progress in between, or another attempt: never merged.
-    assert preemptions_without_progress([preempted("demo-a1-0-x", 4), *first]) == 1
-    moved = [preempted("demo-a1-0-x"), preempted("demo-a2-1-y", attempt=2)]
-    assert preemptions_without_progress(moved) == 2
-
-
-def test_recoveries_keep_the_current_attempt_and_the_latest_of_earlier_ones() -> None:
-    old = [
-        Recovery(reason=RecoveryReason.POD_FAILURE, time="t", attempt=a, message=str(a))
-        for a in range(1, 31)
-    ]
-    current = [
-        Recovery(reason=RecoveryReason.PREEMPTION, time="t", attempt=31, pod=f"p{i}")
-        for i in range(25)
-    ]
-    kept = trim_recoveries(old + current, attempt=31)
-    assert kept == current  # the current attempt's entries all stay, even past the cap
-    kept = trim_recoveries(old + current[:5], attempt=31)
-    assert len(kept) == KEEP_RECOVERIES and kept[-5:] == current[:5]
-    assert [r.attempt for r in kept[:15]] == list(range(16, 31))  # the latest earlier ones
-    # Preemptions in a row at the end stay too, one attempt each: the limit counts them.
-    run_of = [
-        Recovery(reason=RecoveryReason.PREEMPTION, time="t", attempt=a, pod=f"p{a}")
-        for a in range(31, 56)
-    ]
-    kept = trim_recoveries(old + run_of, attempt=55)
-    assert kept == run_of and preemptions_without_progress(kept) == 25
-
-
 # ---------------------------------------------------------------------- checkpoint volume
 
 RWX_CLASS = replace(SETTINGS, build=BuildSettings(checkpoint_read_write_many=True))
@@ -905,7 +470,7 @@ def test_a_job_stays_on_one_node_unless_its_checkpoint_volume_can_follow() -> No
     refused, and the message names the setting; with it the volume is ReadWriteMany."""
     job, d = run(two_node_job())
     s = job.status
-    assert s is not None and s.phase == "Failed"
+    assert s is not None and s.phase == Phase.FAILED
     assert c.get_condition(s.conditions, ConditionType.FAILED).reason == Reason.INFEASIBLE  # type: ignore[union-attr]
     assert "spans 2 nodes, but its checkpoint volume would be ReadWriteOnce" in (s.message or "")
     assert "operator.checkpointReadWriteMany" in (s.message or "")
@@ -922,7 +487,7 @@ def test_an_existing_checkpoint_volume_decides_whether_a_plan_may_span_nodes() -
     one node whatever the setting says; a ReadWriteMany one lets it span nodes."""
     job, _ = run(two_node_job(), with_claim("ReadWriteOnce"), settings=RWX_CLASS)
     s = job.status
-    assert s is not None and s.phase == "Failed"
+    assert s is not None and s.phase == Phase.FAILED
     assert "its checkpoint volume demo-ckpt is ReadWriteOnce" in (s.message or "")
     assert "spec.checkpoint.storage.accessMode ReadWriteMany" in (s.message or "")
 
@@ -970,7 +535,7 @@ def test_a_checkpoint_volume_that_cannot_grow_is_warned_about(expands: bool | No
     assert "StorageClass fast does not allow volume expansion" in small[0].message
     assert "To fix:" in small[0].message
     # The launch goes ahead: the volume may well be large enough in practice.
-    assert job.status is not None and job.status.phase == "Running"
+    assert job.status is not None and job.status.phase == Phase.RUNNING
 
 
 def test_a_checkpoint_volume_large_enough_is_left_alone() -> None:
