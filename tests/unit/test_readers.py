@@ -1,4 +1,4 @@
-"""`kubetune check` (controller/readers.py): what each finding says, from CRD objects and an
+"""`kubetune check` (cli/readers.py): what each finding says, from CRD objects and an
 operator's answer; tests/integration/test_helm.py runs it against a real install."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from typing import Any
 
 import httpx2
 
-from kubetune.controller.readers import CRDS, check_crds, check_operator
+from kubetune.cli.readers import CRDS, check_crds, check_operator
 
 URL = "http://kubetune-metrics.ns.svc:8000/metrics"
 

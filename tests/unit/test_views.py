@@ -1,4 +1,5 @@
-"""The CLI's tables of jobs and pools (kubetune/views.py)."""
+"""The CLI's tables of jobs and pools (kubetune/cli/views.py), and what `watch` and `logs`
+print while they follow a job (kubetune/cli/follow.py)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,8 @@ from typing import Any
 import pytest
 import yaml
 
-from kubetune.views import (
-    ObjectWatcher,
-    Watcher,
-    age,
-    describe_job,
-    job_table,
-    log_sources,
-    outcome,
-    pool_table,
-)
+from kubetune.cli.follow import ObjectWatcher, Watcher, log_sources, outcome
+from kubetune.cli.views import age, describe_job, job_table, pool_table
 
 pytestmark = pytest.mark.unit
 

@@ -15,7 +15,7 @@ import click
 import yaml
 
 from kubetune.api.crdgen import render_all
-from kubetune.cli import Abort
+from kubetune.cli.errors import Abort
 from kubetune.planning.catalog import default_pools
 
 #: Simulated pools of `kubetune dev up`: pool from the built-in catalog → nodes.

@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from kubetune.api.crdgen import render_all
-from kubetune.views import Watcher, outcome
+from kubetune.cli.follow import Watcher, outcome
 from kubetune_dev.binaries import ensure_binaries
 from kubetune_dev.cluster import ClusterError, LocalCluster
 
