@@ -65,7 +65,7 @@ RATE = "$__rate_interval"
 OVERVIEW_UID = "kubetune-jobs-overview"
 RUN_UID = "kubetune-training-run"
 # The trainer pods of a job, every rank and attempt: the Indexed Job `<job>-a<attempt>` names
-# them `<job>-a<attempt>-<index>-<random>` (control/builders.py child_names); the random
+# them `<job>-a<attempt>-<index>-<random>` (control/build/names.py child_names); the random
 # suffix has no dash, so another job's pods never match.
 PODS = 'namespace="$namespace", pod=~"$finetunejob-a[0-9]+-[0-9]+-[a-z0-9]+"'
 EXTERNAL = {

@@ -42,7 +42,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kubetune.control.builders import LABEL_ATTEMPT, LABEL_JOB
+from kubetune.api.vocabulary import LABEL_ATTEMPT, LABEL_JOB
 from kubetune_dev.cluster import ADMIN, LocalCluster, free_port, process_alive
 from support.apiserver import Api
 from support.cluster import FAST_OPERATOR, Cluster, job_doc, start_operator

@@ -51,7 +51,8 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 from kubetune.api.v1alpha1 import API_VERSION, GROUP, VERSION
-from kubetune.control.builders import CACHE_CLAIM, child_names
+from kubetune.control.build.names import child_names
+from kubetune.control.build.storage import CACHE_CLAIM
 from kubetune.planning.models_table import MODELS
 from kubetune_dev.cli import simulated_pool_docs
 from kubetune_dev.cluster import LocalCluster, process_alive

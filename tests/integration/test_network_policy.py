@@ -14,7 +14,9 @@ import pytest
 import yaml
 
 from kubetune.api.v1alpha1 import FineTuneJob
-from kubetune.control.builders import BuildSettings, build_network_policy, label_value
+from kubetune.control.build.names import label_value
+from kubetune.control.build.network import build_network_policy
+from kubetune.control.build.settings import BuildSettings
 from support.cluster import Cluster, job_doc, wait_phase
 from support.waiting import wait_for
 

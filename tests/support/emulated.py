@@ -20,7 +20,7 @@ import yaml
 from lightkube import AsyncClient, KubeConfig
 from lightkube.config.models import Cluster, User
 
-from kubetune.control.builders import child_names
+from kubetune.control.build.names import child_names
 from kubetune.control.capacity import node_info
 from kubetune.controller.cache import (
     Caches,

@@ -1,6 +1,6 @@
 """Two nodes on CPU: two launchers (one per node) rendezvous through c10d and train as one
 FSDP2 world over gloo, as the pods of a multi-node plan do (`--nnodes=2 --rdzv-backend=c10d`,
-operator/src/kubetune/control/builders.py). Both "nodes" are processes of this machine and
+operator/src/kubetune/control/build/trainer.py). Both "nodes" are processes of this machine and
 share the checkpoint folder, as pods share a ReadWriteMany volume.
 
 With the same global batch the two-node curve is the one-node curve, and a checkpoint moves

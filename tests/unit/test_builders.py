@@ -1,4 +1,4 @@
-"""Unit tests for kubetune.control.builders (the manifests of one training attempt).
+"""Unit tests for kubetune.control.build (the manifests of one training attempt).
 
 Every builder's output for two reference jobs is compared with an expected YAML file in
 `tests/unit/fixtures/builders/` (safe YAML, keys sorted, multi-line strings such as the
@@ -32,24 +32,19 @@ from kubetune.api.v1alpha1 import (
     PlanStatus,
 )
 from kubetune.api.vocabulary import PlanReason
-from kubetune.control.builders import (
-    BuildSettings,
+from kubetune.control.build.children import build_children
+from kubetune.control.build.config import build_config_map, build_trainer_config
+from kubetune.control.build.names import child_names, labels, owner_reference
+from kubetune.control.build.network import build_headless_service, build_network_policy
+from kubetune.control.build.settings import BuildSettings
+from kubetune.control.build.stages import build_export
+from kubetune.control.build.storage import (
     access_mode,
     build_checkpoint_pvc,
-    build_children,
-    build_config_map,
-    build_export,
-    build_headless_service,
-    build_indexed_job,
-    build_network_policy,
-    build_trainer_config,
     checkpoint_size,
-    child_names,
-    host_memory_gib,
-    labels,
-    owner_reference,
     single_node,
 )
+from kubetune.control.build.trainer import build_indexed_job, host_memory_gib
 from kubetune_trainer.contract import (
     EXIT_CHECKPOINT_FAILED,
     EXIT_CONFIG_ERROR,

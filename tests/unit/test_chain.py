@@ -11,7 +11,7 @@ from typing import Any
 from kubetune.api.v1alpha1 import FineTuneJob
 from kubetune.api.vocabulary import ConditionType, Phase, Reason
 from kubetune.control import conditions as c
-from kubetune.control.builders import input_refs
+from kubetune.control.build.storage import input_refs
 from kubetune.control.reconcile import Observed, chained, upstream_result
 from kubetune.planning.catalog import default_pools
 from support.reconcile import T0, make_job, run

@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from kubetune.api.v1alpha1 import DPO_NEEDS_OBJECTIVE, FineTuneJobSpec
-from kubetune.control.builders import build_trainer_config
+from kubetune.control.build.config import build_trainer_config
 from kubetune.planning.catalog import default_pools
 from kubetune.planning.planner import PlannerSettings, plan_job
 from kubetune.planning.throughput import flops_per_token, reference_passes

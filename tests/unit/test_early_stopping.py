@@ -18,7 +18,8 @@ from kubetune.api.v1alpha1 import (
 from kubetune.api.vocabulary import ConditionType, Reason, StepKind
 from kubetune.control import conditions as c
 from kubetune.control import pods as p
-from kubetune.control.builders import build_trainer_config, checkpoint_size
+from kubetune.control.build.config import build_trainer_config
+from kubetune.control.build.storage import checkpoint_size
 from kubetune.control.reconcile import Observed
 from kubetune.planning.catalog import default_pools
 from kubetune_trainer.contract import EARLY_STOPPED, EarlyStoppingConfig, StageOutResult

@@ -16,14 +16,9 @@ from kubetune.api.crdgen import finetunejob_crd
 from kubetune.api.v1alpha1 import FineTuneJobSpec
 from kubetune.api.vocabulary import ConditionType, Phase, Reason, StepKind
 from kubetune.control import conditions as c
-from kubetune.control.builders import (
-    STEP_CONFIG_KEY,
-    BuildSettings,
-    build_export,
-    checkpoint_size,
-    gguf_uri,
-    needs_export,
-)
+from kubetune.control.build.settings import BuildSettings
+from kubetune.control.build.stages import STEP_CONFIG_KEY, build_export, gguf_uri, needs_export
+from kubetune.control.build.storage import checkpoint_size
 from kubetune.control.reconcile import Observed
 from kubetune.planning.catalog import default_pools
 from kubetune_trainer.contract import (

@@ -22,7 +22,8 @@ import pytest
 from kubetune.api.tenancy import Tenant
 from kubetune.api.v1alpha1 import FineTuneJob, StageInStatus
 from kubetune.api.vocabulary import ConditionType, EventType, Reason
-from kubetune.control.builders import BuildSettings, child_names
+from kubetune.control.build.names import child_names
+from kubetune.control.build.settings import BuildSettings
 from kubetune.control.queue import Ticket
 from kubetune.control.reconcile import ControllerSettings
 from kubetune.controller import (

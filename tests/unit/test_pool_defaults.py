@@ -10,9 +10,11 @@ from typing import Any
 import pytest
 
 from kubetune.api.crdgen import gpupool_crd
-from kubetune.api.gpus import GPU_PRODUCT_LABEL, KNOWN_GPUS
+from kubetune.api.gpus import KNOWN_GPUS
 from kubetune.api.v1alpha1 import FineTuneJob, GPUPool, GPUPoolSpec, GPUSpec, PlanStatus
-from kubetune.control.builders import BuildSettings, build_indexed_job
+from kubetune.api.vocabulary import GPU_PRODUCT_LABEL
+from kubetune.control.build.settings import BuildSettings
+from kubetune.control.build.trainer import build_indexed_job
 from kubetune.control.capacity import node_info
 from kubetune.controller.cache import Caches, parse_pool
 

@@ -15,10 +15,12 @@ from typing import Any
 import pytest
 
 from kubetune.api.tenancy import Tenant
+from kubetune.api.units import quantity_value
 from kubetune.api.v1alpha1 import FineTuneJobStatus, LabelSelector
 from kubetune.api.vocabulary import ConditionType, Phase, Reason
 from kubetune.control import conditions as c
-from kubetune.control.builders import BuildSettings, checkpoint_size, quantity_value
+from kubetune.control.build.settings import BuildSettings
+from kubetune.control.build.storage import checkpoint_size
 from kubetune.control.reconcile import PHASE_HANDLERS, Decision, Observed, reconcile
 from kubetune.planning.arch import ArchitectureError
 from kubetune.planning.catalog import default_pools

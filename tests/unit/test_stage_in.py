@@ -11,16 +11,16 @@ import pytest
 
 from kubetune.api.vocabulary import ConditionType, Reason, StepKind
 from kubetune.control import conditions as c
-from kubetune.control.builders import (
-    CACHE_CLAIM,
-    CACHE_DIR,
+from kubetune.control.build.children import build_children
+from kubetune.control.build.paths import CACHE_DIR
+from kubetune.control.build.settings import BuildSettings
+from kubetune.control.build.stages import (
     STEP_CONFIG_KEY,
-    BuildSettings,
-    build_children,
     build_stage_in,
     fetched_sources,
     needs_stage_in,
 )
+from kubetune.control.build.storage import CACHE_CLAIM
 from kubetune.control.reconcile import Observed, may_create_stage_in
 from kubetune.controller.settings import settings_from_env
 from kubetune.planning.catalog import default_pools

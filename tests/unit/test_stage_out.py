@@ -10,13 +10,9 @@ from typing import Any
 
 from kubetune.api.vocabulary import ConditionType, Phase, Reason, StepKind
 from kubetune.control import conditions as c
-from kubetune.control.builders import (
-    OUTPUT_DIR,
-    STEP_CONFIG_KEY,
-    BuildSettings,
-    build_stage_out,
-    needs_stage_out,
-)
+from kubetune.control.build.paths import OUTPUT_DIR
+from kubetune.control.build.settings import BuildSettings
+from kubetune.control.build.stages import STEP_CONFIG_KEY, build_stage_out, needs_stage_out
 from kubetune.control.reconcile import Observed
 from kubetune.planning.catalog import default_pools
 from kubetune_trainer.contract import EXIT_CONFIG_ERROR, StageOutConfig, StageOutResult

@@ -12,7 +12,7 @@ import pytest
 from kubetune.api.vocabulary import ConditionType, Reason, RecoveryReason
 from kubetune.control import conditions as c
 from kubetune.control import pods as p
-from kubetune.control.builders import InputRef, input_refs
+from kubetune.control.build.storage import InputRef, input_refs
 from kubetune.control.reconcile import MissingInput, Observed, needs_preflight
 from kubetune.planning.catalog import default_pools
 from support.reconcile import SETTINGS, T0, batch_job, make_job, pod, run

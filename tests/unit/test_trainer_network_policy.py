@@ -15,15 +15,11 @@ import kmock
 import pytest
 
 from kubetune.api.vocabulary import ConditionType, Reason
-from kubetune.control.builders import (
-    BuildSettings,
-    build_children,
-    build_indexed_job,
-    build_network_policy,
-    child_names,
-    label_value,
-    owner_reference,
-)
+from kubetune.control.build.children import build_children
+from kubetune.control.build.names import child_names, label_value, owner_reference
+from kubetune.control.build.network import build_network_policy
+from kubetune.control.build.settings import BuildSettings
+from kubetune.control.build.trainer import build_indexed_job
 from kubetune.controller.kube import Kube
 from kubetune.controller.settings import settings_from_env
 from support.emulated import NAMESPACE, condition, example_cluster, requests, seed, tiny_job

@@ -242,6 +242,69 @@ def test_the_scan_finds_a_second_definition() -> None:
     assert {"qlora", "full"} in found.values()
 
 
+# ---------------------------------------------------------------------- label and annotation keys
+
+_KEY = re.compile(
+    r"^(?:[a-z0-9](?:[-a-z0-9]*[a-z0-9])?\.)+[a-z]{2,}/[A-Za-z0-9](?:[-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+)
+"""A prefixed Kubernetes key: `kubetune.io/job`, `batch.kubernetes.io/job-completion-index`."""
+_API_VERSION = re.compile(r"/v[0-9]+(?:(?:alpha|beta)[0-9]+)?$")
+VOCABULARY = "kubetune/api/vocabulary.py"
+
+
+def _keys(tree: ast.Module) -> Iterator[tuple[int, str]]:
+    """Every string constant of a module that is a prefixed label, annotation or resource key,
+    docstrings aside (an API version such as `kubetune.io/v1alpha1` is no key)."""
+    docstrings = {
+        id(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+    }
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and id(node) not in docstrings
+            and _KEY.match(node.value)
+            and not _API_VERSION.search(node.value)
+        ):
+            yield node.lineno, node.value
+
+
+def test_label_and_annotation_keys_are_spelled_only_in_the_vocabulary() -> None:
+    """A key spelled twice drifts: a selector that no longer matches what the builders
+    label finds nothing, and nothing fails."""
+    spelled = [
+        f"{rel}:{line} spells {key!r}; name it from {VOCABULARY}"
+        for rel, path in _python_files()
+        if rel != VOCABULARY
+        for line, key in _keys(ast.parse(path.read_text()))
+    ]
+    assert not spelled, "\n".join(spelled)
+
+
+def test_the_vocabulary_spells_each_key_once() -> None:
+    keys = [key for _, key in _keys(ast.parse((SOURCES[0].parent / VOCABULARY).read_text()))]
+    assert {"kubetune.io/job", "batch.kubernetes.io/job-completion-index"} <= set(keys)
+    assert len(keys) == len(set(keys)), sorted(k for k in keys if keys.count(k) > 1)
+
+
+def test_the_key_scan_finds_a_second_spelling() -> None:
+    copy = "\n".join(
+        [
+            '"""Selects kubetune.io/job."""',
+            'LABEL = "kubetune.io/job"',
+            'meta = {"labels": {"app.kubernetes.io/name": "x"}}',
+            'API = "kubetune.io/v1alpha1"',
+            'why = f"see kubetune.io/job"',
+        ]
+    )
+    assert [key for _, key in _keys(ast.parse(copy))] == [
+        "kubetune.io/job",
+        "app.kubernetes.io/name",
+    ]
+
+
 def test_dashboards_and_alerts_query_only_words_of_the_vocabulary() -> None:
     """A phase or reason spelled in PromQL that the operator never writes would be a panel
     or an alert that can never fire."""

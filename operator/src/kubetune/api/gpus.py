@@ -15,10 +15,6 @@ from typing import Literal
 
 from kubetune_trainer.contract import peak_bf16_tflops
 
-GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
-"""The node label GPU feature discovery (alone, or in NVIDIA's GPU operator) sets to the
-node's GPU product; a GPUPool without a nodeSelector selects the nodes labelled with its own."""
-
 
 @dataclass(frozen=True)
 class GPUFacts:

@@ -15,8 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kubetune.api.v1alpha1 import LabelSelector
-
-ALLOWED_SECRETS_ANNOTATION = "kubetune.io/allowed-secrets"
+from kubetune.api.vocabulary import ALLOWED_SECRETS_ANNOTATION
 
 
 @dataclass(frozen=True)

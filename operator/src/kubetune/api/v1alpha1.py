@@ -16,8 +16,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from kubetune.api.gpus import GPU_PRODUCT_LABEL, KNOWN_GPUS
-from kubetune.api.vocabulary import Phase, PlanReason, QueueWait, RecoveryReason
+from kubetune.api.gpus import KNOWN_GPUS
+from kubetune.api.vocabulary import GPU_PRODUCT_LABEL, Phase, PlanReason, QueueWait, RecoveryReason
 from kubetune_trainer.contract import (
     DatasetFormat,
     GGUFType,

@@ -1,10 +1,14 @@
-"""Every word the operator writes into status, conditions, Events and metric labels.
+"""Every word the operator writes into status, conditions, Events and metric labels, and
+every label and annotation key it writes on objects or reads from them.
 
 Each set is closed and defined once, here: the CRD's enums are rendered from these classes,
 the reconcile logic names its transitions and reasons with them, and the operator's metrics
 pre-create their label values from them (tests/unit/test_vocabulary.py compares all three).
 What varies from job to job — pod names, seconds, layouts, sizes — goes into messages and
 status fields, never into one of these words, so that a label built from one stays bounded.
+The label and annotation keys close the module: kubetune's own (`kubetune.io/...`) and the
+Kubernetes, Prometheus and NVIDIA ones the operator relies on (the same test fails where a
+key is spelled a second time).
 
 The words the operator shares with the trainer (methods, precisions, optimizers, sharding,
 exit codes, checkpoint names) are the trainer contract's: `kubetune_trainer.contract`.
@@ -239,3 +243,50 @@ class EventType(StrEnum):
 
     NORMAL = "Normal"
     WARNING = "Warning"
+
+
+# --------------------------------------------------------------------------- labels and annotations
+
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_JOB = "kubetune.io/job"
+"""On every child of a FineTuneJob, and on its pods: the job's name (shortened past 63
+characters); the operator's watches select its children by it."""
+LABEL_ATTEMPT = "kubetune.io/attempt"
+"""On a trainer attempt's ConfigMap, batch Job and pods: the attempt's number."""
+LABEL_STEP = "kubetune.io/step"
+"""A `StepKind` on a CPU step's Job and pod (trainer pods carry `kubetune.io/attempt`)."""
+METRICS_SCRAPER_LABEL = "kubetune.io/metrics-scraper"
+"""The namespace label the default `metrics_from` admits to the trainers' metrics port
+(value `"true"`)."""
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+"""The label Kubernetes puts on every namespace, its name: selects one namespace by name."""
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+"""The label the Job controller puts on a batch Job's pods: the Job's name."""
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+"""The node label GPU feature discovery (alone, or in NVIDIA's GPU operator) sets to the
+node's GPU product; a GPUPool without a nodeSelector selects the nodes labelled with its own."""
+GPU_PRESENT_LABEL = "nvidia.com/gpu.present"
+"""The node label NVIDIA's GPU operator sets on nodes with a GPU: CPU steps prefer nodes
+without it."""
+GPU_RESOURCE = "nvidia.com/gpu"
+"""The extended resource NVIDIA's device plugin offers (and the key of the taint GPU nodes
+commonly carry)."""
+
+ANNOTATION_RETENTION = "kubetune.io/retention"
+ANNOTATION_JOB_UID = "kubetune.io/job-uid"
+ANNOTATION_PLAN_REVISION = "kubetune.io/plan-revision"
+ANNOTATION_TEST_FAULTS = "kubetune.io/test-faults"
+"""Test-only fault injection, e.g. `{"oomAtStep": 6, "attempts": [1]}`: the trainer of the
+listed attempts (all when omitted) fails as if out of GPU memory before that step. The e2e
+tests use it to exercise OOM recovery without a GPU; never set it on real work."""
+ALLOWED_SECRETS_ANNOTATION = "kubetune.io/allowed-secrets"
+"""On a Namespace: the Secrets its FineTuneJobs may reference, comma-separated
+(`kubetune.api.tenancy`)."""
+COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
+"""The index the Job controller gives each pod of an Indexed Job: the trainer's node rank."""
+PROMETHEUS_SCRAPE_ANNOTATION = "prometheus.io/scrape"
+PROMETHEUS_PORT_ANNOTATION = "prometheus.io/port"
+PROMETHEUS_PATH_ANNOTATION = "prometheus.io/path"
+"""The annotations a Prometheus configured for annotation-based discovery reads on a pod."""

@@ -12,9 +12,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kubetune.api.vocabulary import TERMINAL_PHASES, Phase
+from kubetune.api.vocabulary import (
+    COMPLETION_INDEX_ANNOTATION,
+    GPU_RESOURCE,
+    TERMINAL_PHASES,
+    Phase,
+)
 from kubetune.cli.views import dump, event_order, hours, usd
-from kubetune.control.builders import COMPLETION_INDEX_ANNOTATION, CONTAINER_NAME, GPU_RESOURCE
+from kubetune.control.build.trainer import CONTAINER_NAME
 
 _RANK_TAG = re.compile(r" rank(\d+) ")
 """How the trainer's log lines name their rank (`<time> rank3 INFO ...`, its logging format)."""

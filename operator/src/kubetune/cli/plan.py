@@ -18,7 +18,8 @@ from kubetune.api.tenancy import Tenant
 from kubetune.api.v1alpha1 import CHAIN_SCHEME, FineTuneJob, GPUPool, Objective
 from kubetune.cli.errors import Abort
 from kubetune.cli.views import dump, hours
-from kubetune.control.builders import BuildSettings, single_node
+from kubetune.control.build.settings import BuildSettings
+from kubetune.control.build.storage import single_node
 from kubetune.planning.arch import ArchitectureError
 from kubetune.planning.catalog import default_pools
 from kubetune.planning.estimator import GIB, EstimatorError

@@ -25,18 +25,11 @@ from pydantic import ValidationError
 
 from kubetune.api.tenancy import Tenant
 from kubetune.api.v1alpha1 import GROUP, GPUPool
+from kubetune.api.vocabulary import JOB_NAME_LABEL, LABEL_ATTEMPT, LABEL_JOB
 from kubetune.cli.follow import LogSource, ObjectWatcher, Watcher, outcome
-from kubetune.control.builders import (
-    CONTAINER_NAME,
-    LABEL_ATTEMPT,
-    LABEL_JOB,
-    child_names,
-    label_value,
-)
+from kubetune.control.build.names import child_names, label_value
+from kubetune.control.build.trainer import CONTAINER_NAME
 from kubetune.controller.kube import FineTuneJobResource, GPUPoolResource
-
-JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
-"""The label the Job controller puts on a batch Job's pods."""
 
 CRDS = (f"finetunejobs.{GROUP}", f"gpupools.{GROUP}")
 OPERATOR_METRIC = "kubetune_operator_info"

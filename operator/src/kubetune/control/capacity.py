@@ -12,7 +12,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kubetune.control.builders import GPU_RESOURCE, quantity_value
+from kubetune.api.units import quantity_value
+from kubetune.api.vocabulary import GPU_RESOURCE
 from kubetune.control.pods import POD_DONE
 
 
@@ -51,7 +52,7 @@ def node_info(node: Mapping[str, Any]) -> NodeInfo:
 
 
 def _gib(quantity: str) -> float:
-    """A memory quantity in GiB; 0 for one this module cannot read (`1e9`)."""
+    """A memory quantity in GiB; 0 for one that is not a quantity."""
     try:
         return round(float(quantity_value(quantity)) / 2**30, 2)
     except ValueError:

@@ -25,14 +25,8 @@ from pydantic import ValidationError
 
 from kubetune.api.tenancy import Tenant
 from kubetune.api.v1alpha1 import FineTuneJob, GPUPool, GPUPoolStatus
-from kubetune.api.vocabulary import StepKind
-from kubetune.control.builders import (
-    LABEL_ATTEMPT,
-    LABEL_JOB,
-    LABEL_STEP,
-    child_names,
-    label_value,
-)
+from kubetune.api.vocabulary import LABEL_ATTEMPT, LABEL_JOB, LABEL_STEP, StepKind
+from kubetune.control.build.names import child_names, label_value
 from kubetune.control.capacity import NodeInfo, gpus_held, pool_capacity
 from kubetune.control.conditions import now_rfc3339
 from kubetune.control.reconcile import Observed

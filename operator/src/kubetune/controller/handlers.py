@@ -33,8 +33,7 @@ from lightkube import AsyncClient
 
 from kubetune.api.tenancy import Tenant
 from kubetune.api.v1alpha1 import GROUP, VERSION
-from kubetune.api.vocabulary import EventType, Reason
-from kubetune.control.builders import LABEL_JOB
+from kubetune.api.vocabulary import LABEL_JOB, EventType, Reason
 from kubetune.control.capacity import NodeInfo, node_info
 from kubetune.controller import leader, metrics
 from kubetune.controller.cache import (

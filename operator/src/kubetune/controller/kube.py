@@ -29,7 +29,8 @@ from lightkube.types import CascadeType, PatchType
 from prometheus_client.parser import text_string_to_metric_families
 
 from kubetune.api.v1alpha1 import GROUP, VERSION, FineTuneJob
-from kubetune.control.builders import COMPLETION_INDEX_ANNOTATION, InputRef
+from kubetune.api.vocabulary import COMPLETION_INDEX_ANNOTATION
+from kubetune.control.build.storage import InputRef
 from kubetune.control.pods import PodPhase
 from kubetune.control.reconcile import MissingInput
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from kubetune.api.v1alpha1 import CHAIN_SCHEME, FineTuneJob
 from kubetune.api.vocabulary import TERMINAL_PHASES, Phase
-from kubetune.control.builders import input_refs
+from kubetune.control.build.storage import input_refs
 from kubetune.control.lifecycle import is_finished
 from kubetune.control.reconcile import (
     ControllerSettings,

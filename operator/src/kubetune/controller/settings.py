@@ -60,8 +60,9 @@ from collections.abc import Mapping
 from decimal import Decimal
 from typing import Any, get_args
 
+from kubetune.api.units import quantity_value
 from kubetune.api.v1alpha1 import Objective
-from kubetune.control.builders import QUANTITY, BuildSettings, quantity_value
+from kubetune.control.build.settings import BuildSettings
 from kubetune.control.reconcile import ControllerSettings
 from kubetune.planning.planner import PlannerSettings
 
@@ -92,8 +93,11 @@ def _quantity(env: Mapping[str, str], name: str, default: str) -> str:
     raw = env.get(name)
     if raw is None or raw == "":
         return default
-    match = QUANTITY.match(raw)
-    if match is None or Decimal(match.group(1)) <= 0:
+    try:
+        value = quantity_value(raw)
+    except ValueError:
+        value = Decimal(0)
+    if value <= 0:
         raise ValueError(
             f"{name}={raw!r} is not a positive Kubernetes quantity; to fix: set it to a "
             f"number with an optional unit, e.g. {default!r}, or unset it for {default}"

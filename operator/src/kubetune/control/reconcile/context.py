@@ -23,7 +23,9 @@ from kubetune.api.v1alpha1 import (
 )
 from kubetune.api.vocabulary import ConditionType, EventType, Reason
 from kubetune.control import pods as p
-from kubetune.control.builders import BuildSettings, InputRef, child_names, single_node
+from kubetune.control.build.names import child_names
+from kubetune.control.build.settings import BuildSettings
+from kubetune.control.build.storage import InputRef, single_node
 from kubetune.control.lifecycle import Transitions
 from kubetune.planning.arch import ModelArch, arch_from_hf_config
 from kubetune.planning.planner import Plan, PlannerSettings
@@ -139,7 +141,7 @@ class Observed:
     upstream_read: bool = False
     """Whether that read got an answer (the job, or that it does not exist)."""
     missing_inputs: Sequence[MissingInput] = ()
-    """What the launch preflight found missing of `builders.input_refs(job)` (read only
+    """What the launch preflight found missing of `build.storage.input_refs(job)` (read only
     before a launch; empty when all exist or they could not be read)."""
     lost_nodes: Mapping[str, str] = field(default_factory=dict)
     """Nodes of `pods` that are not Ready: node → since when ("" when not known)."""

@@ -7,18 +7,13 @@ from dataclasses import replace
 from typing import Any
 
 from kubetune.api.errors import InfeasibleError, SpecError
-from kubetune.api.units import about
+from kubetune.api.units import about, quantity_value
 from kubetune.api.v1alpha1 import INT64_MAX, PlanStatus
-from kubetune.api.vocabulary import ConditionType, PlanReason, Reason
+from kubetune.api.vocabulary import ANNOTATION_TEST_FAULTS, ConditionType, PlanReason, Reason
 from kubetune.control import progress
-from kubetune.control.builders import (
-    ANNOTATION_TEST_FAULTS,
-    QUANTITY,
-    build_children,
-    checkpoint_size,
-    host_memory_gib,
-    quantity_value,
-)
+from kubetune.control.build.children import build_children
+from kubetune.control.build.storage import checkpoint_size
+from kubetune.control.build.trainer import host_memory_gib
 from kubetune.control.conditions import get_condition, is_true
 from kubetune.control.reconcile.context import Context, NewPlan
 from kubetune.planning.arch import ArchitectureError
@@ -154,7 +149,7 @@ def _fit_checkpoint_volume(ctx: Context, plan: PlanStatus) -> None:
     requests = ((claim.get("spec") or {}).get("resources") or {}).get("requests") or {}
     have = str(requests.get("storage") or "")
     want = checkpoint_size(ctx.job, plan)
-    if not QUANTITY.match(have) or quantity_value(want) <= quantity_value(have):
+    if not have or quantity_value(want) <= quantity_value(have):
         return
     name = str((claim.get("metadata") or {}).get("name"))
     storage_class = (claim.get("spec") or {}).get("storageClassName") or "(none)"

@@ -9,7 +9,7 @@ from fnmatch import fnmatchcase
 from kubetune.api.v1alpha1 import FineTuneJob
 from kubetune.api.vocabulary import ConditionType, Phase, Reason
 from kubetune.control import pods as p
-from kubetune.control.builders import input_refs
+from kubetune.control.build.storage import input_refs
 from kubetune.control.conditions import get_condition
 from kubetune.control.reconcile.context import Context, MissingInput
 

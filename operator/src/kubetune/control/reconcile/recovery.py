@@ -13,7 +13,7 @@ from kubetune.api.v1alpha1 import PlanStatus, Recovery
 from kubetune.api.vocabulary import PlanReason, Reason, RecoveryReason
 from kubetune.control import pods as p
 from kubetune.control import progress
-from kubetune.control.builders import host_memory_gib, memory_quantity
+from kubetune.control.build.trainer import host_memory_gib, memory_quantity
 from kubetune.control.conditions import now_rfc3339
 from kubetune.control.reconcile.context import Context
 from kubetune.control.reconcile.launch import (

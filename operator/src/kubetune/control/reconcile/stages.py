@@ -21,18 +21,18 @@ from kubetune.api.v1alpha1 import (
 )
 from kubetune.api.vocabulary import ConditionType, Reason, StepKind
 from kubetune.control import pods as p
-from kubetune.control.builders import (
-    CACHE_CLAIM,
+from kubetune.control.build.names import child_names
+from kubetune.control.build.stages import (
     build_export,
     build_stage_in,
     build_stage_out,
-    child_names,
     fetched_sources,
     gguf_uri,
     needs_export,
     needs_stage_in,
     needs_stage_out,
 )
+from kubetune.control.build.storage import CACHE_CLAIM
 from kubetune.control.conditions import get_condition
 from kubetune.control.reconcile.context import Context, ControllerSettings, Observed, measured_spec
 from kubetune.planning.arch import ArchitectureError

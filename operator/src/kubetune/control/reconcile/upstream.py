@@ -6,7 +6,7 @@ from __future__ import annotations
 from kubetune.api.v1alpha1 import CHAIN_SCHEME, FineTuneJob, FineTuneJobStatus, UpstreamStatus
 from kubetune.api.vocabulary import ConditionType, Phase, Reason
 from kubetune.control import pods as p
-from kubetune.control.builders import child_names
+from kubetune.control.build.names import child_names
 from kubetune.control.conditions import get_condition
 from kubetune.control.reconcile.context import Context, measured_spec
 
