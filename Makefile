@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP_FLAGS ?= -q --disable-pip-version-check
-PY_PATHS := $(wildcard operator trainer_image tests hack benchmarks)
+PY_PATHS := $(wildcard operator dev trainer_image tests hack benchmarks)
 # Processes for the unit, trainer and integration tiers (pytest-xdist): one per core, at most
 # four (each imports torch, about 1 GB; an integration worker runs a control plane of its own).
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ "$$n" -gt 4 ] && n=4; echo $$n)
@@ -11,12 +11,12 @@ TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ "$$n" -gt 4 ] && n=
 
 setup: $(VENV)/.installed
 
-# The product with its trainer and dev extras, plus the local tooling (operator/dev), which is
+# The product with its trainer and dev extras, plus the local tooling (dev/), which is
 # a distribution of its own so that `pip install kubetune` never contains it.
-$(VENV)/.installed: pyproject.toml operator/dev/pyproject.toml
+$(VENV)/.installed: pyproject.toml dev/pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install $(PIP_FLAGS) --upgrade pip
-	$(PY) -m pip install $(PIP_FLAGS) -e ".[dev,trainer]" -e ./operator/dev
+	$(PY) -m pip install $(PIP_FLAGS) -e ".[dev,trainer]" -e ./dev
 	touch $@
 
 lint: setup
