@@ -11,7 +11,7 @@ import yaml
 from kubetune.api.crdgen import render_all
 from support.scripts import load_script
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.tooling
 
 bench = load_script("benchmarks/apiserver_write_cost.py")
 

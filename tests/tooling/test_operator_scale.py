@@ -14,7 +14,7 @@ import yaml
 
 from support.scripts import load_script
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.tooling
 
 
 bench = load_script("benchmarks/operator_scale.py")
