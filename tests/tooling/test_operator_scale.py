@@ -1,22 +1,19 @@
 """The arithmetic of the operator-scale benchmark (benchmarks/operator_scale/): which API
 requests are the operator's, the latencies it reports from its watches and from the API
-server's histograms, and the format of its tables, records and report; and its setup (kwok's
-stages, the job mix, the minimal writer's objects, the command line). What it measures with
-is tested in test_measure.py."""
+server's histograms, and the format of its tables, records and report. What it measures
+with is tested in test_measure.py."""
 
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import yaml
 
 from benchmarks import measure
-from benchmarks.operator_scale import accounting, bench, cli, floor, report, scenario, tracker
+from benchmarks.operator_scale import accounting, report, scenario, tracker
 
 pytestmark = pytest.mark.tooling
 
@@ -560,91 +557,3 @@ def test_the_kernels_way_of_sharing_cores_is_told() -> None:
     assert "between sessions" in report.sharing({"sched_autogroup": True})
     assert "between threads" in report.sharing({"sched_autogroup": False})
     assert "not recorded" in report.sharing({})
-
-
-# ---------------------------------------------------------------------- the setup
-
-
-def _stage(name: str) -> dict[str, Any]:
-    return {"apiVersion": "kwok.x-k8s.io/v1alpha1", "kind": "Stage", "metadata": {"name": name}}
-
-
-def test_running_stages_drop_pod_complete_only() -> None:
-    names = ["node-initialize", "node-heartbeat-with-lease", "pod-complete", "pod-delete"]
-    text = yaml.safe_dump_all([_stage(n) for n in [*names, "pod-ready"]])
-    kept = [d["metadata"]["name"] for d in yaml.safe_load_all(scenario.running_stages(text))]
-    assert kept == ["node-initialize", "node-heartbeat-with-lease", "pod-delete", "pod-ready"]
-    without_ready = yaml.safe_dump_all([_stage(n) for n in names])
-    with pytest.raises(ValueError, match="no pod-ready stage; to fix"):
-        scenario.running_stages(without_ready)
-
-
-def test_job_mix_asks_no_question_twice_and_spreads_namespaces() -> None:
-    jobs = scenario.job_mix(1000, 20)
-    assert len({j.question() for j in jobs}) == 1000
-    assert len({(j.model, j.method, j.sequence_length, j.gpus) for j in jobs}) == 660
-    assert {j.namespace for j in jobs} == {f"scale-{i:02d}" for i in range(20)}
-    assert len({(j.namespace, j.name) for j in jobs}) == 1000
-    doc = jobs[7].doc()
-    assert doc["spec"]["resources"]["gpus"] == jobs[7].gpus
-    assert doc["spec"]["dataset"]["numExamples"] == jobs[7].num_examples
-
-
-def test_job_mix_falls_back_to_what_the_planner_can_place() -> None:
-    jobs = scenario.job_mix(30, 3, lambda j: j.method != "full" and j.gpus <= 8)
-    assert all(j.method != "full" and j.gpus <= 8 for j in jobs)
-    with pytest.raises(ValueError, match="no method or GPU count"):
-        scenario.job_mix(1, 1, lambda j: False)
-
-
-def test_scheduler_config_of_the_control_plane_knobs() -> None:
-    def opts(**over: Any) -> Any:
-        return SimpleNamespace(**{"client_qps": None, "bin_packing": False, **over})
-
-    bench_ = bench.Bench.__new__(bench.Bench)
-    bench_.opts = opts()
-    assert bench_.scheduler_config() is None and bench_.control_plane_args() == []
-    bench_.opts = opts(client_qps=100, bin_packing=False)
-    assert bench_.scheduler_config() == {"clientConnection": {"qps": 100, "burst": 100}}
-    assert bench_.control_plane_args() == ["--kube-api-qps=100", "--kube-api-burst=100"]
-    bench_.opts = opts(bin_packing=True)
-    config = bench_.scheduler_config()
-    assert config is not None and "clientConnection" not in config
-    fit = config["profiles"][0]["pluginConfig"][0]
-    assert fit["args"]["scoringStrategy"]["type"] == "MostAllocated"
-
-
-def test_the_minimal_writer_writes_one_planned_condition() -> None:
-    import datetime as dt
-
-    body = json.loads(floor.planned_patch(dt.datetime(2026, 11, 29, 16, 50, 1, 500000, dt.UTC)))
-    (condition,) = body["status"]["conditions"]
-    assert condition["type"] == "Planned" and condition["status"] == "True"
-    assert condition["lastTransitionTime"] == "2026-11-29T16:50:01Z"
-    assert list(body) == ["status"] and list(body["status"]) == ["conditions"]
-
-
-def test_the_minimal_writer_launches_one_pod_on_the_pool_it_is_given() -> None:
-    pool = scenario.pool_docs(3)[0]
-    body = json.loads(floor.floor_batch_job("team-1", "ftj-7", pool))
-    assert body["kind"] == "Job" and body["metadata"]["namespace"] == "team-1"
-    assert body["metadata"]["labels"] == {scenario.LABEL_JOB: "ftj-7"}
-    template = body["spec"]["template"]
-    assert template["metadata"]["labels"] == {scenario.LABEL_JOB: "ftj-7"}
-    (container,) = template["spec"]["containers"]
-    assert container["resources"]["limits"] == {"nvidia.com/gpu": 1}
-    assert template["spec"]["nodeSelector"] == pool["spec"]["nodeSelector"]
-    assert template["spec"]["tolerations"] == pool["spec"]["tolerations"]
-    assert body["spec"]["backoffLimit"] == 0
-
-
-def test_floor_launches_need_the_minimal_writer_and_at_most_every_job() -> None:
-    with pytest.raises(SystemExit):
-        cli.parse_args(["--floor-launches", "10"])
-    with pytest.raises(SystemExit):
-        cli.parse_args(["--planned-floor", "--jobs", "5", "--floor-launches", "6"])
-    with pytest.raises(SystemExit):
-        cli.parse_args(["--planned-floor", "--floor-writers", "0"])
-    opts = cli.parse_args(["--planned-floor", "--jobs", "5", "--floor-launches", "5"])
-    assert opts.floor_launches == 5 and opts.planned_floor and opts.without_operator
-    assert opts.floor_writers == floor.PLANNED_FLOOR_WRITERS
