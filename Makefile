@@ -2,21 +2,22 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP_FLAGS ?= -q --disable-pip-version-check
-PY_PATHS := $(wildcard operator trainer_image tests hack benchmarks)
-# Processes for the unit, trainer and integration tiers (pytest-xdist): one per core, at most
-# four (each imports torch, about 1 GB; an integration worker runs a control plane of its own).
+PY_PATHS := $(wildcard operator dev trainer_image tests hack benchmarks)
+# Processes for the unit, trainer, tooling and integration tiers (pytest-xdist): one per core,
+# at most four (each imports torch, about 1 GB; an integration worker runs a control plane of
+# its own).
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ "$$n" -gt 4 ] && n=4; echo $$n)
 
-.PHONY: setup test lint unit trainer integration e2e crds docs demo plan-examples
+.PHONY: setup test lint unit trainer tooling integration e2e crds docs demo plan-examples
 
 setup: $(VENV)/.installed
 
-# The product with its trainer and dev extras, plus the local tooling (operator/dev), which is
+# The product with its trainer and dev extras, plus the local tooling (dev/), which is
 # a distribution of its own so that `pip install kubetune` never contains it.
-$(VENV)/.installed: pyproject.toml operator/dev/pyproject.toml
+$(VENV)/.installed: pyproject.toml dev/pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install $(PIP_FLAGS) --upgrade pip
-	$(PY) -m pip install $(PIP_FLAGS) -e ".[dev,trainer]" -e ./operator/dev
+	$(PY) -m pip install $(PIP_FLAGS) -e ".[dev,trainer]" -e ./dev
 	touch $@
 
 lint: setup
@@ -25,13 +26,17 @@ lint: setup
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
-# The tiers, selected by marker (tests/conftest.py). A bare `pytest` runs unit and trainer;
-# integration and e2e need the local control plane, built from Go modules on first use.
+# The tiers, selected by marker (tests/conftest.py). A bare `pytest` runs unit, trainer and
+# the tooling tests that need no control plane; integration, e2e and the tooling tests marked
+# `controlplane` need the local control plane, built from Go modules on first use.
 unit: setup
 	$(VENV)/bin/pytest -m unit
 
 trainer: setup
 	$(VENV)/bin/pytest -m trainer
+
+tooling: setup
+	$(VENV)/bin/pytest -m tooling
 
 integration: setup
 	$(VENV)/bin/pytest -m integration --durations=12
@@ -41,15 +46,19 @@ e2e: setup
 
 # Every tier, each control-plane tier in a pytest run of its own: the e2e tier starts its own
 # control plane and operator, which must not share the machine with the integration tier's.
-# The integration tier's workers each start a cluster of their own and take whole files
-# (--dist loadfile): a file's tests share its fixtures, and its waits overlap another file's
-# work (12.6 minutes on one process, 8.5 to 9 on two, on two cores).
+# The tooling tests go with the run that has what they need: those without the control plane
+# with unit and trainer, those marked `controlplane` with the integration tier, on its
+# clusters. The integration run's workers each start a cluster of their own and take whole
+# files (--dist loadfile): a file's tests share its fixtures, and its waits overlap another
+# file's work (12.6 minutes on one process, 8.5 to 9 on two, on two cores).
 # The kind step goes first among the e2e runs: the scenarios marked kubelet that pass there,
 # under a real kubelet, are left out of the local target's run (about 7 minutes); where kind
 # is skipped (no cached images, too little disk) the local target runs every scenario.
 test: lint
-	$(VENV)/bin/pytest -m "unit or trainer" -n $(TEST_WORKERS) --durations=15
-	$(VENV)/bin/pytest -m integration -n $(TEST_WORKERS) --dist loadfile --durations=12
+	$(VENV)/bin/pytest -m "unit or trainer or (tooling and not controlplane)" \
+	  -n $(TEST_WORKERS) --durations=15
+	$(VENV)/bin/pytest -m "integration or (tooling and controlplane)" \
+	  -n $(TEST_WORKERS) --dist loadfile --durations=12
 	@passed=$$(mktemp); rm -f "$$passed"; \
 	VENV=$(VENV) KIND_PASSED_FILE="$$passed" hack/kind-e2e.sh --if-cached -m "e2e and kubelet" \
 	  --durations=12 || exit 1; \

@@ -27,7 +27,7 @@ work; `background` rows measure that (CPU per second with no requests sent).
 
 Prints a table and appends it, dated, to benchmarks/results/apiserver-write-cost-<date>.md.
 
-Usage: python benchmarks/apiserver_write_cost.py [--requests N] [--out FILE | --no-write]
+Usage: python -m benchmarks.apiserver_write_cost [--requests N] [--out FILE | --no-write]
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ import json
 import math
 import platform
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -49,19 +48,11 @@ from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))  # operator_scale: the HTTPS client, /proc
-from operator_scale import (  # noqa: E402
-    GROUP,
-    VERSION,
-    Api,
-    JobPlan,
-    OwnRequests,
-    pool_docs,
-    proc_sample,
-)
+from benchmarks.measure import load_average, proc_sample
+from benchmarks.operator_scale.api import Api, OwnRequests
+from benchmarks.operator_scale.scenario import GROUP, VERSION, JobPlan, pool_docs
 
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = Path(__file__).resolve().parent / "results"
 NAMESPACE = "write-cost"
 PAD_FACTOR = 4
 """The grown objects carry padding of (this - 1) × their own size."""
@@ -394,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         f"## {now:%Y-%m-%d %H:%M}: {a.requests} requests of each kind, one client, one after "
         f"another; the job {bench.phase} through the operator first\n\n"
         f"Machine: {platform.machine()}, {platform.python_version()}, "
-        f"{Path('/proc/loadavg').read_text().split()[0]} load at the end. CPU per request "
+        f"{load_average().split()[0]} load at the end. CPU per request "
         "from /proc (user + system) of kube-apiserver and etcd; wall: the client's time "
         "per request.\n\n"
     )
@@ -405,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         if not out.exists():
             out.write_text(
                 f"# What one FineTuneJob write costs the API server — {now:%Y-%m-%d}\n\n"
-                "Made by `python benchmarks/apiserver_write_cost.py` (its docstring says how).\n\n"
+                "Made by `python -m benchmarks.apiserver_write_cost` (its docstring says how).\n\n"
             )
         with out.open("a") as fh:
             fh.write(text + "\n")

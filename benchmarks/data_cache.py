@@ -24,7 +24,7 @@ are the setup's wall time, the slower rank's.
 Data: `kubetune_trainer.tiny.make_records("alpaca", N)` records with the tiny BPE tokenizer
 (`tiny.make_tokenizer`, 512 tokens), sequence_length 512, packing on, validation_split 0.01.
 
-Usage: python benchmarks/data_cache.py [--sizes 50000,200000] [--workdir DIR]
+Usage: python -m benchmarks.data_cache [--sizes 50000,200000] [--workdir DIR]
            [--no-write]
 """
 
@@ -41,24 +41,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.measure import proc_kib
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SEQ_LEN = 512
 MODES = ("off", "cold", "warm")
 
 
-def _proc_kib(path: str, keys: tuple[str, ...]) -> dict[str, int]:
-    out = {}
-    for line in Path(path).read_text().splitlines():
-        name, _, rest = line.partition(":")
-        if name in keys:
-            out[name] = int(rest.split()[0])
-    return out
-
-
 def memory_mib() -> dict[str, float]:
-    status = _proc_kib("/proc/self/status", ("VmRSS", "RssAnon", "RssFile", "VmHWM"))
-    rollup = _proc_kib("/proc/self/smaps_rollup", ("Pss",))
+    status = proc_kib("/proc/self/status", ("VmRSS", "RssAnon", "RssFile", "VmHWM"))
+    rollup = proc_kib("/proc/self/smaps_rollup", ("Pss",))
     return {
         "rss": status["VmRSS"] / 1024,
         "anon": status["RssAnon"] / 1024,
@@ -142,7 +135,8 @@ def run_start(workdir: Path, config: Path, mode: str) -> list[dict[str, Any]]:
         "torch.distributed.run",
         "--standalone",
         "--nproc-per-node=2",
-        str(Path(__file__).resolve()),
+        "-m",  # each rank runs this module, found as this process found it
+        "benchmarks.data_cache",
         "--worker",
         "--config",
         str(config),
@@ -244,7 +238,7 @@ def main() -> None:
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
     ).stdout.strip()
     header = (
-        f"Made by `python benchmarks/data_cache.py --sizes {args.sizes}` on {platform.node()}"
+        f"Made by `python -m benchmarks.data_cache --sizes {args.sizes}` on {platform.node()}"
         f" ({os.cpu_count()} cores, Python {platform.python_version()}), code as of {commit}; "
         f"1-minute load average {load0:.1f} at the start, {load1:.1f} at the end.\n\n"
         f"Cache folder size on the volume: {caches}.\n\n"

@@ -17,7 +17,7 @@ Each plan's full `status.plan` (chosen, alternatives, rejected pools; or the inf
 message) goes into a digest, so two runs of different code that print the same digest chose
 exactly the same plans.
 
-Usage: python benchmarks/planner_speed.py [--quick] [--rounds N] [--jobs N]
+Usage: python -m benchmarks.planner_speed [--quick] [--rounds N] [--jobs N]
            [--save-json FILE] [--before FILE] [--out FILE | --no-write]
 
 `--save-json` keeps this run's numbers; `--before` adds a saved run (e.g. made with an older
@@ -42,6 +42,7 @@ from typing import Any
 
 import yaml
 
+from benchmarks.measure import nearest_rank
 from kubetune.api.errors import InfeasibleError
 from kubetune.api.v1alpha1 import FineTuneJob, FineTuneJobSpec, GPUPool
 from kubetune.planning.estimator import EstimatorError
@@ -164,12 +165,6 @@ def generated_jobs(count: int, seed: int = SEED) -> list[tuple[str, FineTuneJobS
 # --------------------------------------------------------------------------- measuring
 
 
-def percentile(sorted_ms: list[float], q: float) -> float:
-    """Nearest-rank percentile of an ascending list."""
-    rank = max(1, -(-len(sorted_ms) * q // 100))
-    return sorted_ms[int(rank) - 1]
-
-
 def run_catalog(
     jobs: list[tuple[str, FineTuneJobSpec]], pools: list[GPUPool], rounds: int
 ) -> dict[str, Any]:
@@ -209,14 +204,14 @@ def run_catalog(
         "plans": len(times_ms),
         "infeasible": infeasible,
         "queued": queued,
-        "p50_ms": percentile(ordered, 50),
-        "p95_ms": percentile(ordered, 95),
-        "p99_ms": percentile(ordered, 99),
+        "p50_ms": nearest_rank(ordered, 50),
+        "p95_ms": nearest_rank(ordered, 95),
+        "p99_ms": nearest_rank(ordered, 99),
         "max_ms": ordered[-1],
         "mean_ms": statistics.fmean(ordered),
         "plans_per_s": len(times_ms) / total_s,
-        "cpu_p50_ms": percentile(sorted(cpu_ms), 50),
-        "cpu_p99_ms": percentile(sorted(cpu_ms), 99),
+        "cpu_p50_ms": nearest_rank(sorted(cpu_ms), 50),
+        "cpu_p99_ms": nearest_rank(sorted(cpu_ms), 99),
         "digest": digest.hexdigest()[:16],
         "job_median_ms": {name: statistics.median(ms) for name, ms in per_job.items()},
     }
@@ -353,7 +348,7 @@ def main() -> None:
 
     run = measure(args.quick, args.rounds, args.jobs)
     before = json.loads(args.before.read_text()) if args.before else None
-    command = "python benchmarks/planner_speed.py " + " ".join(sys.argv[1:])
+    command = "python -m benchmarks.planner_speed " + " ".join(sys.argv[1:])
     text = report(run, before, command.strip())
     print(text)
     if args.save_json:

@@ -23,7 +23,7 @@ temporary directory on the same local filesystem, so this measures the client an
 path on one machine, not a network. MB/s is 10^6 bytes per second; the ratio is the median
 stage-in MB/s over the median plain MB/s (the project's goal: at least 0.9).
 
-Usage: python benchmarks/stage_in.py [--reps N] [--quick] [--workdir DIR]
+Usage: python -m benchmarks.stage_in [--reps N] [--quick] [--workdir DIR]
            [--out FILE | --no-write]
 
 Needs versitygw, built from Go modules on first use and cached (docs/data.md, "Testing with a
@@ -48,6 +48,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from benchmarks.measure import proc_kib
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -255,11 +257,8 @@ def machine(work: Path, binary: Path) -> dict[str, str]:
                 cpu = line.split(":", 1)[1].strip()
                 break
     ram = "?"
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                ram = f"{int(line.split()[1]) / 1024**2:.0f} GiB"
-                break
+    with contextlib.suppress(OSError, ValueError, IndexError, KeyError):
+        ram = f"{proc_kib('/proc/meminfo', ('MemTotal',))['MemTotal'] / 1024**2:.0f} GiB"
     disk = _first_line(["findmnt", "-n", "-o", "SOURCE,FSTYPE", "-T", str(work)])
     usage = shutil.disk_usage(work)
     versity = "?"
@@ -453,7 +452,7 @@ def main() -> None:
             results = measure(cases, reps, server, work, digests)
     load = f"{load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
     rows = summary(cases, results)
-    command = " ".join(["python benchmarks/stage_in.py", *sys.argv[1:]])
+    command = " ".join(["python -m benchmarks.stage_in", *sys.argv[1:]])
     text = report(rows, facts, command, date, load)
     print()
     print(text)

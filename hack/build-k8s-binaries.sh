@@ -2,7 +2,7 @@
 # Build (or locate, when already cached) the local control-plane binaries used by the
 # integration tests: etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl,
 # kwok and helm, compiled from the Go module proxy. Versions are pinned in
-# operator/dev/src/kubetune_dev/binaries.py; see docs/control-plane-build.md.
+# dev/src/kubetune_dev/binaries.py; see docs/control-plane-build.md.
 #
 #   hack/build-k8s-binaries.sh            # build what is missing, print the bin dir
 #   hack/build-k8s-binaries.sh path       # print the bin dir only
@@ -20,7 +20,7 @@ else
 fi
 
 # The module is pure standard library: running it from the source tree needs no install.
-export PYTHONPATH="${repo_root}/operator/dev/src${PYTHONPATH:+:${PYTHONPATH}}"
+export PYTHONPATH="${repo_root}/dev/src${PYTHONPATH:+:${PYTHONPATH}}"
 export PYTHONUNBUFFERED=1
 
 if [[ $# -eq 0 ]]; then

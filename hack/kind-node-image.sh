@@ -147,10 +147,10 @@ fi
 # Binaries
 # ---------------------------------------------------------------------------------------------
 log "Kubernetes $KUBE_VERSION binaries -> $KBIN"
-if [ "$KUBE_VERSION" != "$(PYTHONPATH="$ROOT/operator/dev/src" python3 -c 'from kubetune_dev.binaries import KUBERNETES_VERSION as v; print(v)')" ]; then
-  die "KUBE_VERSION=$KUBE_VERSION differs from KUBERNETES_VERSION in operator/dev/src/kubetune_dev/binaries.py" 2
+if [ "$KUBE_VERSION" != "$(PYTHONPATH="$ROOT/dev/src" python3 -c 'from kubetune_dev.binaries import KUBERNETES_VERSION as v; print(v)')" ]; then
+  die "KUBE_VERSION=$KUBE_VERSION differs from KUBERNETES_VERSION in dev/src/kubetune_dev/binaries.py" 2
 fi
-cp_dir=$(PYTHONPATH="$ROOT/operator/dev/src" python3 -m kubetune_dev.binaries build) ||
+cp_dir=$(PYTHONPATH="$ROOT/dev/src" python3 -m kubetune_dev.binaries build) ||
   die "the control-plane build (python -m kubetune_dev.binaries build) failed"
 for b in kube-apiserver kube-controller-manager kube-scheduler kubectl etcd; do
   if ! cmp -s "$cp_dir/$b" "$KBIN/$b"; then
@@ -166,7 +166,7 @@ sed 's#^module .*#module kubetune.local/build/kind-node#' "$WORK/kubernetes-$KUB
 cmp -s "$kwork/go.mod.new" "$kwork/go.mod" || { mv -f "$kwork/go.mod.new" "$kwork/go.mod"; cp "$WORK/kubernetes-$KUBE_VERSION/go.sum" "$kwork/go.sum"; }
 rm -f "$kwork/go.mod.new"
 release_date=$(sed -n 's/.*"Time":"\([^"]*\)".*/\1/p' "$GOMODCACHE/cache/download/k8s.io/kubernetes/@v/$KUBE_VERSION.info")
-kube_ldflags=$(PYTHONPATH="$ROOT/operator/dev/src" python3 -c \
+kube_ldflags=$(PYTHONPATH="$ROOT/dev/src" python3 -c \
   'import sys; from kubetune_dev.binaries import kubernetes_ldflags as f; print(" ".join(f(sys.argv[1], sys.argv[2])))' \
   "$KUBE_VERSION" "${release_date:-1970-01-01T00:00:00Z}")
 for b in kubeadm kubelet kube-proxy; do

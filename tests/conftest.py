@@ -1,11 +1,15 @@
 """Shared fixtures and paths, and the tiers.
 
-Each tier is a directory of tests/ and a marker of the same name: unit, trainer,
+Each tier is a directory of tests/ and a marker of the same name: unit, trainer, tooling,
 integration, e2e (every test gets its directory's marker here, and carrying another tier's
-marker is an error). `pytest -m <tier>` selects tiers. A bare `pytest` runs unit and
-trainer only: the integration and e2e tiers need a local control plane built from Go
-modules, so they run when `-m` selects them or the command line names their directory
-or files.
+marker is an error). `pytest -m <tier>` selects tiers. Tests that need the local control
+plane, built from Go modules, carry the `controlplane` marker too: every integration and
+e2e test (given here), and the tooling tests that say so themselves; a unit or trainer test
+never does. A bare `pytest` runs the tests without it (unit, trainer, most of tooling): the
+others run when `-m` selects them or the command line names their directory or files.
+
+The control plane's fixtures (a cluster on loopback, the operator, a namespace) come from
+`support.control_plane`, for every tier that starts one.
 """
 
 from __future__ import annotations
@@ -25,10 +29,18 @@ ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
 EXAMPLES = ROOT / "examples"
 
-TIERS = ("unit", "trainer", "integration", "e2e")
+pytest_plugins = ["support.control_plane"]
+
+TIERS = ("unit", "trainer", "tooling", "integration", "e2e")
+CONTROL_PLANE = "controlplane"
+"""The marker of the tests that need the control plane: a bare `pytest` leaves them out."""
 GATED = ("integration", "e2e")
-"""The tiers that need the control plane: a bare `pytest` leaves them out."""
+"""The tiers whose every test needs the control plane (carries `CONTROL_PLANE`)."""
+NEVER_GATED = ("unit", "trainer")
+"""The tiers none of whose tests may need it."""
 HOW_TO_RUN = {
+    "tooling": '`pytest -m "tooling and controlplane"` (the local pod runner on a real '
+    "control plane)",
     "integration": "`pytest -m integration` (a real control plane on loopback, the operator "
     "as a process)",
     "e2e": "`pytest -m e2e` (the trainer really trains; a pytest run of its own)",
@@ -60,21 +72,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         tier = _tier(item)
         others = {m.name for m in item.iter_markers() if m.name in TIERS} - {tier}
+        gated = item.get_closest_marker(CONTROL_PLANE) is not None
         if tier is None or others:
             misplaced.append(f"{item.nodeid} (tier markers: {sorted(others)})")
+        elif tier in NEVER_GATED and gated:
+            misplaced.append(f"{item.nodeid} (a {tier} test needs no control plane)")
         else:
             item.add_marker(tier)
+            if tier in GATED:
+                item.add_marker(CONTROL_PLANE)
     if misplaced:
         raise pytest.UsageError(
-            f"tests must live in tests/<tier>/ ({', '.join(TIERS)}) and carry no other tier's "
-            "marker:\n  " + "\n  ".join(misplaced)
+            f"tests must live in tests/<tier>/ ({', '.join(TIERS)}), carry no other tier's "
+            f"marker, and only the {', '.join(t for t in TIERS if t not in NEVER_GATED)} "
+            f"tiers may carry `{CONTROL_PLANE}`:\n  " + "\n  ".join(misplaced)
         )
     if config.option.markexpr:
         return
     left_out = []
     for item in items:
         tier = _tier(item)
-        if tier in GATED and not _named(config, item, tier):
+        gated = item.get_closest_marker(CONTROL_PLANE) is not None
+        if gated and tier is not None and not _named(config, item, tier):
             left_out.append(item)
     if left_out:
         dropped = {id(item) for item in left_out}
@@ -87,8 +106,9 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     if config.option.markexpr:
         return [f"tiers: those -m {config.option.markexpr!r} selects (of {', '.join(TIERS)})"]
     return [
-        "tiers: unit and trainer (a bare `pytest`); `pytest -m integration` and "
-        "`pytest -m e2e` run the tiers that need the local control plane"
+        "tiers: unit, trainer and tooling, without the tests that need the local control "
+        "plane (a bare `pytest`); `pytest -m integration`, `pytest -m e2e` and "
+        '`pytest -m "tooling and controlplane"` run those'
     ]
 
 
@@ -97,7 +117,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if not left_out:
         return
     terminalreporter.write_sep("-", "tiers not run")
-    for tier in GATED:
+    for tier in HOW_TO_RUN:
         if left_out[tier]:
             terminalreporter.write_line(
                 f"{left_out[tier]} {tier} tests not run by a bare `pytest`: {HOW_TO_RUN[tier]}"

@@ -21,8 +21,8 @@ kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kwok and helm 
 from Go modules now (or by the process already building them) into
   {bin_dir}
 (docs/control-plane-build.md). A first build takes about 10 minutes on an idle 2-core
-machine, up to 20 on a busy one; later runs reuse it. The unit and trainer tiers (a bare
-`pytest`) need none of it."""
+machine, up to 20 on a busy one; later runs reuse it. A bare `pytest` (the unit and trainer
+tiers, the tooling tests not marked `controlplane`) needs none of it."""
 
 S3_BUILD_NOTICE = """\
 The S3 tests need versitygw, an S3 server, which is not built yet: it is built from Go

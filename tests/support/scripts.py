@@ -1,5 +1,7 @@
-"""The repository's scripts (benchmarks/, hack/) imported as modules, for tests of their pure
-parts: they are files run by path, not packages on `sys.path`."""
+"""The repository's scripts (hack/, and benchmarks/ run by path) imported as modules, for
+tests of their pure parts: they are files run by path, not packages on `sys.path`. (The
+benchmarks that share `benchmarks.measure` are modules of the `benchmarks` package, which
+the tests import as such.)"""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def load_script(relative: str) -> ModuleType:
-    """Import `REPO/relative` (say `benchmarks/operator_scale.py`) as a module named after
+    """Import `REPO/relative` (say `hack/values_table.py`) as a module named after
     its file, registered in `sys.modules` first: dataclasses look their module up there."""
     path = REPO / relative
     name = path.stem

@@ -30,7 +30,7 @@ def test_without_the_tooling_the_commands_say_how_to_install_it(
         result = CliRunner().invoke(cli.main, args)
         assert result.exit_code == 1, result.output
         assert "part of the local tooling, which is not installed" in result.output
-        assert "pip install -e operator/dev" in result.output
+        assert "pip install -e dev" in result.output
     result = CliRunner().invoke(cli.main, ["no-such-command"])
     assert result.exit_code == 2 and "No such command" in result.output
 

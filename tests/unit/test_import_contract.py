@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {
     "kubetune": ROOT / "operator/src/kubetune",
     "kubetune_trainer": ROOT / "trainer_image/src/kubetune_trainer",
-    "kubetune_dev": ROOT / "operator/dev/src/kubetune_dev",
+    "kubetune_dev": ROOT / "dev/src/kubetune_dev",
 }
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 

@@ -17,7 +17,7 @@ from kubetune.cli.errors import Abort
 
 COMMANDS_ENTRY_POINTS = "kubetune.commands"
 """Entry point group through which other distributions add commands: the local tooling
-(operator/dev, distribution `kubetune-dev`) adds `kubetune dev` and `kubetune demo`."""
+(dev/, distribution `kubetune-dev`) adds `kubetune dev` and `kubetune demo`."""
 
 _TOOLING_COMMANDS = {
     "dev": "a local control plane with simulated GPU pools",
@@ -57,7 +57,7 @@ def _missing_tooling(name: str) -> click.Command:
         raise Abort(
             f"`kubetune {name}` ({_TOOLING_COMMANDS[name]}) is part of the local tooling, "
             "which is not installed. To fix: run `make setup` in a kubetune checkout, or "
-            "`pip install -e operator/dev` there."
+            "`pip install -e dev` there."
         )
 
     return missing

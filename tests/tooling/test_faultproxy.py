@@ -31,7 +31,7 @@ from support.faultproxy import (
     status_body,
 )
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.tooling
 
 FTJ_STATUS = "/apis/kubetune.io/v1alpha1/namespaces/a/finetunejobs/j1/status"
 BATCH_JOBS = "/apis/batch/v1/namespaces/a/jobs"

@@ -20,7 +20,7 @@ from lightkube import KubeConfig
 from kubetune_dev.binaries import Binaries
 from kubetune_dev.cluster import ClusterError, LocalCluster, State
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.tooling
 
 
 def local(root: Path) -> LocalCluster:

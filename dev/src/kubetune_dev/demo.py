@@ -44,7 +44,7 @@ LOCAL_POOL: dict[str, Any] = {
 
 
 def _example_job() -> dict[str, Any]:
-    path = Path(__file__).resolve().parents[4] / "examples" / f"{DEMO_JOB}.yaml"
+    path = Path(__file__).resolve().parents[3] / "examples" / f"{DEMO_JOB}.yaml"
     if not path.exists():
         raise ClusterError(f"{path} not found: run the demo from a kubetune checkout")
     return dict(yaml.safe_load(path.read_text()))

@@ -11,7 +11,7 @@ import pytest
 
 from kubetune_dev import binaries as b
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.tooling
 
 UPSTREAM_GOMOD = """\
 // This is a generated file. Do not edit directly.

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("huggingface_hub", reason="trainer tests need the trainer extra")
+pytest.importorskip("huggingface_hub", reason="the hub stand-in's tests need the trainer extra")
 
 import huggingface_hub
 from huggingface_hub import HfApi, constants, hf_hub_download, hf_hub_url, snapshot_download
@@ -49,7 +49,7 @@ from huggingface_hub.errors import (
 
 from support.hubserver import HubRequest, HubServer, hub_server
 
-pytestmark = pytest.mark.trainer
+pytestmark = pytest.mark.tooling
 
 CONFIG = {
     "architectures": ["LlamaForCausalLM"],

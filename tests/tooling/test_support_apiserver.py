@@ -11,7 +11,7 @@ import yaml
 from kubetune.api.crdgen import render_all
 from support.apiserver import RESOURCES, Resource
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.tooling
 
 
 def _crds() -> list[dict[str, Any]]:

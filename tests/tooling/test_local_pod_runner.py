@@ -26,7 +26,7 @@ from kubetune_dev.podrunner.sandbox import probe_mount_namespace
 from support.cluster import Cluster
 from support.waiting import wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.tooling, pytest.mark.controlplane]
 
 TAINT_KEY = "kubetune.io/podrunner-test"
 TIMEOUT = 90.0

@@ -1,140 +1,35 @@
-"""The pure parts of benchmarks/operator_scale.py: percentiles, the API server's request
-counters and how requests are attributed, kwok's stages, the job mix, the tracker."""
+"""The arithmetic of the operator-scale benchmark (benchmarks/operator_scale/): which API
+requests are the operator's, the latencies it reports from its watches and from the API
+server's histograms, and the format of its tables, records and report. What it measures
+with is tested in test_measure.py."""
 
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import yaml
 
-from support.scripts import load_script
+from benchmarks import measure
+from benchmarks.operator_scale import accounting, report, scenario, tracker
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.tooling
 
-
-bench = load_script("benchmarks/operator_scale.py")
-Key = bench.RequestKey
-
-
-def _line(name: str, value: str, **labels: str) -> str:
-    """One sample as kube-apiserver writes it: every label, sorted, in quotes."""
-    base = {"component": "apiserver", "dry_run": "", "scope": "resource", "version": "v1"}
-    text = ",".join(f'{k}="{v}"' for k, v in sorted({**base, **labels}.items()))
-    return f"{name}{{{text}}} {value}"
-
-
-def _req(value: str, **labels: str) -> str:
-    return _line("apiserver_request_total", value, **labels)
-
-
-EMPTY = {"group": "", "subresource": ""}
-METRICS = "\n".join(
-    [
-        "# HELP apiserver_request_total [STABLE] Counter of apiserver requests broken out ...",
-        "# TYPE apiserver_request_total counter",
-        _req("12", **EMPTY, code="200", resource="pods", scope="cluster", verb="LIST"),
-        _req("30", **EMPTY, code="200", resource="pods", scope="namespace", verb="LIST"),
-        _req("7", code="409", group="batch", resource="jobs", subresource="", verb="POST"),
-        _req(
-            "4.5e+01",
-            code="200",
-            group="kubetune.io",
-            resource="finetunejobs",
-            subresource="status",
-            verb="PATCH",
-            version="v1alpha1",
-        ),
-        # A non-resource URL has its path as the subresource; a timestamp may follow.
-        _req(
-            "2 1700000000000",
-            code="200",
-            group="",
-            resource="",
-            subresource="openapi/v3",
-            verb="GET",
-            version="",
-        ),
-        _req("3", **EMPTY, code="422", component='a\\"b', resource="endpoints", verb="PUT"),
-        _line("apiserver_request_duration_seconds_bucket", "99", le="0.005", verb="LIST"),
-        _line("apiserver_request_total_other", "5", verb="LIST"),
-    ]
-)
-
-
-def test_percentile_interpolates_between_ranks() -> None:
-    values = list(range(100, 0, -1))  # 1..100, unsorted
-    assert bench.percentile(values, 50) == pytest.approx(50.5)
-    assert bench.percentile(values, 99) == pytest.approx(99.01)
-    assert bench.percentile(values, 0) == 1
-    assert bench.percentile(values, 100) == 100
-    assert bench.percentile([7.0], 99) == 7.0
-    assert math.isnan(bench.percentile([], 50))
-    with pytest.raises(ValueError, match="outside"):
-        bench.percentile(values, 101)
-
-
-def test_request_totals_are_parsed_and_summed_over_the_labels_not_kept() -> None:
-    totals = bench.parse_request_totals(METRICS)
-    assert totals == {
-        Key("LIST", "", "pods", "", "200"): 42.0,  # cluster- and namespace-scoped lists
-        Key("POST", "batch", "jobs", "", "409"): 7.0,
-        Key("PATCH", "kubetune.io", "finetunejobs", "status", "200"): 45.0,
-        Key("GET", "", "", "openapi/v3", "200"): 2.0,  # a timestamp after the value
-        Key("PUT", "", "endpoints", "", "422"): 3.0,  # an escaped quote in another label
-    }
-
-
-def test_closed_watches_are_counted_by_resource_and_between_readings() -> None:
-    def closed(value: str, group: str, resource: str) -> str:
-        return (
-            f'apiserver_terminated_watchers_total{{group="{group}",resource="{resource}"}} {value}'
-        )
-
-    before = bench.parse_closed_watchers(
-        "\n".join(
-            [
-                "# TYPE apiserver_terminated_watchers_total counter",
-                closed("3", "kubetune.io", "finetunejobs"),
-                closed("1", "", "pods"),
-                _req("9", **EMPTY, code="200", resource="pods", verb="WATCH"),
-            ]
-        )
-    )
-    assert before == {"finetunejobs.kubetune.io": 3.0, "pods": 1.0}
-    after = bench.parse_closed_watchers(
-        "\n".join(
-            [
-                closed("31", "kubetune.io", "finetunejobs"),
-                closed("1", "", "pods"),
-                closed("2 1700000000000", "batch", "jobs"),
-            ]
-        )
-    )
-    # Only what grew; a resource first closed in between counts from nothing.
-    assert bench.closed_between(before, after) == {"finetunejobs.kubetune.io": 28, "jobs.batch": 2}
-    assert bench.closed_between(after, after) == {}
-
-
-def test_delta_keeps_what_grew() -> None:
-    before = {Key("LIST", "", "pods", "", "200"): 10.0, Key("GET", "", "pods", "", "200"): 5.0}
-    after = {
-        Key("LIST", "", "pods", "", "200"): 25.0,
-        Key("GET", "", "pods", "", "200"): 5.0,
-        Key("POST", "batch", "jobs", "", "201"): 3.0,
-    }
-    assert bench.counter_delta(after, before) == {
-        Key("LIST", "", "pods", "", "200"): 15.0,
-        Key("POST", "batch", "jobs", "", "201"): 3.0,
-    }
+Key = measure.RequestKey
+TOTALS = {
+    Key("LIST", "", "pods", "", "200"): 42.0,
+    Key("POST", "batch", "jobs", "", "409"): 7.0,
+    Key("PATCH", "kubetune.io", "finetunejobs", "status", "200"): 45.0,
+    Key("GET", "", "", "openapi/v3", "200"): 2.0,
+    Key("PUT", "", "endpoints", "", "422"): 3.0,
+}
+"""API request counts as `measure.parse_request_totals` reads them (test_measure.py)."""
 
 
 def test_attribution_leaves_out_own_requests_tooling_and_background() -> None:
-    window = bench.Interval(
+    window = accounting.Interval(
         delta={
             Key("LIST", "", "pods", "", "200"): 100.0,
             Key("LIST", "", "persistentvolumeclaims", "", "200"): 40.0,  # the provisioner
@@ -146,7 +41,7 @@ def test_attribution_leaves_out_own_requests_tooling_and_background() -> None:
         own={("POST", "finetunejobs", ""): 50, ("LIST", "pods", ""): 4},
         seconds=10.0,
     )
-    background = bench.Interval(
+    background = accounting.Interval(
         delta={
             Key("PUT", "coordination.k8s.io", "leases", "", "200"): 100.0,
             Key("LIST", "", "persistentvolumes", "", "200"): 20.0,
@@ -155,58 +50,25 @@ def test_attribution_leaves_out_own_requests_tooling_and_background() -> None:
         seconds=5.0,
     )
     assert window.count() == 100 + 50 + 30 + 200 - 54
-    assert window.count(bench.is_list) == 96
-    assert window.count(bench.is_status_write) == 30
+    assert window.count(accounting.is_list) == 96
+    assert window.count(accounting.is_status_write) == 30
     assert background.rate() == 20.0
     # Leases at 20/s in the background: 200 in 10 s are all background.
-    assert bench.beyond_background(window, background) == pytest.approx(326 - 200)
-    assert bench.beyond_background(window, background, bench.is_list) == 96
-    assert bench.never_the_operators(Key("POST", "events.k8s.io", "events", "", "201"))
-    assert not bench.never_the_operators(Key("POST", "", "events", "", "201"))
-    assert bench.local_tooling(Key("POST", "", "persistentvolumes", "", "409"))
-    assert not bench.local_tooling(Key("POST", "", "persistentvolumeclaims", "", "201"))
-    assert not bench.local_tooling(Key("PUT", "", "persistentvolumes", "status", "200"))
-    assert bench.heartbeat_free(Key("PUT", "coordination.k8s.io", "leases", "", "200")) is False
-    assert bench.heartbeat_free(Key("GET", "", "", "/apis", "200")) is False
-    assert bench.heartbeat_free(Key("LIST", "", "pods", "", "200")) is True
+    assert accounting.beyond_background(window, background) == pytest.approx(326 - 200)
+    assert accounting.beyond_background(window, background, accounting.is_list) == 96
+    assert accounting.never_the_operators(Key("POST", "events.k8s.io", "events", "", "201"))
+    assert not accounting.never_the_operators(Key("POST", "", "events", "", "201"))
+    assert accounting.local_tooling(Key("POST", "", "persistentvolumes", "", "409"))
+    assert not accounting.local_tooling(Key("POST", "", "persistentvolumeclaims", "", "201"))
+    assert not accounting.local_tooling(Key("PUT", "", "persistentvolumes", "status", "200"))
+    assert not accounting.heartbeat_free(Key("PUT", "coordination.k8s.io", "leases", "", "200"))
+    assert not accounting.heartbeat_free(Key("GET", "", "", "/apis", "200"))
+    assert accounting.heartbeat_free(Key("LIST", "", "pods", "", "200"))
 
 
 def test_batch_job_posts_count_one_answer_code() -> None:
-    delta = bench.parse_request_totals(METRICS)
-    assert bench.batch_job_posts(delta, "409") == 7
-    assert bench.batch_job_posts(delta, "201") == 0
-
-
-def _stage(name: str) -> dict[str, Any]:
-    return {"apiVersion": "kwok.x-k8s.io/v1alpha1", "kind": "Stage", "metadata": {"name": name}}
-
-
-def test_running_stages_drop_pod_complete_only() -> None:
-    names = ["node-initialize", "node-heartbeat-with-lease", "pod-complete", "pod-delete"]
-    text = yaml.safe_dump_all([_stage(n) for n in [*names, "pod-ready"]])
-    kept = [d["metadata"]["name"] for d in yaml.safe_load_all(bench.running_stages(text))]
-    assert kept == ["node-initialize", "node-heartbeat-with-lease", "pod-delete", "pod-ready"]
-    without_ready = yaml.safe_dump_all([_stage(n) for n in names])
-    with pytest.raises(ValueError, match="no pod-ready stage; to fix"):
-        bench.running_stages(without_ready)
-
-
-def test_job_mix_asks_no_question_twice_and_spreads_namespaces() -> None:
-    jobs = bench.job_mix(1000, 20)
-    assert len({j.question() for j in jobs}) == 1000
-    assert len({(j.model, j.method, j.sequence_length, j.gpus) for j in jobs}) == 660
-    assert {j.namespace for j in jobs} == {f"scale-{i:02d}" for i in range(20)}
-    assert len({(j.namespace, j.name) for j in jobs}) == 1000
-    doc = jobs[7].doc()
-    assert doc["spec"]["resources"]["gpus"] == jobs[7].gpus
-    assert doc["spec"]["dataset"]["numExamples"] == jobs[7].num_examples
-
-
-def test_job_mix_falls_back_to_what_the_planner_can_place() -> None:
-    jobs = bench.job_mix(30, 3, lambda j: j.method != "full" and j.gpus <= 8)
-    assert all(j.method != "full" and j.gpus <= 8 for j in jobs)
-    with pytest.raises(ValueError, match="no method or GPU count"):
-        bench.job_mix(1, 1, lambda j: False)
+    assert accounting.batch_job_posts(TOTALS, "409") == 7
+    assert accounting.batch_job_posts(TOTALS, "201") == 0
 
 
 def _ftj(
@@ -247,15 +109,15 @@ def _pod(
             "namespace": "ns",
             "name": name,
             "creationTimestamp": created,
-            "labels": {bench.LABEL_JOB: job},
+            "labels": {scenario.LABEL_JOB: job},
         },
         "status": status,
     }
 
 
 def test_tracker_times_planned_and_first_pod_and_knows_when_settled() -> None:
-    t0 = bench.rfc3339_seconds("2026-01-01T00:00:00Z")
-    t = bench.Tracker(clock=lambda: t0 + 7)
+    t0 = tracker.rfc3339_seconds("2026-01-01T00:00:00Z")
+    t = tracker.Tracker(clock=lambda: t0 + 7)
     t.on_job("ADDED", _ftj("a", "2026-01-01T00:00:00Z"))
     at = "2026-01-01T00:00:0{}Z".format
     t.on_job("ADDED", _ftj("b", at(1), "Queued", at(3), written=at(5)))
@@ -294,14 +156,14 @@ def test_tracker_times_planned_and_first_pod_and_knows_when_settled() -> None:
     later = {"metadata": {**_pod("a-a2", "a", "2026-01-01T00:05:00Z", "")["metadata"]}}
     t.on_batch_job("ADDED", later)
     created, planned, first_batch_job, first_pod, queued, seen, written = t.timings()
-    assert bench.latencies(created, seen) == [7.0, 6.0], "seen when the watch delivered it"
-    assert bench.latencies(created, written) == [6.0, 4.0], "the status write that carried it"
+    assert tracker.latencies(created, seen) == [7.0, 6.0], "seen when the watch delivered it"
+    assert tracker.latencies(created, written) == [6.0, 4.0], "the status write that carried it"
     assert queued == {("ns", "b")}, "b was seen Queued; a never was"
     assert t.first_queued() == {"": 1}
-    assert bench.latencies(created, planned) == [2.0, 2.0]
-    assert bench.latencies(created, first_pod) == [4.0]
-    assert bench.latencies(created, first_batch_job) == [3.0]
-    assert bench.latencies(first_batch_job, first_pod) == [1.0]
+    assert tracker.latencies(created, planned) == [2.0, 2.0]
+    assert tracker.latencies(created, first_pod) == [4.0]
+    assert tracker.latencies(created, first_batch_job) == [3.0]
+    assert tracker.latencies(first_batch_job, first_pod) == [1.0]
 
 
 def test_status_writes_are_counted_by_what_they_changed_while_asked() -> None:
@@ -310,10 +172,10 @@ def test_status_writes_are_counted_by_what_they_changed_while_asked() -> None:
     old = {"phase": "Queued", "message": "position 3 in the queue", "conditions": [planned, queued]}
     moved = {**queued, "message": "position 2 in the queue"}
     new = {"phase": "Queued", "message": "position 2 in the queue", "conditions": [planned, moved]}
-    assert bench.status_changes(old, new) == "Queued: message, conditions[Queued]"
-    assert bench.status_changes(old, {**old, "cost": {"usd": 1}}) == "Queued: cost"
+    assert tracker.status_changes(old, new) == "Queued: message, conditions[Queued]"
+    assert tracker.status_changes(old, {**old, "cost": {"usd": 1}}) == "Queued: cost"
 
-    t = bench.Tracker()
+    t = tracker.Tracker()
     job = {
         "metadata": {"namespace": "ns", "name": "a", "creationTimestamp": "2026-01-01T00:00:00Z"}
     }
@@ -339,12 +201,12 @@ def test_position_moves_are_told_by_direction_and_how_far() -> None:
     def at(position: int) -> dict[str, str]:
         return {"message": f"position {position} in the queue of pool a100: waiting"}
 
-    assert bench.position_move(at(200), at(199)) == "forward less than a tenth"
-    assert bench.position_move(at(200), at(180)) == "forward a tenth or more"
-    assert bench.position_move(at(200), at(201)) == "back less than a tenth"
-    assert bench.position_move(at(2), at(1)) == "forward a tenth or more"
-    assert bench.position_move(at(7), at(7)) == "unmoved"
-    assert bench.position_move(at(7), {"message": "launched"}) is None
+    assert tracker.position_move(at(200), at(199)) == "forward less than a tenth"
+    assert tracker.position_move(at(200), at(180)) == "forward a tenth or more"
+    assert tracker.position_move(at(200), at(201)) == "back less than a tenth"
+    assert tracker.position_move(at(2), at(1)) == "forward a tenth or more"
+    assert tracker.position_move(at(7), at(7)) == "unmoved"
+    assert tracker.position_move(at(7), {"message": "launched"}) is None
 
 
 ROW_RECORD: dict[str, Any] = {
@@ -380,54 +242,23 @@ ROW_RECORD: dict[str, Any] = {
 
 def test_every_results_row_fills_every_column() -> None:
     result = ROW_RECORD
-    header = bench.table_header().splitlines()[0]
-    row = bench.table_row(result)
+    header = report.table_header().splitlines()[0]
+    row = report.table_row(result)
     assert row.count("|") == header.count("|")
     assert "| 2 / – |" in row  # a NaN percentile shows as a dash
     assert "300 (not steady)" in row
     assert "| 150 / 50 (6 pods Pending) |" in row
     assert "| – / – | 4 / 9 |" in row, "rows from before the batch Job column show dashes"
-    tuned = bench.table_row({**result, "client_qps": 100, "bin_packing": True})
+    tuned = report.table_row({**result, "client_qps": 100, "bin_packing": True})
     assert "4×50×8, 20, 32; controller-manager and scheduler QPS 100; GPU bin packing |" in tuned
     assert "other control plane" not in row
-    shared = bench.table_row({**result, "other_apiservers": 1})
+    shared = report.table_row({**result, "other_apiservers": 1})
     assert "| 1.0 1.0 1.0 → 3.0 2.0 1.0; 1 other control plane(s) running |" in shared
 
 
-def test_other_control_planes_are_counted_by_their_apiserver(tmp_path: Path) -> None:
-    def process(pid: str, argv: list[str]) -> None:
-        (tmp_path / pid).mkdir()
-        (tmp_path / pid / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
-
-    process("41", ["/root/.cache/kubetune/bin/v1/kube-apiserver", "--etcd-servers=x"])
-    process("7", ["/usr/bin/python3", "kube-apiserver"])  # the name as an argument only
-    process("9", ["/opt/kube-apiserver.d/etcd"])
-    process("12", ["kube-apiserver"])
-    (tmp_path / "self").mkdir()  # not a pid
-    (tmp_path / "13").mkdir()  # a process gone between listing and reading
-    assert bench.running_apiservers(tmp_path) == [12, 41]
-
-
-def test_scheduler_config_of_the_control_plane_knobs() -> None:
-    def opts(**over: Any) -> Any:
-        return SimpleNamespace(**{"client_qps": None, "bin_packing": False, **over})
-
-    bench_ = bench.Bench.__new__(bench.Bench)
-    bench_.opts = opts()
-    assert bench_.scheduler_config() is None and bench_.control_plane_args() == []
-    bench_.opts = opts(client_qps=100, bin_packing=False)
-    assert bench_.scheduler_config() == {"clientConnection": {"qps": 100, "burst": 100}}
-    assert bench_.control_plane_args() == ["--kube-api-qps=100", "--kube-api-burst=100"]
-    bench_.opts = opts(bin_packing=True)
-    config = bench_.scheduler_config()
-    assert config is not None and "clientConnection" not in config
-    fit = config["profiles"][0]["pluginConfig"][0]
-    assert fit["args"]["scoringStrategy"]["type"] == "MostAllocated"
-
-
 def test_breakdown_keys_read_back() -> None:
-    delta = bench.parse_request_totals(METRICS)
-    assert {bench.parse_breakdown_key(k): v for k, v in bench.breakdown(delta).items()} == delta
+    rows = accounting.breakdown(TOTALS)
+    assert {accounting.parse_breakdown_key(k): v for k, v in rows.items()} == TOTALS
 
 
 def _record(**over: Any) -> dict[str, Any]:
@@ -460,14 +291,14 @@ def _record(**over: Any) -> dict[str, Any]:
 
 
 def test_request_columns_come_from_the_stored_counts() -> None:
-    cols = bench.request_columns(_record())
+    cols = accounting.request_columns(_record())
     assert cols["background_per_s"] == 20.0  # kwok's Leases
     assert cols["requests_per_job"] == pytest.approx((300 + 2000 - 20 * 100) / 10)
     assert cols["list_per_s"] == 5.0
     assert cols["req_per_running_job_per_s"] == pytest.approx(55 / 5 / 10)
     assert cols["status_writes_per_running_job_per_min"] == pytest.approx(6.0)
     # Older lines kept one total of the benchmark's own requests: all of it counts as creates.
-    flat = bench.request_columns(_record(own_requests={"POST finetunejobs": 10}))
+    flat = accounting.request_columns(_record(own_requests={"POST finetunejobs": 10}))
     assert flat == cols
 
 
@@ -499,12 +330,12 @@ def test_rescore_rewrites_the_rows_and_keeps_what_is_above_the_table(tmp_path: P
     jsonl = tmp_path / "operator-scale-2026-01-01.jsonl"
     jsonl.write_text(json.dumps(_record(**base)) + "\n")
     md = jsonl.with_suffix(".md")
-    md.write_text("# title\n\nA note.\n\n" + bench.table_header() + "| stale row |\n")
-    [record] = bench.rescore(jsonl)
+    md.write_text("# title\n\nA note.\n\n" + report.table_header() + "| stale row |\n")
+    [record] = report.rescore(jsonl)
     assert record["requests_per_job"] == pytest.approx(30.0)
     assert json.loads(jsonl.read_text())["requests_per_job"] == pytest.approx(30.0)
     text = md.read_text()
-    assert text.startswith("# title\n\nA note.\n\n" + bench.table_header())
+    assert text.startswith("# title\n\nA note.\n\n" + report.table_header())
     assert "stale row" not in text and "| 30.0 |" in text
 
 
@@ -520,7 +351,7 @@ def _buckets(name: str, counts: dict[str, int], **labels: str) -> list[str]:
 def test_api_server_latency_between_two_scrapes() -> None:
     served = "apiserver_request_duration_seconds"
     status = {"verb": "PATCH", "resource": "finetunejobs", "subresource": "status"}
-    before = bench.parse_histograms(
+    before = measure.parse_histograms(
         "\n".join(
             [
                 *_buckets(served, {"0.1": 10, "1": 10, "5": 10, "+Inf": 10}, **status, scope="a"),
@@ -531,7 +362,7 @@ def test_api_server_latency_between_two_scrapes() -> None:
     )
     # 100 more writes: 50 under 0.1 s, 40 more under 1 s, 9 under 5 s, 1 beyond; counted
     # under two scopes that the summary adds up
-    after = bench.parse_histograms(
+    after = measure.parse_histograms(
         "\n".join(
             _buckets(served, {"0.1": 40, "1": 70, "5": 79, "+Inf": 80}, **status, scope="a")
             + _buckets(served, {"0.1": 20, "1": 30, "5": 30, "+Inf": 30}, **status, scope="b")
@@ -543,14 +374,14 @@ def test_api_server_latency_between_two_scrapes() -> None:
             )
         )
     )
-    summary = bench.latency_summary(before, after)
+    summary = accounting.latency_summary(before, after)
     patch = summary["PATCH finetunejobs/status"]
     assert patch["n"] == 100
     assert patch["p50_s"] == 0.1  # rank 50 is the last of the first bucket
     assert patch["p99_s"] == 5.0  # rank 99 ends the 5 s bucket
     assert summary["POST jobs"] == {"n": 0, "p50_s": None, "p99_s": None}
     assert summary["APF wait workload-low"] == {"n": 4, "p50_s": 1.25, "p99_s": 2.0}
-    assert bench.histogram_quantile({1.0: 1, math.inf: 2}, 0.99) == 1.0  # falls in +Inf
+    assert measure.histogram_quantile({1.0: 1, math.inf: 2}, 0.99) == 1.0  # falls in +Inf
 
 
 def test_the_operators_split_is_read_from_its_own_exposition() -> None:
@@ -563,7 +394,7 @@ def test_the_operators_split_is_read_from_its_own_exposition() -> None:
     for late in (1.0, 2.0, 3.0, 12.0):  # creation → loop started, Unix time of creation + late
         m.loop_started(created, now=1735689600.0 + late)
     m.reconcile_wait.observe(0.02)
-    view = bench.operator_view(generate_latest(m.registry).decode())
+    view = accounting.operator_view(generate_latest(m.registry).decode())
     loop = view["kubetune_finetunejob_time_to_loop_seconds"]
     assert loop["n"] == 4
     assert loop["p50_s"] == 2.5  # rank 2 ends the 2.5 s bucket (1.0 and 2.0 in it)
@@ -582,10 +413,10 @@ def test_first_seen_reads_the_independent_watchs_file(tmp_path: Path) -> None:
         '{"synced": true}\n{"job": "scale-00/ftj-00001", "at": 12.5}\n'
         '{"job": "scale-01/ftj-00002", "at": 14.0}\n'
     )
-    seen = bench.first_seen(out)
+    seen = tracker.first_seen(out)
     assert seen == {("scale-00", "ftj-00001"): 12.5, ("scale-01", "ftj-00002"): 14.0}
     created = {("scale-00", "ftj-00001"): 10.0, ("scale-02", "ftj-00003"): 11.0}
-    assert bench.latencies(created, seen) == [2.5]  # only jobs the run created and the watch saw
+    assert tracker.latencies(created, seen) == [2.5]  # only jobs the run created and the watch saw
 
 
 def test_planned_is_split_job_by_job_at_the_independent_watchs_first_sight() -> None:
@@ -593,35 +424,16 @@ def test_planned_is_split_job_by_job_at_the_independent_watchs_first_sight() -> 
     # the Planned condition's time is truncated to the second: job 2 was decided within the
     # second it was delivered; job 4 was never Planned; job 5 never seen by the watch
     planned = {("a", "1"): 15.0, ("a", "2"): 14.0, ("b", "3"): 28.0, ("c", "5"): 9.0}
-    split = bench.after_delivery(delivered, planned)
+    split = tracker.after_delivery(delivered, planned)
     assert split["plan_after_delivery_n"] == 3
     assert split["plan_after_delivery_p50_s"] == pytest.approx(2.5)
     assert split["plan_after_delivery_p99_s"] == pytest.approx(7.89)
-    assert bench.after_delivery(delivered, {}) == {}
+    assert tracker.after_delivery(delivered, {}) == {}
     record = {**ROW_RECORD, **split}
-    assert "(after delivery 2 / 8) |" in bench.table_row(record)
+    assert "(after delivery 2 / 8) |" in report.table_row(record)
     assert "(negative: before it; 1 s resolution) p50 2.5s p99 7.9s (3 jobs)" in (
-        bench.after_delivery_text(record)
+        report.after_delivery_text(record)
     )
-
-
-def test_machine_cpu_counts_every_core_and_leaves_idle_and_iowait_out(tmp_path: Path) -> None:
-    stat = tmp_path / "stat"
-    # user nice system idle iowait irq softirq steal, in clock ticks
-    stat.write_text("cpu  100 20 30 500 50 5 5 0 0 0\ncpu0 50 10 15 250 25 2 3 0 0 0\n")
-    busy, total = bench.machine_cpu(stat)
-    tick = bench.os.sysconf("SC_CLK_TCK")
-    assert (busy, total) == (160 / tick, 710 / tick)
-
-
-def test_cpu_split_orders_by_spent_and_says_how_many_cores_were_busy() -> None:
-    before = {"kube-apiserver": 10.0, "etcd": 2.0, "operator": 5.0, "machine busy": 100.0}
-    after = {"kube-apiserver": 40.0, "etcd": 6.5, "benchmark": 3.0, "machine busy": 160.0}
-    split = bench.cpu_split(before, after, seconds=40.0)
-    # the operator left (absent after), the benchmark came (absent before): both left out
-    assert list(split) == ["machine busy", "kube-apiserver", "etcd", "machine cores busy"]
-    assert split["kube-apiserver"] == 30.0 and split["etcd"] == 4.5
-    assert split["machine cores busy"] == 1.5
 
 
 DELIVERY_RECORD: dict[str, Any] = {
@@ -649,15 +461,15 @@ DELIVERY_RECORD: dict[str, Any] = {
 def test_delivery_results_start_a_table_and_append_rows(tmp_path: Path) -> None:
     record = DELIVERY_RECORD
     path = tmp_path / "apiserver-delivery-2026-11-29.md"
-    bench.write_delivery_results(path, record)
-    bench.write_delivery_results(path, {**record, "time": "00:40"})
+    report.write_delivery_results(path, record)
+    report.write_delivery_results(path, {**record, "time": "00:40"})
     lines = path.read_text().splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("| time"))
     rows = lines[header + 2 :]
     assert [row.split(" | ")[0] for row in rows] == ["| 2026-11-29 00:30", "| 2026-11-29 00:40"]
     assert "| 1.5 / 3.3 / 4.0 |" in rows[0]
     assert "kube-apiserver 40.0, etcd 9.0 (1.75 of" in rows[0]
-    assert all(len(row.split(" | ")) == len(bench.DELIVERY_COLUMNS) for row in rows)
+    assert all(len(row.split(" | ")) == len(report.DELIVERY_COLUMNS) for row in rows)
     jsonl = path.with_suffix(".jsonl").read_text().splitlines()
     assert [json.loads(line)["time"] for line in jsonl] == ["00:30", "00:40"]
 
@@ -680,45 +492,21 @@ FLOOR_RECORD = {
 def test_planned_floor_results_have_columns_of_their_own(tmp_path: Path) -> None:
     record = {**FLOOR_RECORD, "cpu_s_creation": {"kube-apiserver": 20.0, "minimal writer": 3.0}}
     path = tmp_path / "planned-floor-2026-11-29.md"
-    bench.write_delivery_results(path, record)
+    report.write_delivery_results(path, record)
     text = path.read_text()
     assert text.startswith("# Creation → Planned with the least an operator can do")
     row = text.splitlines()[-1]
-    assert len(row.split(" | ")) == len(bench.FLOOR_COLUMNS)
+    assert len(row.split(" | ")) == len(report.FLOOR_COLUMNS)
     assert "| 1 / 3 / 4 | 2 / 5 | 2.4 / 6.1 |" in row
     assert "minimal writer 3.0" in row
-    assert "Planned by the minimal writer p50 1s p99 3s max 4s" in bench.delivery_report(
+    assert "Planned by the minimal writer p50 1s p99 3s max 4s" in report.delivery_report(
         {**record, "create_outcomes": {"201": 1000}, "all_seen_s": 9.0, "cpu_s_to_all_seen": {}}
     )
 
 
-def test_the_minimal_writer_writes_one_planned_condition() -> None:
-    import datetime as dt
-
-    body = json.loads(bench.planned_patch(dt.datetime(2026, 11, 29, 16, 50, 1, 500000, dt.UTC)))
-    (condition,) = body["status"]["conditions"]
-    assert condition["type"] == "Planned" and condition["status"] == "True"
-    assert condition["lastTransitionTime"] == "2026-11-29T16:50:01Z"
-    assert list(body) == ["status"] and list(body["status"]) == ["conditions"]
-
-
-def test_the_minimal_writer_launches_one_pod_on_the_pool_it_is_given() -> None:
-    pool = bench.pool_docs(3)[0]
-    body = json.loads(bench.floor_batch_job("team-1", "ftj-7", pool))
-    assert body["kind"] == "Job" and body["metadata"]["namespace"] == "team-1"
-    assert body["metadata"]["labels"] == {bench.LABEL_JOB: "ftj-7"}
-    template = body["spec"]["template"]
-    assert template["metadata"]["labels"] == {bench.LABEL_JOB: "ftj-7"}
-    (container,) = template["spec"]["containers"]
-    assert container["resources"]["limits"] == {"nvidia.com/gpu": 1}
-    assert template["spec"]["nodeSelector"] == pool["spec"]["nodeSelector"]
-    assert template["spec"]["tolerations"] == pool["spec"]["tolerations"]
-    assert body["spec"]["backoffLimit"] == 0
-
-
 def test_launch_latencies_run_from_creation_and_from_the_batch_job() -> None:
     a, b, c = ("ns", "a"), ("ns", "b"), ("ns", "c")
-    timings = bench.Timings(
+    timings = tracker.Timings(
         created={a: 100.0, b: 100.0, c: 100.0},
         planned={},
         first_batch_job={a: 103.0, b: 105.0},
@@ -727,11 +515,11 @@ def test_launch_latencies_run_from_creation_and_from_the_batch_job() -> None:
         planned_seen={},
         planned_written={},
     )
-    got = bench.launch_latencies(timings)
+    got = tracker.launch_latencies(timings)
     assert got["batch_job_p50_s"] == 4.0 and got["batch_job_p99_s"] == pytest.approx(4.98)
     assert got["pod_p50_s"] == got["pod_p99_s"] == 10.0
     assert got["pod_after_batch_job_p50_s"] == 7.0
-    none = bench.launch_latencies(timings._replace(first_batch_job={}, first_pod={}))
+    none = tracker.launch_latencies(timings._replace(first_batch_job={}, first_pod={}))
     assert none.keys() == got.keys() and all(math.isnan(v) for v in none.values())
 
 
@@ -748,42 +536,24 @@ def test_a_floor_run_that_launched_shows_its_pods_in_the_table(tmp_path: Path) -
         "pod_after_batch_job_p99_s": 11.0,
     }
     path = tmp_path / "planned-floor-2026-11-30.md"
-    bench.write_delivery_results(path, {**record, "launched": 0})
-    bench.write_delivery_results(path, {**record, "floor_writers": 32})
+    report.write_delivery_results(path, {**record, "launched": 0})
+    report.write_delivery_results(path, {**record, "floor_writers": 32})
     text = path.read_text()
     assert "--floor-launches N" in text
     without, launched = text.splitlines()[-2:]
-    assert all(len(row.split(" | ")) == len(bench.FLOOR_COLUMNS) for row in (without, launched))
+    assert all(len(row.split(" | ")) == len(report.FLOOR_COLUMNS) for row in (without, launched))
     assert "| 8, 0 | – | – |" in without  # rows from before --floor-writers had 8
     assert "| 32, 250 | 6 / 8 | 12 / 19 (6 / 11) |" in launched
-    report = bench.delivery_report(
+    told = report.delivery_report(
         {**record, "create_outcomes": {"201": 1000}, "all_seen_s": 9.0, "cpu_s_to_all_seen": {}}
     )
-    assert "250 jobs launched by the minimal writer" in report
+    assert "250 jobs launched by the minimal writer" in told
     assert "→ batch Job p50 / p99 6 / 8s, → first pod 12 / 19s; batch Job → first pod 6 / 11s" in (
-        report
+        told
     )
 
 
-def test_floor_launches_need_the_minimal_writer_and_at_most_every_job() -> None:
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--floor-launches", "10"])
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--planned-floor", "--jobs", "5", "--floor-launches", "6"])
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--planned-floor", "--floor-writers", "0"])
-    opts = bench.parse_args(["--planned-floor", "--jobs", "5", "--floor-launches", "5"])
-    assert opts.floor_launches == 5 and opts.planned_floor and opts.without_operator
-    assert opts.floor_writers == bench.PLANNED_FLOOR_WRITERS
-
-
-def test_the_kernels_way_of_sharing_cores_is_read_and_told(tmp_path: Path) -> None:
-    flag = tmp_path / "sched_autogroup_enabled"
-    flag.write_text("1\n")
-    assert bench.sched_autogroup(flag) is True
-    flag.write_text("0\n")
-    assert bench.sched_autogroup(flag) is False
-    assert bench.sched_autogroup(tmp_path / "absent") is None
-    assert "between sessions" in bench.sharing({"sched_autogroup": True})
-    assert "between threads" in bench.sharing({"sched_autogroup": False})
-    assert "not recorded" in bench.sharing({})
+def test_the_kernels_way_of_sharing_cores_is_told() -> None:
+    assert "between sessions" in report.sharing({"sched_autogroup": True})
+    assert "between threads" in report.sharing({"sched_autogroup": False})
+    assert "not recorded" in report.sharing({})

@@ -8,12 +8,10 @@ import math
 import pytest
 import yaml
 
+from benchmarks import apiserver_write_cost as bench
 from kubetune.api.crdgen import render_all
-from support.scripts import load_script
 
-pytestmark = pytest.mark.unit
-
-bench = load_script("benchmarks/apiserver_write_cost.py")
+pytestmark = pytest.mark.tooling
 
 
 def _rules(node: object) -> int:

@@ -6,7 +6,7 @@ import pytest
 
 from kubetune_dev import prebuild
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.tooling
 
 
 def test_builds_what_is_missing_in_order_and_goes_on_past_a_failure(

@@ -24,7 +24,7 @@ from botocore.exceptions import ClientError
 
 from support.s3server import S3Server, parse_access_line, s3_server, s3_server_binary_or_skip
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.tooling
 
 MiB = 2**20
 

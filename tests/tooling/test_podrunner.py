@@ -56,7 +56,7 @@ from kubetune_dev.podrunner.volumes import (
     runtime_paths,
 )
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.tooling
 
 INDEX_FIELD = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 FACTS = PodFacts(

@@ -10,7 +10,7 @@ import pytest
 
 from support.tcpproxy import TcpProxy
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.tooling
 
 
 def echo_server() -> tuple[socket.socket, int]:

@@ -1,0 +1,3 @@
+from benchmarks.operator_scale.cli import main
+
+raise SystemExit(main())
