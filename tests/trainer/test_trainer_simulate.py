@@ -26,10 +26,10 @@ from kubetune_trainer.simulate import (
     PHASES,
     SimulationError,
     SimulationSetup,
-    _dropout_as_on_cuda,
-    _run_once,
     simulate,
 )
+from kubetune_trainer.simulate.kernels import _dropout_as_on_cuda
+from kubetune_trainer.simulate.step import _run_once
 
 pytestmark = pytest.mark.trainer
 

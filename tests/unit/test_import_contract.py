@@ -76,7 +76,7 @@ BREAKS = [
     ("kubetune/control/progress.py", "import kopf", "pure-core"),
     ("kubetune_trainer/recipe.py", "import kopf", "trainer-knows-no-kubernetes"),
     (
-        "kubetune_trainer/data.py",
+        "kubetune_trainer/data/records.py",
         "from kubetune.api import v1alpha1",
         "trainer-knows-no-kubernetes",
     ),

@@ -56,9 +56,10 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -82,6 +83,8 @@ from kubetune_trainer.errors import CheckpointFailed
 from kubetune_trainer.identity import IDENTITY_KEY
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 STATE_FILE = "trainer_state.json"
 MANIFEST_FILE = "manifest.json"
@@ -417,79 +420,95 @@ class Checkpointer:
         if self.verified == final and _is_complete(final):
             return final, 0.0  # e.g. SIGTERM right after resuming: nothing new to save
         self._make_room(step, tmp, model, optimizer)
-
-        error: BaseException | None = None
-        metadata: Any = None
-        try:
-            model_sd, optim_sd = get_state_dict(model, optimizer, options=self._options())
-            metadata = dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-            (tmp / "rng").mkdir(parents=True, exist_ok=True)
-            torch.save(rng, tmp / "rng" / f"rank-{self.env.rank}.pt")
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as e:  # DCP's CheckpointException is a BaseException
-            error = e
-        self._agree(error, step, tmp, "writing the shards")
-
-        try:
-            if self.env.is_main:
-                state = {
-                    "format_version": FORMAT_VERSION,
-                    "adapter_only": self.adapter_only,
-                    "world_size": self.env.world_size,
-                    "saved_at": time.time(),
-                    **trainer_state,
-                }
-                self._write_json(tmp / STATE_FILE, state)
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as e:
-            error = e
-        self._agree(error, step, tmp, f"writing {STATE_FILE}")
+        metadata = self._on_every_rank(
+            step, tmp, "writing the shards", lambda: self._write_shards(tmp, model, optimizer, rng)
+        )
+        self._on_every_rank(
+            step, tmp, f"writing {STATE_FILE}", lambda: self._write_state(tmp, trainer_state)
+        )
 
         th = time.monotonic()
         names = self._file_names(tmp, metadata)
-        mine: dict[str, Any] = {}
-        try:
-            for name in names[self.env.rank :: self.env.world_size]:
-                f = tmp / name
-                mine[name] = {"size": f.stat().st_size, "sha256": file_sha256(f)}
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as e:
-            error = e
-        self._agree(error, step, tmp, "checksumming the files")
+        mine = self._on_every_rank(
+            step, tmp, "checksumming the files", lambda: self._checksum_share(tmp, names)
+        )
         files: dict[str, Any] = {}
         for part in _all_gather(mine, self.env):
             files.update(part)
         self.last_hash_seconds = time.monotonic() - th
         self.last_bytes = sum(int(v["size"]) for v in files.values())
 
-        try:
-            if self.env.is_main:
-                manifest = {
-                    "manifest_version": MANIFEST_VERSION,
-                    "step": step,
-                    "algorithm": "sha256",
-                    "total_bytes": self.last_bytes,
-                    "files": dict(sorted(files.items())),
-                }
-                self._write_json(tmp / MANIFEST_FILE, manifest)
-                _fsync_dir(tmp)
-                if final.exists():  # a leftover with the final name, never verified
-                    shutil.rmtree(final)
-                os.rename(tmp, final)
-                _fsync_dir(self.root)
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as e:
-            error = e
-        self._agree(error, step, tmp, "writing the manifest and renaming")
+        self._on_every_rank(
+            step,
+            tmp,
+            "writing the manifest and renaming",
+            lambda: self._publish(step, tmp, final, files),
+        )
         self.verified = final
         if self.env.is_main:
             self._prune()
         barrier()
         return final, time.monotonic() - t0
+
+    def _on_every_rank(self, step: int, tmp: Path, what: str, fn: Callable[[], T]) -> T | None:
+        """One step of a save on this rank, then `_agree`: when any rank failed, every rank
+        raises CheckpointFailed. The result of `fn` (None where it failed)."""
+        error: BaseException | None = None
+        result: T | None = None
+        try:
+            result = fn()
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            error = e
+        self._agree(error, step, tmp, what)
+        return result
+
+    def _write_shards(
+        self, tmp: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rng: dict[str, Any]
+    ) -> Any:
+        """This rank's DCP shards and RNG file; returns DCP's metadata."""
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=self._options())
+        metadata = dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        (tmp / "rng").mkdir(parents=True, exist_ok=True)
+        torch.save(rng, tmp / "rng" / f"rank-{self.env.rank}.pt")
+        return metadata
+
+    def _write_state(self, tmp: Path, trainer_state: dict[str, Any]) -> None:
+        if self.env.is_main:
+            state = {
+                "format_version": FORMAT_VERSION,
+                "adapter_only": self.adapter_only,
+                "world_size": self.env.world_size,
+                "saved_at": time.time(),
+                **trainer_state,
+            }
+            self._write_json(tmp / STATE_FILE, state)
+
+    def _checksum_share(self, tmp: Path, names: list[str]) -> dict[str, Any]:
+        """Size and sha256 of this rank's share of the files."""
+        mine: dict[str, Any] = {}
+        for name in names[self.env.rank :: self.env.world_size]:
+            f = tmp / name
+            mine[name] = {"size": f.stat().st_size, "sha256": file_sha256(f)}
+        return mine
+
+    def _publish(self, step: int, tmp: Path, final: Path, files: dict[str, Any]) -> None:
+        """Rank 0 writes the manifest last, then renames the folder to its final name."""
+        if self.env.is_main:
+            manifest = {
+                "manifest_version": MANIFEST_VERSION,
+                "step": step,
+                "algorithm": "sha256",
+                "total_bytes": self.last_bytes,
+                "files": dict(sorted(files.items())),
+            }
+            self._write_json(tmp / MANIFEST_FILE, manifest)
+            _fsync_dir(tmp)
+            if final.exists():  # a leftover with the final name, never verified
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(self.root)
 
     @staticmethod
     def _write_json(path: Path, value: dict[str, Any]) -> None:

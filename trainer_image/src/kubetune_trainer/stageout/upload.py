@@ -29,7 +29,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kubetune_trainer.contract import UPLOAD_MANIFEST, StageOutConfig, StageOutResult
 from kubetune_trainer.errors import ConfigError
@@ -153,46 +153,40 @@ def _run_all(fn: Callable[[A], R], items: list[A], name: str) -> list[R]:
     return [f.result() for f in futures]
 
 
-def stage_out(cfg: StageOutConfig) -> StageOutResult:
-    """Upload `cfg.source_dir` to `cfg.destination`, then the manifest."""
-    from boto3.s3.transfer import TransferConfig
-    from botocore.exceptions import ClientError
+@dataclass(frozen=True)
+class _Destination:
+    """The bucket and folder a run's output goes to, each call retried and its failures
+    sorted as the stage-in sorts its S3 fetches."""
 
-    t0 = time.monotonic()
-    destination = cfg.destination
-    bucket, prefix = parse_s3(destination, FIELD)
-    folder = prefix.strip("/")
-    source = Path(cfg.source_dir)
-    if not source.is_dir():
-        why = "is not a folder" if source.exists() else "does not exist"
-        raise _nothing_to_upload(destination, cfg.source_dir, why)
-    files = local_files(source)
-    if not files:
-        raise _nothing_to_upload(destination, cfg.source_dir, "holds no files")
-    total = sum(f.bytes for f in files)
-    log.info("uploading %d files (%.1f MB) to %s", len(files), total / 1e6, destination)
+    uri: str
+    bucket: str
+    folder: str
+    client: Any
 
-    client = s3_client()
+    def key_of(self, rel: str) -> str:
+        return f"{self.folder}/{rel}" if self.folder else rel
 
-    def key_of(rel: str) -> str:
-        return f"{folder}/{rel}" if folder else rel
+    def classify(self, e: BaseException) -> ConfigError | str | None:
+        return classify_s3(e, what=WHAT, uri=self.uri, bucket=self.bucket, field=FIELD, may=MAY)
 
-    def classify(e: BaseException) -> ConfigError | str | None:
-        return classify_s3(e, what=WHAT, uri=destination, bucket=bucket, field=FIELD, may=MAY)
+    def retried(self, fn: Callable[[], R], key: str | None = None) -> R:
+        """`fn` retried; failures name the object `key`, else the destination."""
+        uri = self.uri if key is None else f"s3://{self.bucket}/{key}"
+        return retrying(fn, self.classify, what=WHAT, uri=uri)
 
-    def listing() -> dict[str, int]:
+    def stored(self) -> dict[str, int]:
         """The objects under the destination and their sizes: the bucket's existence and the
         credentials are checked here, before any file is read."""
-        pages = client.get_paginator("list_objects_v2").paginate(
-            Bucket=bucket, Prefix=f"{folder}/" if folder else ""
+        pages = self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=f"{self.folder}/" if self.folder else ""
         )
         return {o["Key"]: int(o["Size"]) for page in pages for o in page.get("Contents", [])}
 
-    stored = retrying(listing, classify, what=WHAT, uri=destination)
+    def stored_sha256(self, key: str) -> str | None:
+        from botocore.exceptions import ClientError
 
-    def stored_sha256(key: str) -> str | None:
         try:
-            head = client.head_object(Bucket=bucket, Key=key)
+            head = self.client.head_object(Bucket=self.bucket, Key=key)
         except ClientError as e:
             if int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0) == 404:
                 return None  # removed since the listing
@@ -200,24 +194,88 @@ def stage_out(cfg: StageOutConfig) -> StageOutResult:
         meta = head.get("Metadata") or {}
         return str(meta.get(SHA256_META) or "") or None
 
-    def plan(file: LocalFile) -> Planned:
-        key = key_of(file.path)
+    def plan(self, file: LocalFile, stored: dict[str, int]) -> Planned:
+        key = self.key_of(file.path)
         sha256 = sha256_of(file.local)
         there = stored.get(key) == file.bytes and (
-            retrying(lambda: stored_sha256(key), classify, what=WHAT, uri=f"s3://{bucket}/{key}")
-            == sha256
+            self.retried(lambda: self.stored_sha256(key), key) == sha256
         )
         return Planned(file, key, sha256, there)
 
-    planned = _run_all(plan, files, "stageout-plan")
-    manifest_key = key_of(UPLOAD_MANIFEST)
+    def upload(self, item: Planned, transfer: Any, progress: Progress) -> None:
+        if item.stored:
+            progress.done(item.file, uploaded=False)
+            return
+
+        def put() -> None:
+            self.client.upload_file(
+                str(item.file.local),
+                self.bucket,
+                item.key,
+                ExtraArgs={"Metadata": {SHA256_META: item.sha256}},
+                Config=transfer,
+            )
+
+        self.retried(put, item.key)
+        progress.done(item.file, uploaded=True)
+
+    def put_manifest(self, key: str, body: bytes) -> None:
+        self.retried(
+            lambda: self.client.put_object(
+                Bucket=self.bucket,
+                Key=key,
+                Body=body,
+                ContentType="application/json",
+                Metadata={SHA256_META: hashlib.sha256(body).hexdigest()},
+            ),
+            key,
+        )
+
+
+def _files_to_upload(cfg: StageOutConfig) -> list[LocalFile]:
+    """The files of `cfg.source_dir`; a ConfigError when there are none to upload."""
+    source = Path(cfg.source_dir)
+    if not source.is_dir():
+        why = "is not a folder" if source.exists() else "does not exist"
+        raise _nothing_to_upload(cfg.destination, cfg.source_dir, why)
+    files = local_files(source)
+    if not files:
+        raise _nothing_to_upload(cfg.destination, cfg.source_dir, "holds no files")
+    return files
+
+
+def _manifest(cfg: StageOutConfig, planned: list[Planned], total: int) -> bytes:
+    manifest = {
+        "destination": cfg.destination,
+        "job": cfg.job.model_dump(mode="json"),
+        "files": [
+            {"path": p.file.path, "bytes": p.file.bytes, "sha256": p.sha256} for p in planned
+        ],
+        "bytes": total,
+        "uploaded": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+    return (json.dumps(manifest, indent=2) + "\n").encode()
+
+
+def stage_out(cfg: StageOutConfig) -> StageOutResult:
+    """Upload `cfg.source_dir` to `cfg.destination`, then the manifest."""
+    from boto3.s3.transfer import TransferConfig
+
+    t0 = time.monotonic()
+    destination = cfg.destination
+    bucket, prefix = parse_s3(destination, FIELD)
+    files = _files_to_upload(cfg)
+    total = sum(f.bytes for f in files)
+    log.info("uploading %d files (%.1f MB) to %s", len(files), total / 1e6, destination)
+
+    store = _Destination(destination, bucket, prefix.strip("/"), s3_client())
+    stored = store.retried(store.stored)
+    planned = _run_all(lambda file: store.plan(file, stored), files, "stageout-plan")
+    manifest_key = store.key_of(UPLOAD_MANIFEST)
     if manifest_key in stored and not all(p.stored for p in planned):
         # A manifest must never describe a store that lacks its files.
-        retrying(
-            lambda: client.delete_object(Bucket=bucket, Key=manifest_key),
-            classify,
-            what=WHAT,
-            uri=f"s3://{bucket}/{manifest_key}",
+        store.retried(
+            lambda: store.client.delete_object(Bucket=bucket, Key=manifest_key), manifest_key
         )
         log.info("deleted the manifest of an earlier upload, %s", manifest_key)
 
@@ -228,48 +286,8 @@ def stage_out(cfg: StageOutConfig) -> StageOutResult:
         max_concurrency=8,
         use_threads=True,
     )
-
-    def upload(item: Planned) -> None:
-        if item.stored:
-            progress.done(item.file, uploaded=False)
-            return
-
-        def put() -> None:
-            client.upload_file(
-                str(item.file.local),
-                bucket,
-                item.key,
-                ExtraArgs={"Metadata": {SHA256_META: item.sha256}},
-                Config=transfer,
-            )
-
-        retrying(put, classify, what=WHAT, uri=f"s3://{bucket}/{item.key}")
-        progress.done(item.file, uploaded=True)
-
-    _run_all(upload, planned, "stageout-upload")
-
-    manifest = {
-        "destination": destination,
-        "job": cfg.job.model_dump(mode="json"),
-        "files": [
-            {"path": p.file.path, "bytes": p.file.bytes, "sha256": p.sha256} for p in planned
-        ],
-        "bytes": total,
-        "uploaded": datetime.now(UTC).isoformat(timespec="seconds"),
-    }
-    body = (json.dumps(manifest, indent=2) + "\n").encode()
-    retrying(
-        lambda: client.put_object(
-            Bucket=bucket,
-            Key=manifest_key,
-            Body=body,
-            ContentType="application/json",
-            Metadata={SHA256_META: hashlib.sha256(body).hexdigest()},
-        ),
-        classify,
-        what=WHAT,
-        uri=f"s3://{bucket}/{manifest_key}",
-    )
+    _run_all(lambda item: store.upload(item, transfer, progress), planned, "stageout-upload")
+    store.put_manifest(manifest_key, _manifest(cfg, planned, total))
     return StageOutResult(
         destination=destination,
         files=len(files),
