@@ -112,6 +112,7 @@ BREAKS = [
         "from kubetune.controller import metrics",
         "thin-handlers",
     ),
+    ("kubetune/controller/backoff.py", "from kubetune.controller import kube", "thin-handlers"),
     (
         "kubetune_dev/podrunner/podspec.py",
         "from kubetune_dev.podrunner import runner",

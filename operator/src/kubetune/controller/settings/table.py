@@ -278,8 +278,9 @@ SETTINGS: tuple[Setting, ...] = (
         "controller.queue_retry_seconds",
         p.number,
         "how often a job among the first eight of a pool's queue is re-planned when no change "
-        "of capacity woke it first (jobs further back wait for events: docs/operations.md); "
-        "also how often a job waiting for its pools, inputs or upstream job looks again",
+        "of capacity woke it first, give or take a tenth so that queued jobs do not all look "
+        "at once (jobs further back wait for events: docs/operations.md); also how often a "
+        "job waiting for its pools, inputs or upstream job looks again",
         values=("operator.queueRetrySeconds",),
     ),
     Setting(
