@@ -75,9 +75,12 @@ crds: setup
 	PYTHONPATH=tests $(PY) tests/unit/test_chart.py  # the chart's copies of crds/
 
 # The chart README's values table, from the `# --` comments in charts/kubetune/values.yaml
-# (tests/unit/test_values_table.py fails when it is stale or a value is undocumented).
+# (tests/unit/test_values_table.py fails when it is stale or a value is undocumented), and
+# docs/configuration.md's table of the operator's environment variables, from its own table
+# of them (tests/unit/test_settings_table.py fails when it is stale).
 docs: setup
 	$(PY) hack/values_table.py --write charts/kubetune/README.md
+	$(PY) hack/settings_table.py --write docs/configuration.md
 
 demo: setup
 	$(VENV)/bin/kubetune demo

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kubetune.controller.leader import leader_settings_from_env
+from kubetune.controller.settings import leader_settings_from_env
 from kubetune_dev.binaries import Binaries
 from support.helm import Helm
 

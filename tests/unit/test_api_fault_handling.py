@@ -9,6 +9,8 @@ brings the job back for another look soon, even when that write was the job's la
 
 from __future__ import annotations
 
+import asyncio
+import random
 from collections.abc import Mapping
 from functools import partial
 from typing import Any
@@ -21,6 +23,7 @@ from lightkube.models.meta_v1 import Status, StatusCause, StatusDetails
 from kubetune.api.vocabulary import Reason
 from kubetune.control.reconcile import ControllerSettings
 from kubetune.controller import kube as kube_module
+from kubetune.controller.backoff import Backoff
 from kubetune.controller.cache import Caches
 from kubetune.controller.jobloop import JobState
 from kubetune.controller.kube import Kube, StatusRejected
@@ -86,9 +89,13 @@ CONFIGMAP = {
 LOST = httpx2.ReadError("connection lost")
 
 
+RETRY_WAITS = kube_module.RETRY_WAITS
+"""The production waits (the tests below wait none)."""
+
+
 @pytest.fixture(autouse=True)
 def no_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kube_module, "RETRY_DELAYS", (0.0, 0.0, 0.0, 0.0, 0.0))
+    monkeypatch.setattr(kube_module, "RETRY_WAITS", Backoff(0.0, 0.0))
 
 
 # ---------------------------------------------------------------------- Kube
@@ -111,6 +118,33 @@ async def test_retries_give_up_after_the_last_delay() -> None:
         await Kube(client).create_if_absent(CONFIGMAP)  # type: ignore[arg-type]
     assert err.value.status.code == 500
     assert len(client.calls) == 6
+
+
+async def test_retries_wait_longer_each_time_and_not_in_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After an API-server blip every call that failed tries again: each waits a little
+    longer each time (about 5 to 9 s in all), and two calls that failed together do not
+    try again together."""
+    monkeypatch.setattr(kube_module, "RETRY_WAITS", RETRY_WAITS)
+    waits: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        waits.append(seconds)
+
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+    rng = random.Random(20260101)
+    for _ in range(2):
+        client = Answers(*[api_error(503)] * 6)
+        with pytest.raises(ApiError):
+            await Kube(client, rng=rng).create_if_absent(CONFIGMAP)  # type: ignore[arg-type]
+    first, second = waits[:5], waits[5:]
+    ceilings = [0.3, 0.6, 1.2, 2.4, 4.8]
+    for series in (first, second):
+        assert series == sorted(series)
+        assert all(c / 2 <= w <= c for w, c in zip(series, ceilings, strict=True)), series
+        assert 4.6 <= sum(series) <= 9.3
+    assert all(a != b for a, b in zip(first, second, strict=True))
 
 
 async def test_errors_a_retry_cannot_fix_are_raised_at_once() -> None:
@@ -199,11 +233,12 @@ async def test_a_rejected_final_status_write_is_tried_again() -> None:
 
     # The job fits no pool: its decision is Failed, which the apiserver keeps refusing.
     assert kube.writes[0][1]["phase"] == "Failed"
-    assert delays == [
-        REJECTED_RETRY_SECONDS,
-        2 * REJECTED_RETRY_SECONDS,
-        4 * REJECTED_RETRY_SECONDS,
-    ]
+    # Doubling waits, each drawn from the upper half of its step (jitter).
+    ceilings = [REJECTED_RETRY_SECONDS, 2 * REJECTED_RETRY_SECONDS, 4 * REJECTED_RETRY_SECONDS]
+    assert all(
+        delay is not None and top / 2 <= delay <= top
+        for delay, top in zip(delays, ceilings, strict=True)
+    ), delays
     assert events.count(Reason.STATUS_REJECTED) == 3
     assert state.written.rejections == 3
 
@@ -217,7 +252,7 @@ async def test_a_rejected_final_status_write_is_tried_again() -> None:
 
 async def test_the_retry_after_rejections_is_capped_by_the_resync_period() -> None:
     rt = reconcilers(RejectingKube(), [])
-    assert rt.job_loop.writer.after_rejection(Written(rejections=30)) == 120.0
+    assert 60.0 <= rt.job_loop.writer.after_rejection(Written(rejections=30)) <= 120.0
 
 
 async def test_an_invalid_spec_whose_failed_status_is_rejected_is_tried_again() -> None:
@@ -225,5 +260,5 @@ async def test_an_invalid_spec_whose_failed_status_is_rejected_is_tried_again() 
     rt = reconcilers(kube, events)
     job = body("broken", method="not-a-method")
     delay = await rt.job_loop.reconcile_job((NAMESPACE, "broken"), JobState(name="broken"), job)
-    assert delay == REJECTED_RETRY_SECONDS
+    assert delay is not None and REJECTED_RETRY_SECONDS / 2 <= delay <= REJECTED_RETRY_SECONDS
     assert Reason.INVALID_SPEC in events and Reason.STATUS_REJECTED in events

@@ -108,6 +108,12 @@ BREAKS = [
     ),
     ("kubetune/controller/jobloop.py", "from kubetune.controller import poolloop", "thin-handlers"),
     (
+        "kubetune/controller/settings/__init__.py",
+        "from kubetune.controller import metrics",
+        "thin-handlers",
+    ),
+    ("kubetune/controller/backoff.py", "from kubetune.controller import kube", "thin-handlers"),
+    (
         "kubetune_dev/podrunner/podspec.py",
         "from kubetune_dev.podrunner import runner",
         "podrunner-layers",

@@ -8,6 +8,7 @@ would, then observes, decides, carries out and says when it looks next.
 from __future__ import annotations
 
 import copy
+import random
 import time
 from dataclasses import replace
 from datetime import datetime, timedelta, tzinfo
@@ -36,8 +37,9 @@ from kubetune.controller import (
     status_writes,
 )
 from kubetune.controller import kube as kube_module
+from kubetune.controller.backoff import Backoff
 from kubetune.controller.cache import Caches
-from kubetune.controller.jobloop import JobState, validated
+from kubetune.controller.jobloop import QUEUE_RETRY_SPREAD, JobState, validated
 from kubetune.controller.kube import Kube
 from kubetune.controller.reconcilers import Reconcilers
 from kubetune.controller.status_writes import SMALL_MOVE_SLOWDOWN
@@ -146,7 +148,15 @@ class Loop:
 
 @pytest.fixture
 def loop(apiserver: ApiServerEmulator, kube: Kube, clock: type[Clock]) -> Loop:
-    return Loop(apiserver, kube)
+    loop = Loop(apiserver, kube)
+    loop.reconcilers.job_loop.rng = random.Random(20260101)  # waits drawn the same every run
+    return loop
+
+
+def about_the_queue_retry(delay: float | None) -> bool:
+    """A waiting job's next look: its queue retry, give or take the spread."""
+    period = ControllerSettings().queue_retry_seconds
+    return delay is not None and abs(delay - period) <= QUEUE_RETRY_SPREAD * period
 
 
 async def test_new_job_is_planned_and_launched(apiserver: ApiServerEmulator, loop: Loop) -> None:
@@ -234,13 +244,14 @@ async def test_a_status_write_that_fails_launches_no_trainer(
     apiserver: ApiServerEmulator, loop: Loop, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seed(apiserver, *example_cluster(), tiny_job())
-    monkeypatch.setattr(kube_module, "RETRY_DELAYS", (0.0,))
+    monkeypatch.setattr(kube_module, "RETRIES", 1)
+    monkeypatch.setattr(kube_module, "RETRY_WAITS", Backoff(0.0, 0.0))
     apiserver[f"patch {STATUS_PATH}"][:2] << kmock.KubernetesError(500, "InternalError", "down")
 
     delay = await loop.look()
 
     # The look failed and is retried; nothing says attempt 1 started, so no batch Job does.
-    assert delay == 2.0
+    assert delay is not None and 1.0 <= delay <= 2.0
     assert children(apiserver)["job"] == []
 
     await loop.look()
@@ -388,7 +399,11 @@ async def test_job_with_no_pools_waits_for_them(apiserver: ApiServerEmulator, lo
     assert loop.events == []
     # Waiting for pools counts as queued: a new pool wakes it; otherwise it retries.
     assert loop.key in loop.reconcilers.view.queued
-    assert delay == ControllerSettings().queue_retry_seconds
+    assert about_the_queue_retry(delay)
+    # Each retry is spread around the period: jobs that queued together do not look
+    # again together.
+    again = await loop.look()
+    assert about_the_queue_retry(again) and again != delay
 
 
 async def test_a_job_deep_in_a_queue_waits_for_events(
@@ -404,7 +419,7 @@ async def test_a_job_deep_in_a_queue_waits_for_events(
     seed(apiserver, *example_cluster(), *busy, tiny_job())
     settings = ControllerSettings()
 
-    assert await loop.look() == settings.queue_retry_seconds
+    assert about_the_queue_retry(await loop.look())
     status = loop.status()
     assert status["phase"] == "Queued" and "position 1 in the queue" in status["message"]
     place = {"pool": status["plan"]["pool"], "waitingFor": "FreeGPUs"}
@@ -482,7 +497,7 @@ async def test_a_job_whose_claim_is_missing_is_held_until_it_exists(
         f"PersistentVolumeClaim {DEMO_CLAIM!r} (spec.model.uri) does not exist" in held["message"]
     )
     assert [(t, r) for t, r, _ in loop.events] == [("Warning", Reason.MISSING_VOLUME)]
-    assert delay == ControllerSettings().queue_retry_seconds
+    assert about_the_queue_retry(delay)
 
     seed(apiserver, claim(DEMO_CLAIM))
     await loop.look()
@@ -582,8 +597,15 @@ async def test_a_failed_look_is_retried_with_growing_backoff(
 
     delays = [await loop.look() for _ in range(4)]
 
-    assert delays == [2.0, 4.0, 8.0, 16.0]
+    # At most 2, 4, 8 and 16 s, each at least half that: growing, and jittered.
+    for delay, ceiling in zip(delays, [2.0, 4.0, 8.0, 16.0], strict=True):
+        assert delay is not None and ceiling / 2 <= delay <= ceiling
+    assert delays == sorted(delays)
     assert loop.state.failures == 4
+    # Another loop failing at the same moment waits another time.
+    other = JobState(name="tiny-cpu-lora")
+    first = await loop.reconcilers.job_loop.look(loop.key, other, loop.body())
+    assert first is not None and 1.0 <= first <= 2.0 and first != delays[0]
     # Whatever failed, the job stays due: liveness sees it once nothing succeeds.
     assert loop.state.due_at is not None
 

@@ -26,10 +26,10 @@ from kubetune.controller.leader import (
     LeaseRecord,
     decide,
     expired,
-    leader_settings_from_env,
     next_spec,
 )
 from kubetune.controller.run import serve_standby_health
+from kubetune.controller.settings import leader_settings_from_env
 from kubetune_dev.cluster import free_port
 
 pytestmark = pytest.mark.unit

@@ -57,8 +57,8 @@ def operator(
     One replica runs standalone. With KUBETUNE_LEADER_ELECTION=true several replicas share
     a Lease and only its holder works (docs/operations.md).
     """
-    from kubetune.controller.leader import leader_settings_from_env
     from kubetune.controller.run import configure_logging, run_operator
+    from kubetune.controller.settings import leader_settings_from_env
 
     try:
         settings = leader_settings_from_env()

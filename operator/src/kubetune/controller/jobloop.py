@@ -29,6 +29,7 @@ from kubetune.control.lifecycle import failed
 from kubetune.control.reconcile import ControllerSettings, Decision, reconcile
 from kubetune.controller import metrics
 from kubetune.controller.admission import Admission, release_when_bound
+from kubetune.controller.backoff import RANDOM, spread
 from kubetune.controller.cache import JobKey, job_key_of
 from kubetune.controller.capacity_view import WAKE_PER_POOL, CapacityView
 from kubetune.controller.carry_out import CarryOut
@@ -41,6 +42,11 @@ from kubetune.controller.waiting import Stopped, backoff, wait
 from kubetune.planning.arch import ModelArch
 
 log = logging.getLogger("kubetune")
+
+QUEUE_RETRY_SPREAD = 0.1
+"""A waiting job's next look at its queue retry comes up to this fraction of the period
+sooner or later: jobs that queued together (a burst of submissions, the operator's restart)
+do not all re-plan at the same moment, every period."""
 
 
 @dataclass
@@ -91,8 +97,10 @@ class JobLoop:
         # One slot per thread, taken before submitting: the pool's own queue stays empty and
         # first looks go ahead of the rest (controller/slots.py).
         self.slots = PrioritySlots(settings.planner_workers)
+        self.rng = RANDOM
+        """Draws the waits after failures and the queue retries' spread."""
         self.observer = Observer(settings, kube, view)
-        self.writer = StatusWriter(settings, kube, post_event)
+        self.writer = StatusWriter(settings, kube, post_event, self.rng)
         self.carry_out = CarryOut(settings, kube, view, self.writer, post_event)
         self.last_success = time.monotonic()
 
@@ -133,7 +141,7 @@ class JobLoop:
             return self.settings.resync_seconds
         except Exception:
             state.failures += 1
-            pause = backoff(state.failures)
+            pause = backoff(state.failures, self.rng)
             log.exception(
                 "reconcile of %s/%s failed (%d in a row); next try in %.0fs",
                 key[0],
@@ -229,6 +237,9 @@ class JobLoop:
         delay = decision.requeue_after
         if delay is None and not finished:
             delay = self.settings.resync_seconds
+        elif delay is not None and delay == self.settings.queue_retry_seconds:
+            # Waiting: queued, or for pools, inputs or an upstream job.
+            delay = spread(delay, QUEUE_RETRY_SPREAD, self.rng)
         position = self.view.queue.position(key)
         if delay is not None and position is not None and position > WAKE_PER_POOL:
             # Deep in a queue nothing lets it in but the jobs ahead leaving, and nothing

@@ -5,8 +5,10 @@ here are the writes (`create_if_absent`, `delete_batch_job`, `patch_status`, ...
 read that resolves a create conflict (`owner_uids`), the launch preflight's reads of the
 claims and Secret a job names (`missing_inputs`) and the trainer metrics scrape.
 Every call retries what a retry can fix (throttling, server errors, lost connections, and
-for status writes conflicts) a few times before it gives up; `patch_status` raises
-`StatusRejected` for what it cannot (the apiserver's 422).
+for status writes conflicts) a few times, with jittered exponential back-off (tenacity,
+controller/backoff.py) so that calls which failed together do not all try again together,
+before it gives up; `patch_status` raises `StatusRejected` for what it cannot (the
+apiserver's 422).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import random
 import urllib.request
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -27,12 +30,14 @@ from lightkube.resources.core_v1 import ConfigMap, PersistentVolumeClaim, Secret
 from lightkube.resources.networking_v1 import NetworkPolicy
 from lightkube.types import CascadeType, PatchType
 from prometheus_client.parser import text_string_to_metric_families
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
 
 from kubetune.api.v1alpha1 import GROUP, VERSION, FineTuneJob
 from kubetune.api.vocabulary import COMPLETION_INDEX_ANNOTATION
 from kubetune.control.build.storage import InputRef
 from kubetune.control.pods import PodPhase
 from kubetune.control.reconcile import MissingInput
+from kubetune.controller.backoff import RANDOM, Backoff, BackoffWait
 
 log = logging.getLogger("kubetune")
 
@@ -51,9 +56,12 @@ TRANSIENT_CODES = frozenset({429, 500, 502, 503, 504})
 """Answers every call is retried on: throttling, the server's trouble."""
 RETRY_CODES = TRANSIENT_CODES | {409}
 """Answers a status write is retried on: those and a conflict."""
-RETRY_DELAYS = (0.2, 0.5, 1.0, 2.0, 4.0)
-"""Waits between the attempts of one call (about 8 s in all); the reconcile loop tries the
-call again later if all of them fail."""
+RETRIES = 5
+"""Attempts of one call after its first; the reconcile loop tries the call again later if
+all of them fail."""
+RETRY_WAITS = Backoff(first=0.3, cap=5.0)
+"""Waits between the attempts: at most 0.3, 0.6, 1.2, 2.4 and 4.8 s, each at least half that
+(5 to 9 s in all)."""
 
 T = TypeVar("T")
 
@@ -91,6 +99,27 @@ def parse_trainer_metrics(text: str) -> dict[str, float]:
     return out
 
 
+def _retryable(exc: BaseException, codes: frozenset[int]) -> bool:
+    """Whether a retry may fix what `exc` says: an answer with one of `codes` (with a
+    Kubernetes Status body or without one, e.g. a load balancer's HTML 503), or a lost
+    connection."""
+    if isinstance(exc, ApiError):
+        return exc.status.code in codes
+    if isinstance(exc, httpx2.HTTPStatusError):
+        return exc.response.status_code in codes
+    return isinstance(exc, httpx2.TransportError)
+
+
+def _log_retry(what: str, state: RetryCallState) -> None:
+    exc = state.outcome.exception() if state.outcome else None
+    if isinstance(exc, ApiError):
+        log.info("%s answered %s; retrying", what, exc.status.code)
+    elif isinstance(exc, httpx2.HTTPStatusError):
+        log.info("%s answered %s; retrying", what, exc.response.status_code)
+    else:
+        log.info("%s failed (%s); retrying", what, exc)
+
+
 def _fetch_text(url: str, timeout_s: float) -> str:
     with urllib.request.urlopen(url, timeout=timeout_s) as response:
         return str(response.read(4 * 1024 * 1024).decode("utf-8", errors="replace"))
@@ -103,12 +132,15 @@ class Kube:
         metrics_port: int = 9400,
         scrape_timeout_s: float = 1.0,
         may_write: Callable[[], bool] = lambda: True,
+        rng: random.Random = RANDOM,
     ) -> None:
         self.client = client
         self.metrics_port = metrics_port
         self.scrape_timeout_s = scrape_timeout_s
         self.may_write = may_write
         """Asked before every write; False (the leader lease is lost) stops it with `Fenced`."""
+        self.rng = rng
+        """Draws the retries' waits."""
         self._unreadable_warned: set[int] = set()
 
     def _check_fence(self) -> None:
@@ -221,31 +253,26 @@ class Kube:
         codes: frozenset[int] = TRANSIENT_CODES,
         write: bool = True,
     ) -> T:
-        """`call()`, tried again after RETRY_DELAYS while it is answered with one of `codes`
-        or loses its connection; then the last error is raised. A write checks the fence
-        before each attempt. (A create retried after a lost answer may find its own object:
-        the caller's 409 handling covers that.)"""
-        for delay in (*RETRY_DELAYS, None):
+        """`call()`, tried again after RETRY_WAITS while it is answered with one of `codes`
+        or loses its connection, RETRIES times; then the last error is raised. A write checks
+        the fence before each attempt. (A create retried after a lost answer may find its own
+        object: the caller's 409 handling covers that.)"""
+
+        async def attempt() -> T:
             if write:
                 self._check_fence()
-            try:
-                return await call()
-            except ApiError as exc:
-                if exc.status.code not in codes or delay is None:
-                    raise
-                log.info("%s answered %s; retrying", what, exc.status.code)
-            except httpx2.HTTPStatusError as exc:
-                # An error without a Kubernetes Status body (e.g. a load balancer's HTML 503):
-                # lightkube cannot make an ApiError of it.
-                if exc.response.status_code not in codes or delay is None:
-                    raise
-                log.info("%s answered %s; retrying", what, exc.response.status_code)
-            except httpx2.TransportError as exc:
-                if delay is None:
-                    raise
-                log.info("%s failed (%s); retrying", what, exc)
-            await asyncio.sleep(delay)
-        raise AssertionError("unreachable")
+            return await call()
+
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(RETRIES + 1),
+            wait=BackoffWait(RETRY_WAITS, self.rng),
+            retry=retry_if_exception(lambda exc: _retryable(exc, codes)),
+            before_sleep=lambda state: _log_retry(what, state),
+            sleep=asyncio.sleep,
+            reraise=True,
+        )
+        result: T = await retrying(attempt)
+        return result
 
     # ------------------------------------------------------------------ writes
 
@@ -255,7 +282,7 @@ class Kube:
         """Merge-patch the status of a FineTuneJob (or, with `pool`, a GPUPool); the new
         resourceVersion, or None when the object is gone.
 
-        Retried on conflicts, throttling, server errors and lost connections (RETRY_DELAYS);
+        Retried on conflicts, throttling, server errors and lost connections (RETRY_WAITS);
         a 422 raises `StatusRejected` naming the fields; the last error of a failed series is
         raised for the caller to try again later.
         """

@@ -16,14 +16,8 @@ the operator's own write paths), and a watchdog thread ends the process with
 the Lease over. The hard exit is what stops kopf's own writes (finalizers, annotations,
 status patches it makes for us); the pod restarts and becomes a candidate again.
 
-Settings come from the environment (the Helm chart sets them; docs/operations.md):
-
-KUBETUNE_LEADER_ELECTION               true: elect a leader through the Lease (false)
-KUBETUNE_LEASE_NAME                    the Lease's name (kubetune)
-KUBETUNE_LEASE_NAMESPACE               its namespace (POD_NAMESPACE, else the pod's own)
-KUBETUNE_LEASE_DURATION_SECONDS        whole seconds without renewal before a takeover (15)
-KUBETUNE_LEASE_RENEW_DEADLINE_SECONDS  the leader stops this long after its last renewal (10)
-KUBETUNE_LEASE_RETRY_SECONDS           how often the Lease is renewed or polled (2)
+Its settings come from the environment (KUBETUNE_LEADER_ELECTION and KUBETUNE_LEASE_*, read
+by controller/settings with the operator's others; docs/configuration.md lists them).
 """
 
 from __future__ import annotations
@@ -56,8 +50,6 @@ EXIT_LEASE_LOST = 3
 """Exit status of a replica that lost the Lease (kopf's own failures exit with 1)."""
 
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"", "0", "false", "no", "off"}
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
@@ -122,51 +114,6 @@ def default_namespace(env: Mapping[str, str], sa_file: Path = SERVICE_ACCOUNT_NA
     with contextlib.suppress(OSError):
         return sa_file.read_text().strip()
     return ""
-
-
-def _flag(env: Mapping[str, str], name: str) -> bool:
-    raw = env.get(name, "").strip().lower()
-    if raw in _TRUE:
-        return True
-    if raw in _FALSE:
-        return False
-    raise ValueError(f"{name}={env[name]!r} is not true or false. To fix: set it to true or false")
-
-
-def _seconds(env: Mapping[str, str], name: str, default: float, whole: bool = False) -> float:
-    raw = env.get(name, "").strip()
-    if raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or (whole and value != int(value)):
-        kind = "a whole number of seconds" if whole else "a number of seconds"
-        raise ValueError(
-            f"{name}={raw!r} is not {kind} above zero. To fix: set it to e.g. {default:g}, "
-            f"or unset it for {default:g}"
-        )
-    return value
-
-
-def leader_settings_from_env(
-    env: Mapping[str, str] | None = None, sa_file: Path = SERVICE_ACCOUNT_NAMESPACE
-) -> LeaderSettings:
-    env = os.environ if env is None else env
-    return LeaderSettings(
-        enabled=_flag(env, "KUBETUNE_LEADER_ELECTION"),
-        lease_name=env.get("KUBETUNE_LEASE_NAME") or LeaderSettings.lease_name,
-        lease_namespace=env.get("KUBETUNE_LEASE_NAMESPACE") or default_namespace(env, sa_file),
-        identity=default_identity(env),
-        lease_duration_s=int(
-            _seconds(env, "KUBETUNE_LEASE_DURATION_SECONDS", LeaderSettings.lease_duration_s, True)
-        ),
-        renew_deadline_s=_seconds(
-            env, "KUBETUNE_LEASE_RENEW_DEADLINE_SECONDS", LeaderSettings.renew_deadline_s
-        ),
-        retry_period_s=_seconds(env, "KUBETUNE_LEASE_RETRY_SECONDS", LeaderSettings.retry_period_s),
-    ).validate()
 
 
 # ---------------------------------------------------------------------- decisions (pure)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -53,6 +52,7 @@ from kubetune.api.vocabulary import (
     PlanReason,
     RecoveryReason,
 )
+from kubetune.controller.settings import metrics_port_from_env
 
 __all__ = [
     "FINISHED_PHASES",
@@ -76,8 +76,6 @@ FINISHED_PHASES: tuple[str, ...] = tuple(p for p in Phase if p in TERMINAL_PHASE
 RECOVERY_REASONS: tuple[str, ...] = tuple(RecoveryReason)
 STATUS_WRITE_RESULTS: tuple[str, ...] = ("ok", "rejected", "failed")
 PLAN_REASONS: tuple[str, ...] = tuple(PlanReason)
-DEFAULT_PORT = 8000
-PORT_ENV = "KUBETUNE_METRICS_PORT"
 
 # Planning takes seconds; launching takes seconds (pods present) to hours (queued for GPUs).
 _PLAN_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 7.5, 10, 15, 20, 30, 60, 120, 300, 600)
@@ -604,7 +602,7 @@ class OperatorMetrics:
     # ------------------------------------------------------------------ serving
 
     def start_server(self, port: int | None = None, addr: str = "0.0.0.0") -> int:
-        """Serve /metrics on `port` (None: $KUBETUNE_METRICS_PORT or 8000; 0: any free port).
+        """Serve /metrics on `port` (None: KUBETUNE_METRICS_PORT's; 0: any free port).
 
         Returns the bound port, or -1 when disabled with KUBETUNE_METRICS_PORT=-1.
         Calling it again returns the running server's port.
@@ -612,7 +610,7 @@ class OperatorMetrics:
         if self._server is not None:
             return int(self._server.server_port)
         if port is None:
-            port = int(os.environ.get(PORT_ENV) or DEFAULT_PORT)
+            port = metrics_port_from_env()
         if port < 0:
             return -1
         server, _thread = start_http_server(port, addr=addr, registry=self.registry)

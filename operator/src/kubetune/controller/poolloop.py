@@ -13,6 +13,7 @@ from kubetune.api.vocabulary import PoolConditionType, Reason
 from kubetune.control.conditions import now_rfc3339
 from kubetune.control.reconcile import ControllerSettings
 from kubetune.controller import metrics
+from kubetune.controller.backoff import RANDOM
 from kubetune.controller.cache import parse_pool
 from kubetune.controller.capacity_view import CapacityView
 from kubetune.controller.kube import Fenced, Kube, StatusRejected
@@ -28,6 +29,8 @@ class PoolLoop:
         self.settings = settings
         self.kube = kube
         self.view = view
+        self.rng = RANDOM
+        """Draws the waits after failures."""
 
     async def run(self, body: Mapping[str, Any], stopped: Stopped) -> None:
         """The loop of one GPUPool: write its capacity whenever it changed."""
@@ -46,7 +49,7 @@ class PoolLoop:
                     delay = self.settings.resync_seconds
                 except Exception:
                     failures += 1
-                    delay = backoff(failures)
+                    delay = backoff(failures, self.rng)
                     log.exception(
                         "GPUPool %s: capacity not written; next try in %.0fs", name, delay
                     )

@@ -5,7 +5,8 @@ conflicts, throttling, server errors and lost connections) instead of handing a 
 kopf: a write that fails is tried again on the next look and can never stop the loop. A
 write the apiserver rejects as invalid (422) is logged with its fields and reported on the
 job (a Warning Event and `status.message`), and the job is looked at again soon
-(`REJECTED_RETRY_SECONDS`, backing off), even when the rejected write was its last.
+(`REJECTED_RETRY_SECONDS`, backing off with jitter), even when the rejected write was its
+last.
 
 Progress and cost alone are written at most every `progress_write_seconds`, and so are a
 running stage-in's bytes so far and a queued job's new place in its queue; a place that
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ from kubetune.api.vocabulary import ConditionType, EventType, Phase, Reason
 from kubetune.control.queue import small_place_move
 from kubetune.control.reconcile import ControllerSettings
 from kubetune.controller import metrics
+from kubetune.controller.backoff import RANDOM, Backoff
 from kubetune.controller.kube import Kube, StatusRejected
 
 log = logging.getLogger("kubetune")
@@ -46,8 +49,9 @@ once, a queue of N jobs costs N status writes per admission; this way a job deep
 writes after every tenth of its way, and the front stays exact."""
 
 REJECTED_RETRY_SECONDS = 5.0
-"""A job whose status write was rejected is looked at again after this long, doubling with
-each rejection in a row up to the resync period: finished or not, its status must land."""
+"""A job whose status write was rejected is looked at again after at most this long, doubling
+with each rejection in a row up to 64 times this or the resync period (each wait at least
+half of that, controller/backoff.py): finished or not, its status must land."""
 
 PostEvent = Callable[[Mapping[str, Any], EventType, Reason, str], None]
 
@@ -176,10 +180,18 @@ class Written:
 class StatusWriter:
     """Writes a job's status for its loop: what changed, when it is due."""
 
-    def __init__(self, settings: ControllerSettings, kube: Kube, post_event: PostEvent) -> None:
+    def __init__(
+        self,
+        settings: ControllerSettings,
+        kube: Kube,
+        post_event: PostEvent,
+        rng: random.Random = RANDOM,
+    ) -> None:
         self.settings = settings
         self.kube = kube
         self.post_event = post_event
+        self.rng = rng
+        """Draws the waits after rejections."""
 
     @property
     def small_move_write_seconds(self) -> float:
@@ -189,8 +201,8 @@ class StatusWriter:
 
     def after_rejection(self, written: Written) -> float:
         """When to look again at a job whose status write was rejected."""
-        backoff = REJECTED_RETRY_SECONDS * 2.0 ** min(written.rejections - 1, 6)
-        return min(backoff, self.settings.resync_seconds)
+        cap = min(REJECTED_RETRY_SECONDS * 2.0**6, self.settings.resync_seconds)
+        return Backoff(REJECTED_RETRY_SECONDS, cap).delay(written.rejections, self.rng)
 
     async def write(
         self,

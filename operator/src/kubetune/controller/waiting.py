@@ -4,7 +4,14 @@ how long after failures in a row."""
 from __future__ import annotations
 
 import asyncio
+import random
 from typing import Any, Protocol
+
+from kubetune.controller.backoff import RANDOM, Backoff
+
+LOOK_RETRY = Backoff(first=2.0, cap=60.0)
+"""Waits after failed looks in a row: at most 2, 4, … 60 s, each at least half that, so that
+loops that failed together (an API-server blip) do not try again together."""
 
 
 class Stopped(Protocol):
@@ -25,6 +32,6 @@ async def wait(wake: asyncio.Event, stopped: Stopped, delay: float | None) -> No
         stop.cancel()
 
 
-def backoff(failures: int) -> float:
-    """Seconds before the next try after `failures` failed looks in a row (2, 4, … 60)."""
-    return min(60.0, 2.0 ** min(failures, 6))
+def backoff(failures: int, rng: random.Random = RANDOM) -> float:
+    """Seconds before the next try after `failures` failed looks in a row (`LOOK_RETRY`)."""
+    return LOOK_RETRY.delay(failures, rng)
