@@ -64,7 +64,7 @@ BREAKS = [
     ("kubetune/controller/run.py", "import kubetune.cli", "layers"),
     ("kubetune/planning/arch.py", "import urllib.request", "pure-core"),
     ("kubetune/control/progress.py", "import kopf", "pure-core"),
-    ("kubetune_trainer/recipe.py", "import kopf", "trainer-knows-no-kubernetes"),
+    ("kubetune_trainer/recipe/__init__.py", "import kopf", "trainer-knows-no-kubernetes"),
     ("kubetune_trainer/loss.py", "import kubetune_trainer.modeling", "trainer-acyclic"),
     (
         "kubetune_trainer/data.py",
