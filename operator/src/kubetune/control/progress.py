@@ -21,7 +21,7 @@ from kubetune.api.v1alpha1 import (
 )
 from kubetune.control.conditions import now_rfc3339
 from kubetune.control.pods import parse_time
-from kubetune_trainer.contract import checkpoint_dir_name
+from kubetune_trainer.contract import TrainerResult, checkpoint_dir_name
 
 DPO_PROGRESS = (
     "dpo_reward_accuracy",
@@ -145,13 +145,17 @@ def read_metrics(
     return None
 
 
-def complete(status: FineTuneJobStatus, now: datetime) -> None:
+def complete(status: FineTuneJobStatus, now: datetime, result: TrainerResult | None = None) -> None:
     """Progress at 100 % and the last step's checkpoint, once the trainer exited 0.
 
     The trainer exits 0 only after it checkpointed the last step (its contract); the last
     metrics read may have come before that checkpoint. A run that stopped early
     (status.earlyStopped) checkpointed the step it stopped at, and its progress stays there.
+    With the trainer's result (`pods.trainer_result`), its own numbers of the last step
+    replace the last ones scraped: the total steps, the training and evaluation loss.
     """
+    if result is not None:
+        _final_numbers(status, result)
     total = (status.progress or status.plan or ProgressStatus()).total_steps
     stopped = status.early_stopped
     last = stopped.step if stopped is not None else total
@@ -172,3 +176,17 @@ def complete(status: FineTuneJobStatus, now: datetime) -> None:
         progress.summary = _summary(progress)
         if stopped is not None:
             progress.summary += f" early stopped, best step {stopped.best_step}"
+
+
+def _final_numbers(status: FineTuneJobStatus, result: TrainerResult) -> None:
+    """The trainer's final numbers into status.progress (made if no metrics were read)."""
+    progress = status.progress or ProgressStatus(
+        total_steps=status.plan.total_steps if status.plan else 0
+    )
+    if result.total_steps:
+        progress.total_steps = result.total_steps
+    if result.loss is not None and math.isfinite(result.loss):
+        progress.loss = round(result.loss, 4)
+    if result.eval_loss is not None and math.isfinite(result.eval_loss):
+        progress.eval_loss = round(result.eval_loss, 4)
+    status.progress = progress
