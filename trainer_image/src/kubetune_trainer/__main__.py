@@ -58,14 +58,24 @@ def write_termination_message(message: str) -> None:
 
 def result_line(result: TrainerResult) -> str:
     """`result` as one line of JSON short enough to be written whole: an out-of-memory
-    error's message is shortened until it is."""
+    error's message is cut to the longest start that fits."""
     line = result.model_dump_json()
     oom = result.out_of_memory
-    while len(line) > TERMINATION_LINE_CHARS and oom is not None and oom.message:
-        cut = max(0, len(oom.message) - (len(line) - TERMINATION_LINE_CHARS) - 3)
-        oom = oom.model_copy(update={"message": oom.message[:cut]})
-        line = result.model_copy(update={"out_of_memory": oom}).model_dump_json()
-    return line
+    if len(line) <= TERMINATION_LINE_CHARS or oom is None:
+        return line
+
+    def cut(keep: int) -> str:
+        short = oom.model_copy(update={"message": oom.message[:keep]})
+        return result.model_copy(update={"out_of_memory": short}).model_dump_json()
+
+    fits, too_long = 0, len(oom.message)
+    while too_long - fits > 1:
+        keep = (fits + too_long) // 2
+        if len(cut(keep)) <= TERMINATION_LINE_CHARS:
+            fits = keep
+        else:
+            too_long = keep
+    return cut(fits)
 
 
 def record_exit_code(code: int) -> None:
