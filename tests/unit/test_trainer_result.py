@@ -116,7 +116,8 @@ def test_the_final_status_takes_the_trainers_numbers_not_the_last_scrape() -> No
     """Metrics were last read at step 22 (loss 6.2106); the trainer's own last step says
     6.1787: the status ends with that."""
     status = running(22, 6.2106)
-    progress.complete(status, T0 + timedelta(minutes=5), FINISHED)
+    progress.record_result(status, FINISHED)
+    progress.complete(status, T0 + timedelta(minutes=5))
     done = status.progress
     assert done is not None and (done.step, done.total_steps, done.percent) == (40, 40, 100)
     assert done.loss == 6.1787 and done.eval_loss == 6.3
@@ -131,6 +132,7 @@ def test_the_final_status_takes_the_trainers_numbers_not_the_last_scrape() -> No
 def test_a_run_too_short_to_scrape_still_gets_its_numbers() -> None:
     status = running(0, 0.0)
     status.progress = None
-    progress.complete(status, T0, FINISHED)
+    progress.record_result(status, FINISHED)
+    progress.complete(status, T0)
     assert status.progress is not None and status.progress.loss == 6.1787
     assert (status.progress.step, status.progress.percent) == (40, 100)

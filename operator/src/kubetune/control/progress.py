@@ -145,17 +145,14 @@ def read_metrics(
     return None
 
 
-def complete(status: FineTuneJobStatus, now: datetime, result: TrainerResult | None = None) -> None:
+def complete(status: FineTuneJobStatus, now: datetime) -> None:
     """Progress at 100 % and the last step's checkpoint, once the trainer exited 0.
 
     The trainer exits 0 only after it checkpointed the last step (its contract); the last
     metrics read may have come before that checkpoint. A run that stopped early
     (status.earlyStopped) checkpointed the step it stopped at, and its progress stays there.
-    With the trainer's result (`pods.trainer_result`), its own numbers of the last step
-    replace the last ones scraped: the total steps, the training and evaluation loss.
+    The loss is the last one read, or the trainer's own if `record_result` took its result.
     """
-    if result is not None:
-        _final_numbers(status, result)
     total = (status.progress or status.plan or ProgressStatus()).total_steps
     stopped = status.early_stopped
     last = stopped.step if stopped is not None else total
@@ -178,8 +175,11 @@ def complete(status: FineTuneJobStatus, now: datetime, result: TrainerResult | N
             progress.summary += f" early stopped, best step {stopped.best_step}"
 
 
-def _final_numbers(status: FineTuneJobStatus, result: TrainerResult) -> None:
-    """The trainer's final numbers into status.progress (made if no metrics were read)."""
+def record_result(status: FineTuneJobStatus, result: TrainerResult) -> None:
+    """The finished trainer's own numbers (`pods.trainer_result`) into status.progress,
+    over the last ones its metrics gave (read every few seconds, they may be steps behind):
+    the total steps, the training loss of its last step, the last evaluation's loss.
+    Progress is made if no metrics were ever read."""
     progress = status.progress or ProgressStatus(
         total_steps=status.plan.total_steps if status.plan else 0
     )
