@@ -251,10 +251,12 @@ def make_model(out: Path, model: str) -> Path:
 
 
 def trainer_config(work: Path, model_dir: Path, data: Path, case: str, steps: int) -> Path:
+    from kubetune_trainer.contract import CONTRACT_VERSION
+
     c = CASES[case]
     method, micro = c.method, c.micro_batch
     cfg = {
-        "contract_version": 1,
+        "contract_version": CONTRACT_VERSION,
         "job": {"name": case},
         "method": method,
         "model": {"source": str(model_dir)},

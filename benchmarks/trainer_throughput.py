@@ -59,8 +59,10 @@ TRAIN = {
 
 
 def trainer_config(work: Path, model: Path, data: Path, steps: int, packing: bool) -> Path:
+    from kubetune_trainer.contract import CONTRACT_VERSION
+
     cfg = {
-        "contract_version": 1,
+        "contract_version": CONTRACT_VERSION,
         "job": {"name": "bench"},
         "method": "lora",
         "model": {"source": str(model)},

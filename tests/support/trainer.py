@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kubetune_trainer.contract import CONTRACT_VERSION
+
 TINY_TIMEOUT_S = 240
 
 
@@ -26,7 +28,7 @@ def trainer_config(
 ) -> dict[str, Any]:
     """A small, fast config: fp32, 8 steps, sequence 128, checkpoints under tmp."""
     base: dict[str, Any] = {
-        "contract_version": 1,
+        "contract_version": CONTRACT_VERSION,
         "job": {"name": "test", "namespace": "default", "uid": "u1"},
         "method": method,
         "model": {"source": str(model), "kind": "path"},
@@ -74,6 +76,13 @@ def load_config(cfg: dict[str, Any]) -> Any:
     from kubetune_trainer.contract import TrainerConfig
 
     return TrainerConfig.model_validate(cfg)
+
+
+def trainer_results(path: Path) -> list[Any]:
+    """The `TrainerResult`s in a termination-message file, one per line of JSON."""
+    from kubetune_trainer.contract import TrainerResult
+
+    return [TrainerResult.model_validate_json(x) for x in path.read_text().splitlines() if x]
 
 
 def checkpoint_names(folder: Path) -> list[str]:

@@ -111,7 +111,7 @@ def test_a_preempted_run_resumes_step_exactly(
     resumed run follows the uninterrupted curve; the gradient norm is reported although
     nothing is clipped."""
     from kubetune_trainer.contract import EXIT_PREEMPTED
-    from kubetune_trainer.recipe import FineTuneRecipe
+    from kubetune_trainer.recipe import SftRecipe
 
     whole = _config(tmp_path / "whole", tiny_llama, alpaca_data)
     assert main(["--config", str(write_config(tmp_path / "whole", whole))]) == EXIT_OK
@@ -119,10 +119,10 @@ def test_a_preempted_run_resumes_step_exactly(
     steps = read_log(tmp_path / "whole" / "metrics.jsonl", "step")
     assert all(math.isfinite(s["grad_norm"]) and s["grad_norm"] > 0 for s in steps)
 
-    forward = FineTuneRecipe._forward_loss
+    forward = SftRecipe._forward_loss
     calls = [0]
 
-    def signalled(self: FineTuneRecipe, batch: Any) -> torch.Tensor:
+    def signalled(self: SftRecipe, batch: Any) -> torch.Tensor:
         if self.model.training:
             calls[0] += 1
             if calls[0] == 5:
@@ -132,7 +132,7 @@ def test_a_preempted_run_resumes_step_exactly(
     split = _config(tmp_path / "split", tiny_llama, alpaca_data)
     path = write_config(tmp_path / "split", split)
     with monkeypatch.context() as m:
-        m.setattr(FineTuneRecipe, "_forward_loss", signalled)
+        m.setattr(SftRecipe, "_forward_loss", signalled)
         assert main(["--config", str(path)]) == EXIT_PREEMPTED
     assert main(["--config", str(path)]) == EXIT_OK
     start = read_log(tmp_path / "split" / "metrics.jsonl", "start")

@@ -36,7 +36,7 @@ from kubetune_trainer.checkpoint import (
 )
 from kubetune_trainer.contract import EXIT_CHECKPOINT_FAILED, EXIT_OK, EXIT_PREEMPTED
 from kubetune_trainer.distributed import DistEnv
-from kubetune_trainer.recipe import FineTuneRecipe
+from kubetune_trainer.recipe import SftRecipe
 from support.trainer import checkpoint_names, read_log, step_losses, trainer_config, write_config
 
 pytestmark = pytest.mark.trainer
@@ -54,17 +54,17 @@ def run_main(tmp: Path, cfg: dict[str, Any], monkeypatch: pytest.MonkeyPatch) ->
 
 def signal_at_forward(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
     """SIGTERM to this process during the n-th training micro-batch forward."""
-    original = FineTuneRecipe._forward_loss
+    original = SftRecipe._forward_loss
     calls = {"n": 0}
 
-    def forward(self: FineTuneRecipe, batch: Any) -> torch.Tensor:
+    def forward(self: SftRecipe, batch: Any) -> torch.Tensor:
         if self.model.training:
             calls["n"] += 1
             if calls["n"] == n:
                 os.kill(os.getpid(), signal.SIGTERM)
         return original(self, batch)
 
-    monkeypatch.setattr(FineTuneRecipe, "_forward_loss", forward)
+    monkeypatch.setattr(SftRecipe, "_forward_loss", forward)
 
 
 def names(folder: Path) -> list[str]:

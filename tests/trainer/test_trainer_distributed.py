@@ -43,6 +43,7 @@ from support.trainer import (  # noqa: E402
     read_log,
     step_losses,
     trainer_config,
+    trainer_results,
     worker_env,
     write_config,
 )
@@ -263,7 +264,9 @@ def test_launcher_reports_oom_and_config_errors(
         write_config(tmp_path / "oom", cfg), nproc=2, KUBETUNE_TERMINATION_LOG=str(term)
     )
     assert proc.returncode == EXIT_OOM, proc.stderr[-3000:]
-    assert "peak_gib=" in term.read_text()
+    results = trainer_results(term)  # one per rank that ran out
+    assert results and all(r.out_of_memory and r.out_of_memory.peak_gib > 0 for r in results)
+    assert {r.out_of_memory.rank for r in results if r.out_of_memory} <= {0, 1}
     assert (tmp_path / "oom" / "ckpt").exists() is False or not checkpoint_names(
         tmp_path / "oom" / "ckpt"
     )

@@ -31,7 +31,7 @@ from kubetune_trainer.data import (
 )
 from kubetune_trainer.dpo import dpo_loss
 from kubetune_trainer.errors import DataError
-from kubetune_trainer.recipe import FineTuneRecipe
+from kubetune_trainer.recipe import DpoRecipe
 from kubetune_trainer.tiny import make_preference_records, make_records, write_jsonl
 from support.trainer import (
     checkpoint_names,
@@ -224,7 +224,7 @@ def test_loss_rewards_and_gradients_equal_trl(
         },
         metrics={"port": -1},
     )
-    recipe = FineTuneRecipe(load_config(cfg))
+    recipe = DpoRecipe(load_config(cfg))
     recipe.setup()
     try:
         # Move the policy away from the reference, so the log-ratios are not all zero.
@@ -322,7 +322,7 @@ def test_dpo_trains_and_held_out_reward_accuracy_rises(
         training={"max_steps": 12, "total_steps": 12, "learning_rate": lr, "precision": precision},
         checkpoint={"interval_steps": 2},
     )
-    recipe = FineTuneRecipe(load_config(cfg))
+    recipe = DpoRecipe(load_config(cfg))
     recipe.setup()
     try:
         recipe.evaluate()  # before the first step: policy = reference, every reward is 0
@@ -353,7 +353,7 @@ def test_dpo_trains_and_held_out_reward_accuracy_rises(
     assert "kubetune_trainer_dpo_reward_accuracy" in text
 
 
-def _scrape(recipe: FineTuneRecipe) -> str:
+def _scrape(recipe: DpoRecipe) -> str:
     from prometheus_client import generate_latest
 
     return generate_latest(recipe.metrics.registry).decode()
@@ -361,17 +361,17 @@ def _scrape(recipe: FineTuneRecipe) -> str:
 
 def _signal_at_policy_forward(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
     """A real SIGTERM during the n-th training micro-batch's policy forward."""
-    original = FineTuneRecipe._policy_logps
+    original = DpoRecipe._policy_logps
     calls = {"n": 0}
 
-    def forward(self: FineTuneRecipe, batch: Any) -> torch.Tensor:
+    def forward(self: DpoRecipe, batch: Any) -> torch.Tensor:
         if self.model.training:
             calls["n"] += 1
             if calls["n"] == n:
                 os.kill(os.getpid(), signal.SIGTERM)
         return original(self, batch)
 
-    monkeypatch.setattr(FineTuneRecipe, "_policy_logps", forward)
+    monkeypatch.setattr(DpoRecipe, "_policy_logps", forward)
 
 
 @pytest.mark.parametrize("method", ["lora", "full"])

@@ -31,9 +31,16 @@ from kubetune_trainer.contract import (
     EarlyStoppingConfig,
 )
 from kubetune_trainer.early_stopping import EarlyStopping
-from kubetune_trainer.recipe import FineTuneRecipe
+from kubetune_trainer.recipe import SftRecipe
 from kubetune_trainer.tiny import make_preference_records, write_jsonl
-from support.trainer import checkpoint_names, read_log, step_losses, trainer_config, write_config
+from support.trainer import (
+    checkpoint_names,
+    read_log,
+    step_losses,
+    trainer_config,
+    trainer_results,
+    write_config,
+)
 
 pytestmark = pytest.mark.trainer
 
@@ -149,8 +156,13 @@ def test_plateau_stops_and_exports_the_best_steps_adapter(
     (event,) = read_log(tmp_path / "metrics.jsonl", EARLY_STOPPED)
     assert event["stopped_at_step"] == 6 and event["best_step"] == 2
     assert event["early_stopped"] == 1.0
-    message = (tmp_path / "termination-log").read_text().strip()
-    assert message.startswith(f"{EARLY_STOPPED} step=6 best_step=2 metric=eval_loss value=")
+    (result,) = trainer_results(tmp_path / "termination-log")
+    stopped = result.early_stopping
+    assert result.outcome == EARLY_STOPPED and (result.step, result.total_steps) == (6, 10)
+    assert stopped is not None and stopped.stopped_early and stopped.best_step == 2
+    assert stopped.metric == "eval_loss" and stopped.best_value == es["best_value"]
+    assert stopped.patience == 2 and stopped.evaluations_without_improvement == 2
+    assert result.loss == summary["loss"] == step_losses(tmp_path / "metrics.jsonl")[6]
 
 
 def test_full_fine_tune_exports_the_best_steps_model(
@@ -189,8 +201,10 @@ def test_improving_run_is_not_stopped_and_exports_its_best_step(
         adapter_tensors(tmp_path / "out" / "adapter"),
         checkpoint_model(tmp_path / "ckpt" / f"step-{best}"),
     )
-    message = (tmp_path / "termination-log").read_text().strip()
-    assert message.startswith(f"completed step=6 best_step={best} ")
+    (result,) = trainer_results(tmp_path / "termination-log")
+    assert result.outcome == "completed" and result.step == 6
+    assert result.early_stopping is not None and not result.early_stopping.stopped_early
+    assert result.early_stopping.best_step == best
 
 
 def test_resume_keeps_the_counters_and_stops_where_an_uninterrupted_run_does(
@@ -203,17 +217,17 @@ def test_resume_keeps_the_counters_and_stops_where_an_uninterrupted_run_does(
     assert run_main(tmp_path / "a", a, monkeypatch) == EXIT_OK
 
     b = es_config(tmp_path / "b", tiny_llama, alpaca_data)
-    original = FineTuneRecipe._forward_loss
+    original = SftRecipe._forward_loss
     calls = {"n": 0}
 
-    def forward(self: FineTuneRecipe, batch: Any) -> torch.Tensor:
+    def forward(self: SftRecipe, batch: Any) -> torch.Tensor:
         if self.model.training:
             calls["n"] += 1
             if calls["n"] == 2 * 4 + 1:  # the first micro-batch of step 5
                 os.kill(os.getpid(), signal.SIGTERM)
         return original(self, batch)
 
-    monkeypatch.setattr(FineTuneRecipe, "_forward_loss", forward)
+    monkeypatch.setattr(SftRecipe, "_forward_loss", forward)
     assert run_main(tmp_path / "b", b, monkeypatch) == EXIT_PREEMPTED
     monkeypatch.undo()
     ckpt = tmp_path / "b" / "ckpt"
@@ -318,5 +332,6 @@ def test_two_fsdp_processes_export_the_best_step(
     exported = load_file(str(tmp_path / "out" / "model" / "model.safetensors"))
     assert_same(exported, checkpoint_model(tmp_path / "ckpt" / "step-2"))
     assert differs(exported, checkpoint_model(tmp_path / "ckpt" / "step-6"))
-    lines = (tmp_path / "termination-log").read_text().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"{EARLY_STOPPED} step=6 best_step=2 ")
+    (result,) = trainer_results(tmp_path / "termination-log")
+    assert result.outcome == EARLY_STOPPED and result.step == 6
+    assert result.early_stopping is not None and result.early_stopping.best_step == 2

@@ -18,13 +18,19 @@ import huggingface_hub.errors as hf_errors
 import torch
 
 from kubetune_trainer import hub
-from kubetune_trainer import recipe as recipe_module
-from kubetune_trainer.__main__ import main
-from kubetune_trainer.contract import EXIT_CHECKPOINT_FAILED, EXIT_CONFIG_ERROR, EXIT_OOM
+from kubetune_trainer.__main__ import TERMINATION_LINE_CHARS, main, result_line
+from kubetune_trainer.checkpoint import Checkpointer
+from kubetune_trainer.contract import (
+    EXIT_CHECKPOINT_FAILED,
+    EXIT_CONFIG_ERROR,
+    EXIT_OOM,
+    OutOfMemoryResult,
+    TrainerResult,
+)
 from kubetune_trainer.data import read_records
 from kubetune_trainer.errors import ConfigError, HubUnavailable
-from kubetune_trainer.recipe import FineTuneRecipe, is_out_of_memory
-from support.trainer import read_log, trainer_config, write_config
+from kubetune_trainer.recipe import FineTuneRecipe, SftRecipe, faults, is_out_of_memory, loop
+from support.trainer import read_log, trainer_config, trainer_results, write_config
 
 pytestmark = pytest.mark.trainer
 
@@ -83,14 +89,12 @@ def test_out_of_memory_in_any_phase_exits_43_naming_it(
 ) -> None:
     oom = torch.OutOfMemoryError(CUDA_OOM)
     if phase == "load":
-        monkeypatch.setattr(recipe_module, "build_model", raises(oom))
+        monkeypatch.setattr(loop, "build_model", raises(oom))
     elif phase == "eval":
-        monkeypatch.setattr(FineTuneRecipe, "_eval_sums", raises(oom))
+        monkeypatch.setattr(SftRecipe, "_eval_sums", raises(oom))
     elif phase == "save":
         # As torch reports some allocator failures: a RuntimeError that says so.
-        monkeypatch.setattr(
-            recipe_module.Checkpointer, "save", raises(RuntimeError("CUDA error: out of memory"))
-        )
+        monkeypatch.setattr(Checkpointer, "save", raises(RuntimeError("CUDA error: out of memory")))
     else:
         monkeypatch.setattr(FineTuneRecipe, "_save_output", raises(oom))
     cfg = trainer_config(
@@ -102,10 +106,11 @@ def test_out_of_memory_in_any_phase_exits_43_naming_it(
         dataset={"validation_split": 0.2},
     )
     assert run_main(tmp_path, cfg, monkeypatch) == EXIT_OOM
-    message = termination_message(tmp_path)
-    assert message.startswith("oom peak_gib=")
-    assert f"phase={phase} " in message
-    assert f"out of GPU memory while {words}" in message
+    (result,) = trainer_results(tmp_path / "termination-log")
+    oom = result.out_of_memory
+    assert result.outcome == "out_of_memory" and oom is not None
+    assert oom.phase == phase and oom.peak_gib > 0 and oom.rank == 0
+    assert f"out of GPU memory while {words}" in oom.message
     if phase != "load":  # metrics start after the model is built
         (event,) = read_log(tmp_path / "metrics.jsonl", "oom")
         assert event["phase"] == phase
@@ -130,8 +135,10 @@ def test_the_phase_fault_runs_out_of_memory_where_it_says(
         faults={"oom_in_phase": phase},
     )
     assert run_main(tmp_path, cfg, monkeypatch) == EXIT_OOM
-    message = termination_message(tmp_path)
-    assert f"phase={phase} " in message and f"faults.oom_in_phase={phase}" in message
+    (result,) = trainer_results(tmp_path / "termination-log")
+    oom = result.out_of_memory
+    assert oom is not None and oom.phase == phase
+    assert f"faults.oom_in_phase={phase}" in oom.message
 
 
 def test_the_disk_full_fault_fails_that_save_and_keeps_the_one_before(
@@ -324,9 +331,7 @@ def test_a_crash_writes_its_error_into_the_termination_message(
     tmp_path: Path, tiny_llama: Path, alpaca_data: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     long = "x" * 5000
-    monkeypatch.setattr(
-        recipe_module, "build_model", raises(KeyError(f"model.layers.0.mlp.up_proj {long}"))
-    )
+    monkeypatch.setattr(loop, "build_model", raises(KeyError(f"model.layers.0.mlp.up_proj {long}")))
     cfg = trainer_config(tmp_path, tiny_llama, alpaca_data, "lora")
     assert run_main(tmp_path, cfg, monkeypatch) == 1
     message = termination_message(tmp_path)
@@ -340,15 +345,27 @@ def test_the_host_memory_fault_never_allocates_without_a_limit(
     """`faults.host_memory_at_step` must not take a shared machine's memory: without a cgroup
     limit to reach (the local pod runner, this test) it does nothing, and it fires once."""
     memory_max, v1_limit = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
-    monkeypatch.setattr(recipe_module, "CGROUP_MEMORY_LIMITS", (memory_max, v1_limit))
+    monkeypatch.setattr(faults, "CGROUP_MEMORY_LIMITS", (memory_max, v1_limit))
     for path, unlimited in ((memory_max, "max"), (v1_limit, str(2**63 - 4096))):
         path.write_text(f"{unlimited}\n")
-        recipe_module._exhaust_host_memory_once(tmp_path, 5)
+        faults._exhaust_host_memory_once(tmp_path, 5)
         assert not (tmp_path / ".faults").exists()
         path.unlink()
-    recipe_module._exhaust_host_memory_once(tmp_path, 5)  # no cgroup files at all
+    faults._exhaust_host_memory_once(tmp_path, 5)  # no cgroup files at all
     assert not (tmp_path / ".faults").exists()
     memory_max.write_text(f"{64 << 20}\n")  # small: twice that is allocated, then let go
-    recipe_module._exhaust_host_memory_once(tmp_path, 5)
+    faults._exhaust_host_memory_once(tmp_path, 5)
     assert (tmp_path / ".faults" / "host-memory-before-step-5").exists()
-    recipe_module._exhaust_host_memory_once(tmp_path, 5)  # fired already: returns at once
+    faults._exhaust_host_memory_once(tmp_path, 5)  # fired already: returns at once
+
+
+def test_an_out_of_memory_result_is_cut_to_one_whole_line() -> None:
+    """However long (and full of characters JSON escapes) the error, the termination
+    message gets the result whole: its message is shortened, not the JSON."""
+    oom = OutOfMemoryResult(peak_gib=71.25, step=3, rank=0, phase="eval", message='"\\' * 900)
+    result = TrainerResult(outcome="out_of_memory", step=2, out_of_memory=oom)
+    line = result_line(result)
+    assert len(line) <= TERMINATION_LINE_CHARS
+    back = TrainerResult.model_validate_json(line)
+    assert back.out_of_memory is not None and back.out_of_memory.peak_gib == 71.25
+    assert back.out_of_memory.message and oom.message.startswith(back.out_of_memory.message)

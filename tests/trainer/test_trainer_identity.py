@@ -73,7 +73,7 @@ def saved_identity(path: Path) -> dict[str, Any]:
 
 
 def recipe_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "kubetune_trainer.recipe"]
+    return [r.getMessage() for r in caplog.records if r.name.startswith("kubetune_trainer.recipe")]
 
 
 def strip_identity(path: Path) -> None:

@@ -30,13 +30,14 @@ from kubetune_trainer.contract import (
     EXIT_PREEMPTED,
     EXIT_STOPPED,
 )
-from kubetune_trainer.recipe import FineTuneRecipe
+from kubetune_trainer.recipe import SftRecipe, recipe_for
 from support.trainer import (
     checkpoint_names,
     load_config,
     read_log,
     step_losses,
     trainer_config,
+    trainer_results,
     worker_env,
     write_config,
 )
@@ -58,17 +59,17 @@ def run_main(tmp: Path, cfg: dict[str, Any], monkeypatch: pytest.MonkeyPatch | N
 
 def signal_at_forward(monkeypatch: pytest.MonkeyPatch, n: int, sig: int = signal.SIGTERM) -> None:
     """Deliver a real signal to this process during the n-th micro-batch forward."""
-    original = FineTuneRecipe._forward_loss
+    original = SftRecipe._forward_loss
     calls = {"n": 0}
 
-    def forward(self: FineTuneRecipe, batch: Any) -> torch.Tensor:
+    def forward(self: SftRecipe, batch: Any) -> torch.Tensor:
         if self.model.training:
             calls["n"] += 1
             if calls["n"] == n:
                 os.kill(os.getpid(), sig)
         return original(self, batch)
 
-    monkeypatch.setattr(FineTuneRecipe, "_forward_loss", forward)
+    monkeypatch.setattr(SftRecipe, "_forward_loss", forward)
 
 
 # ------------------------------------------------------------------ methods
@@ -111,6 +112,12 @@ def test_each_method_trains_and_exports(
     out = tmp_path / "out"
     summary = json.loads((out / "trainer_summary.json").read_text())
     assert summary["step"] == 8 and summary["method"] == method
+    # The result the operator reads: the trainer's own numbers of its last step.
+    (result,) = trainer_results(tmp_path / "termination-log")
+    assert result.outcome == "completed" and result.early_stopping is None
+    assert (result.step, result.total_steps) == (8, 8)
+    assert result.loss == losses[8] == summary["loss"]
+    assert result.tokens_seen == summary["tokens_seen"] > 0
     if method == "full":
         trained = AutoModelForCausalLM.from_pretrained(str(out / "model"))
         base = AutoModelForCausalLM.from_pretrained(str(model_dir))
@@ -466,11 +473,13 @@ def test_simulated_oom_exits_43_with_peak_memory(
 ) -> None:
     cfg = trainer_config(tmp_path, tiny_llama, alpaca_data, "lora", faults={"oom_at_step": 3})
     assert run_main(tmp_path, cfg, monkeypatch) == EXIT_OOM
-    message = (tmp_path / "termination-log").read_text()
-    assert message.startswith("oom peak_gib=")
-    peak = float(message.split("peak_gib=")[1].split()[0])
-    assert peak > 0
-    assert "step=3" in message
+    (result,) = trainer_results(tmp_path / "termination-log")
+    oom = result.out_of_memory
+    assert result.outcome == "out_of_memory" and oom is not None
+    assert oom.peak_gib > 0 and oom.step == 3 and oom.phase == "train"
+    assert "step 3, rank 0" in oom.message
+    # Two steps finished before the one that ran out.
+    assert (result.step, result.total_steps) == (2, 8) and result.tokens_seen
     assert read_log(tmp_path / "metrics.jsonl", "oom")
 
 
@@ -527,7 +536,7 @@ def test_metrics_endpoint_and_json_log(
         dataset={"validation_split": 0.1},
         training={"max_steps": 4},
     )
-    recipe = FineTuneRecipe(load_config(cfg))
+    recipe = recipe_for(load_config(cfg))
     try:
         recipe.setup()
         recipe.train()

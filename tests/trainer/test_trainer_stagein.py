@@ -39,6 +39,7 @@ from huggingface_hub import HfApi
 
 from kubetune_trainer import hub as hub_module
 from kubetune_trainer.contract import (
+    CONTRACT_VERSION,
     EXIT_CONFIG_ERROR,
     STAGE_IN_METRICS,
     StageInConfig,
@@ -78,7 +79,7 @@ def stagein_config(
     tmp: Path, model: dict[str, Any], dataset: dict[str, Any], **extra: Any
 ) -> dict[str, Any]:
     cfg: dict[str, Any] = {
-        "contract_version": 1,
+        "contract_version": CONTRACT_VERSION,
         "job": {"name": "tune", "namespace": "default", "uid": "u1"},
         "model": model,
         "dataset": {"format": "alpaca", "validation_split": VALIDATION_SPLIT, **dataset},

@@ -36,6 +36,7 @@ pytest.importorskip("boto3", reason="the stage-out needs boto3 (the trainer extr
 from kubetune_dev.cluster import free_port
 from kubetune_trainer import hub as hub_module
 from kubetune_trainer.contract import (
+    CONTRACT_VERSION,
     EXIT_CONFIG_ERROR,
     UPLOAD_MANIFEST,
     StageOutResult,
@@ -110,7 +111,7 @@ def tree(folder: Path) -> dict[str, bytes]:
 
 def stageout_config(source: Path, prefix: str, **extra: Any) -> dict[str, Any]:
     cfg: dict[str, Any] = {
-        "contract_version": 1,
+        "contract_version": CONTRACT_VERSION,
         "job": {"name": "tune", "namespace": "team-a", "uid": "uid-1"},
         "source_dir": str(source),
         "destination": f"s3://{BUCKET}/{prefix}",

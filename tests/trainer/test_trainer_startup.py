@@ -13,7 +13,7 @@ pytestmark = pytest.mark.trainer
 
 PROBE = """
 import json, os, sys
-from kubetune_trainer.modeling import import_bitsandbytes
+from kubetune_trainer.bnb import import_bitsandbytes
 bnb = import_bitsandbytes()
 again = import_bitsandbytes()
 import peft  # imports bitsandbytes itself where it is installed

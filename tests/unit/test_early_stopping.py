@@ -22,7 +22,13 @@ from kubetune.control.build.config import build_trainer_config
 from kubetune.control.build.storage import checkpoint_size
 from kubetune.control.reconcile import Observed
 from kubetune.planning.catalog import default_pools
-from kubetune_trainer.contract import EARLY_STOPPED, EarlyStoppingConfig, StageOutResult
+from kubetune_trainer.contract import (
+    EARLY_STOPPED,
+    EarlyStoppingConfig,
+    EarlyStoppingResult,
+    StageOutResult,
+    TrainerResult,
+)
 from support.reconcile import (
     SETTINGS,
     T0,
@@ -261,3 +267,34 @@ def test_early_stopping_is_recorded_before_the_upload_and_kept_after_the_pods_ar
     cond = c.get_condition(s.conditions, ConditionType.SUCCEEDED)
     assert cond is not None and cond.reason == Reason.EARLY_STOPPED
     assert Reason.EARLY_STOPPED in [e.reason for e in d.events]
+
+
+def test_a_result_that_stopped_early_succeeds_as_the_words_did() -> None:
+    """A contract 2 trainer's `TrainerResult` ends the job EarlyStopped as a version 1
+    trainer's `early_stopped ...` line does."""
+    result = TrainerResult(
+        outcome=EARLY_STOPPED,
+        step=120,
+        total_steps=400,
+        loss=1.61803,
+        tokens_seen=1000,
+        early_stopping=EarlyStoppingResult(
+            stopped_early=True,
+            best_step=80,
+            metric="eval_loss",
+            best_value=1.23456789,
+            patience=3,
+            evaluations_without_improvement=3,
+        ),
+    )
+    ends = []
+    for message in (result.model_dump_json(), STOPPED):
+        job, _ = run(make_job(dataset=DATASET, training={"earlyStopping": {}}))
+        pods = [succeeded_pod("demo-a1-0", message)]
+        job, _ = run(job, observed(batch_job("Complete"), pods), now=T0 + timedelta(minutes=5))
+        s = job.status
+        assert s is not None and s.phase == "Succeeded"
+        cond = c.get_condition(s.conditions, ConditionType.SUCCEEDED)
+        assert cond is not None and cond.reason == Reason.EARLY_STOPPED
+        ends.append((s.early_stopped, s.message, s.checkpoint))
+    assert ends[0] == ends[1]

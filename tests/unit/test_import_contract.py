@@ -74,7 +74,8 @@ BREAKS = [
     ("kubetune/cli/follow.py", "from kubetune.controller import kube", "cli-views-pure"),
     ("kubetune/planning/arch.py", "import urllib.request", "pure-core"),
     ("kubetune/control/progress.py", "import kopf", "pure-core"),
-    ("kubetune_trainer/recipe.py", "import kopf", "trainer-knows-no-kubernetes"),
+    ("kubetune_trainer/recipe/__init__.py", "import kopf", "trainer-knows-no-kubernetes"),
+    ("kubetune_trainer/loss.py", "import kubetune_trainer.modeling", "trainer-acyclic"),
     (
         "kubetune_trainer/data/records.py",
         "from kubetune.api import v1alpha1",

@@ -13,7 +13,12 @@ from kubetune.control import pods as p
 from kubetune.control.conditions import get_condition
 from kubetune.control.reconcile import Decision, Observed
 from kubetune.planning.catalog import default_pools
-from kubetune_trainer.contract import EXIT_CONFIG_ERROR, EXIT_OOM
+from kubetune_trainer.contract import (
+    EXIT_CONFIG_ERROR,
+    EXIT_OOM,
+    OutOfMemoryResult,
+    TrainerResult,
+)
 from support.reconcile import T0, batch_job, make_job, observed, pod, run
 
 pytestmark = pytest.mark.unit
@@ -180,3 +185,32 @@ def test_the_oom_recovery_names_the_phase() -> None:
     (rec,) = s.recoveries
     assert rec.reason == "OOM" and "ran out of memory while evaluating; re-planned" in rec.message
     assert s.plan.message is not None and s.plan.message.endswith("while evaluating")
+
+
+def test_an_out_of_memory_result_re_plans_as_the_words_of_version_1_did() -> None:
+    """A contract 2 trainer leaves its out-of-memory details as a `TrainerResult`; the re-plan
+    takes the same peak and phase from it as from a version 1 trainer's words."""
+    oom = OutOfMemoryResult(
+        peak_gib=70.2,
+        step=120,
+        rank=3,
+        phase="eval",
+        message="out of GPU memory while evaluating (step 120, rank 3): CUDA out of memory",
+    )
+    result = TrainerResult(outcome="out_of_memory", step=119, total_steps=400, out_of_memory=oom)
+    words = "oom peak_gib=70.2 step=120 rank=3 phase=eval out of GPU memory while evaluating"
+    end = p.trainer_exit([pod("demo-a1-0", EXIT_OOM, msg=result.model_dump_json() + "\n")])
+    assert end.result == result and end.code == EXIT_OOM
+    assert (end.oom_peak_gib, end.oom_while) == (70.2, "evaluating")
+    assert (p.peak_gib(end.detail), p.oom_phase(end.detail)) == (70.2, "evaluating")
+    old = p.trainer_exit([pod("demo-a1-0", EXIT_OOM, msg=words)])
+    assert old.result is None and (old.oom_peak_gib, old.oom_while) == (70.2, "evaluating")
+
+    plans = []
+    for msg in (result.model_dump_json(), words):
+        job, _ = run(make_job())
+        failed = observed(batch_job("Failed"), [pod("demo-a1-0", EXIT_OOM, msg=msg)])
+        job, _ = run(job, failed, now=T0 + timedelta(minutes=3))
+        assert job.status is not None and job.status.plan is not None
+        plans.append(job.status.plan.model_dump(exclude={"created_at"}))
+    assert plans[0] == plans[1] and plans[0]["message"].endswith("while evaluating")

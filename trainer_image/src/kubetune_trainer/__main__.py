@@ -1,11 +1,10 @@
 """Entry point: `python -m kubetune_trainer --config FILE` (or `$KUBETUNE_CONFIG`).
 
 Exit codes (`contract.EXIT_*`): 0 done; 2 bad config or data; 42 preempted, checkpoint
-written; 43 out of memory, `peak_gib=<float>` in the termination message; 44 stop requested,
-checkpoint written; 45 a checkpoint could not be written or none can be loaded,
-`checkpoint_failed <message>` in the termination message; anything else is a crash. With
-early stopping on, rank 0 leaves `early_stopped step=... best_step=...` (patience ran out)
-or `completed step=... best_step=...` in the termination message of its exit 0.
+written; 43 out of memory; 44 stop requested, checkpoint written; 45 a checkpoint could not be
+written or none can be loaded, `checkpoint_failed <message>` in the termination message;
+anything else is a crash. On exit 0 rank 0, and on exit 43 each rank that ran out of memory,
+leaves the run's `contract.TrainerResult` in the termination message, one line of JSON.
 """
 
 from __future__ import annotations
@@ -20,9 +19,12 @@ import traceback
 import warnings
 from pathlib import Path
 
-from kubetune_trainer.contract import EXIT_CONFIG_ERROR, EXIT_OK
+from kubetune_trainer.contract import EXIT_CONFIG_ERROR, EXIT_OK, TrainerResult
 
 TERMINATION_LOG = "/dev/termination-log"
+TERMINATION_LINE_CHARS = 1000
+"""A line written to the termination message is cut to this (the kubelet keeps 4096 bytes
+of the file, every rank of the pod writes to it)."""
 CRASH_MESSAGE_CHARS = 300
 """A crash's message is cut to this in the termination message: the file holds every rank's
 line, and the operator shows its last 500 characters."""
@@ -51,7 +53,29 @@ def write_termination_message(message: str) -> None:
     if path is None:
         return
     with contextlib.suppress(OSError), path.open("a") as fh:
-        fh.write(message.strip()[:1000] + "\n")
+        fh.write(message.strip()[:TERMINATION_LINE_CHARS] + "\n")
+
+
+def result_line(result: TrainerResult) -> str:
+    """`result` as one line of JSON short enough to be written whole: an out-of-memory
+    error's message is cut to the longest start that fits."""
+    line = result.model_dump_json()
+    oom = result.out_of_memory
+    if len(line) <= TERMINATION_LINE_CHARS or oom is None:
+        return line
+
+    def cut(keep: int) -> str:
+        short = oom.model_copy(update={"message": oom.message[:keep]})
+        return result.model_copy(update={"out_of_memory": short}).model_dump_json()
+
+    fits, too_long = 0, len(oom.message)
+    while too_long - fits > 1:
+        keep = (fits + too_long) // 2
+        if len(cut(keep)) <= TERMINATION_LINE_CHARS:
+            fits = keep
+        else:
+            too_long = keep
+    return cut(fits)
 
 
 def record_exit_code(code: int) -> None:
@@ -139,9 +163,7 @@ def _run(config_path: str | None) -> int:
         result = run(cfg)
     except OutOfMemory as e:
         log.error("%s", e)
-        write_termination_message(
-            f"oom peak_gib={e.peak_gib:.3f} step={e.step} rank={_rank()} phase={e.phase} {e}"
-        )
+        write_termination_message(result_line(e.result))
         return e.exit_code
     except ConfigError as e:
         log.error("%s", e)
@@ -161,10 +183,10 @@ def _run(config_path: str | None) -> int:
         traceback.print_exc()
         write_termination_message(crash_message(e))
         return 1
-    said = result.termination_message()
-    if said is not None and _rank() == 0:
-        # The operator reads it from the pod: the job ends EarlyStopped instead of Completed.
-        write_termination_message(said)
+    if _rank() == 0:
+        # The operator reads it from the pod: the final numbers, and EarlyStopped instead of
+        # Completed when early stopping ended the run.
+        write_termination_message(result_line(result.result()))
     log.info(
         "done: step %d/%d loss %.4f, %d tokens in %.1fs; output in %s",
         result.step,

@@ -6,7 +6,8 @@ does no I/O, so the operator's pure core can import it without torch, and the tr
 Kubernetes.
 
 Bump `CONTRACT_VERSION` on any incompatible change; the trainer refuses versions it does
-not know with a message that names both.
+not know with a message that names both. The results the pods leave in their termination
+messages (`TrainerResult`, `StageInResult`, `StageOutResult`, `ExportResult`) are part of it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
-CONTRACT_VERSION = 1
+CONTRACT_VERSION = 2
+"""2: the trainer's result is a `TrainerResult` (JSON) in its termination message, where 1
+wrote `key=value` words (`early_stopped step=...`, `oom peak_gib=...`); the operator still
+reads those from pods of version 1 trainers."""
 
 # The words operator and trainer share. The operator's API (kubetune.api.v1alpha1), its
 # estimator, planner and CLI import these; nothing defines them a second time.
@@ -61,7 +65,8 @@ OBJECTIVES: tuple[Objective, ...] = get_args(Objective)
 EARLY_STOPPING_METRICS: tuple[EarlyStoppingMetric, ...] = get_args(EarlyStoppingMetric)
 HIGHER_IS_BETTER: frozenset[EarlyStoppingMetric] = frozenset({"eval_reward_accuracy"})
 EARLY_STOPPED = "early_stopped"
-"""First word of the trainer's termination message when it stopped early and exited 0:
+"""The outcome of a run that early stopping ended before its last step (`TrainerResult`);
+version 1 trainers began their termination message with it:
 `early_stopped step=<N> best_step=<M> metric=<name> value=<float> patience=<P>`."""
 
 # Checkpoints: the trainer writes `<checkpoint.dir>/step-<N>/` by renaming a finished
@@ -353,6 +358,61 @@ class TrainerConfig(_Strict):
 
     def to_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True)
+
+
+TrainerOutcome = Literal["completed", "early_stopped", "out_of_memory"]
+"""How a trainer run ended, in its result: it trained to its last step, or early stopping
+ended it sooner (both exit 0), or it ran out of GPU memory (exit 43)."""
+
+
+class EarlyStoppingResult(_Strict):
+    """How early stopping ended a run that had it on."""
+
+    stopped_early: bool = Field(description="Patience ran out before the last step.")
+    best_step: int = Field(description="The best evaluation's step: the output's weights.")
+    metric: EarlyStoppingMetric
+    best_value: float | None = Field(description="The metric at best_step.")
+    patience: int | None = None
+    evaluations_without_improvement: int | None = None
+
+
+class OutOfMemoryResult(_Strict):
+    """Where a rank ran out of GPU memory, and the most memory the run had taken."""
+
+    peak_gib: float = Field(
+        description="The most GPU memory the run had reserved, GiB (on CPU: peak RSS)."
+    )
+    step: int = Field(description="The step it ran out at (while training: the one in flight).")
+    rank: int
+    phase: str | None = Field(description="What it was doing: a key of OOM_PHASES.")
+    message: str = Field(description="The error, in words, on one line.")
+
+
+class TrainerResult(_Strict):
+    """What a trainer run ended with, as one line of JSON in its termination message: rank
+    0's on exit 0, each rank's that ran out of memory on exit 43 (docs/trainer.md). The
+    operator takes a finished job's final numbers from it, and an out-of-memory re-plan's
+    peak and phase. The other exits leave their reason and fix in words instead."""
+
+    contract_version: int = CONTRACT_VERSION
+    outcome: TrainerOutcome
+    step: int = Field(description="Optimizer steps finished.")
+    total_steps: int | None = Field(
+        default=None, description="Optimizer steps planned (unknown before the data is read)."
+    )
+    loss: float | None = Field(
+        default=None,
+        description="The training loss of the last finished step, as the trainer "
+        "computed it (None before the first).",
+    )
+    eval_loss: float | None = Field(default=None, description="The last evaluation's loss.")
+    tokens_seen: int | None = Field(default=None, description="Tokens trained on, all ranks.")
+    early_stopping: EarlyStoppingResult | None = Field(
+        default=None, description="With early stopping on: how it ended."
+    )
+    out_of_memory: OutOfMemoryResult | None = Field(
+        default=None, description="Outcome out_of_memory: where and how much."
+    )
 
 
 class StageInConfig(_Strict):

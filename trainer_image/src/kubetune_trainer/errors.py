@@ -12,6 +12,7 @@ from kubetune_trainer.contract import (
     EXIT_OOM,
     EXIT_PREEMPTED,
     EXIT_STOPPED,
+    TrainerResult,
 )
 
 
@@ -52,21 +53,24 @@ class CheckpointFailed(TrainerExit):
 
 
 class OutOfMemory(TrainerExit):
-    """The accelerator ran out of memory; `peak_bytes` is the most the run had reserved."""
+    """The accelerator ran out of memory. `result` is what the rank leaves in its termination
+    message: where it ran out (`out_of_memory`: step, phase, the most memory the run had
+    reserved) and how far the run had come."""
 
     exit_code = EXIT_OOM
 
-    def __init__(self, message: str, *, peak_bytes: int, step: int, phase: str = "train") -> None:
+    def __init__(self, message: str, result: TrainerResult) -> None:
         super().__init__(message)
-        self.peak_bytes = peak_bytes
-        self.step = step
-        self.phase = phase  # a key of `contract.OOM_PHASES`
-
-    @property
-    def peak_gib(self) -> float:
-        return self.peak_bytes / 2**30
+        self.result = result
 
 
 class HubUnavailable(TrainerExit):
     """The hub could not be reached, or answered with a server error, after a few tries;
     a restart may find it well again (exit 1)."""
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an error's message (its type's name when it has none), for a
+    message that must stay on one line."""
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kubetune_trainer.attention import DocumentBounds
+from kubetune_trainer.bnb import import_bitsandbytes
 from kubetune_trainer.contract import loss_chunk_tokens
 from kubetune_trainer.data import IGNORE_INDEX
 
@@ -197,8 +198,6 @@ def fused_kernel() -> Any:
     """Liger's fused linear cross-entropy Function; `ChunkedLossUnsupported` when liger-kernel
     is not installed."""
     # liger-kernel imports peft, which imports bitsandbytes: import that the trainer's way.
-    from kubetune_trainer.modeling import import_bitsandbytes
-
     with contextlib.suppress(ImportError):  # not installed: peft does without it
         import_bitsandbytes()
     try:

@@ -18,10 +18,8 @@ so every rank loads the 4-bit model itself; at a quarter of bf16 that is the che
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kubetune_trainer import attention
+from kubetune_trainer.bnb import import_bitsandbytes
 from kubetune_trainer.contract import TrainerConfig, peak_bf16_tflops
 from kubetune_trainer.distributed import DistEnv, barrier
 from kubetune_trainer.errors import ConfigError
@@ -145,27 +144,6 @@ def load_tokenizer(cfg: TrainerConfig) -> Any:
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
-
-
-def import_bitsandbytes() -> Any:
-    """bitsandbytes, imported without compiling its CPU fallback kernels.
-
-    Its import wraps those kernels in `torch.compile`, and that imports TorchInductor: about
-    2.5 s of every trainer process's start on this project's 2-core test machine (4.2 s → 1.8 s
-    for the import). With TorchDynamo off while it imports, the wrappers are plain functions and
-    the kernels run eagerly; on a GPU bitsandbytes runs its CUDA kernels, not these. Call it
-    before anything that imports bitsandbytes (peft does, transformers' 4-bit loader does)."""
-    if "bitsandbytes" not in sys.modules:
-        saved = os.environ.get("TORCHDYNAMO_DISABLE")
-        os.environ["TORCHDYNAMO_DISABLE"] = "1"
-        try:
-            importlib.import_module("bitsandbytes")
-        finally:
-            if saved is None:
-                del os.environ["TORCHDYNAMO_DISABLE"]
-            else:
-                os.environ["TORCHDYNAMO_DISABLE"] = saved
-    return sys.modules["bitsandbytes"]
 
 
 def _param_dtype(precision: str) -> torch.dtype:

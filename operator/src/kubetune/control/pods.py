@@ -2,8 +2,10 @@
 
 The reconcile logic asks these questions of the objects the controller observed: did the
 batch Job finish or fail, how did the trainer exit (the contract's exit codes, and the
-termination message), was a pod preempted, has a pending pod been unschedulable, does its
-trainer container run or why not, and which pods of this attempt ended since the last look.
+termination message: the trainer's `TrainerResult` as JSON, or its reason in words), what
+did the finished trainer report (`trainer_result`), was a pod preempted, has a pending pod
+been unschedulable, does its trainer container run or why not, and which pods of this
+attempt ended since the last look.
 Everything here reads plain dicts in the Kubernetes wire format and returns named values.
 """
 
@@ -26,6 +28,8 @@ from kubetune_trainer.contract import (
     EXIT_PREEMPTED,
     EXIT_STOPPED,
     OOM_PHASES,
+    EarlyStoppingResult,
+    TrainerResult,
 )
 
 TRAINER_CONTAINER = "trainer"
@@ -122,11 +126,31 @@ def _trainer_terminations(
 @dataclass(frozen=True)
 class TrainerExit:
     """How the trainer ended: its exit code (None when none was recorded), the tail of its
-    termination message, and the runtime's reason (`Error`, `OOMKilled`, ...)."""
+    termination message (a result's in words, as version 1 trainers wrote it: `oom
+    peak_gib=... step=... rank=... phase=... <message>`), the runtime's reason (`Error`,
+    `OOMKilled`, ...) and the `TrainerResult` it left (contract 2: on out of GPU memory)."""
 
     code: int | None
     detail: str
     reason: str = ""
+    result: TrainerResult | None = None
+
+    @property
+    def oom_peak_gib(self) -> float | None:
+        """The most GPU memory the run had reserved, from its result or a version 1
+        trainer's words; None when it did not say."""
+        oom = self.result.out_of_memory if self.result is not None else None
+        return oom.peak_gib if oom is not None else peak_gib(self.detail)
+
+    @property
+    def oom_while(self) -> str | None:
+        """What the trainer was doing when it ran out of GPU memory, in words
+        (`evaluating`), from its result or a version 1 trainer's words; None when it did
+        not say."""
+        oom = self.result.out_of_memory if self.result is not None else None
+        if oom is None:
+            return oom_phase(self.detail)
+        return OOM_PHASES.get(oom.phase) if oom.phase else None
 
     @property
     def host_oom(self) -> bool:
@@ -155,8 +179,10 @@ def trainer_exit(pods: Sequence[Mapping[str, Any]]) -> TrainerExit:
                 # What the trainer logged last means little after the kernel killed it.
                 seen.append(TrainerExit(int(code), HOST_OOM_ADVICE, reason))
                 continue
-            detail = (term.get("message") or reason).strip()
-            seen.append(TrainerExit(int(code), detail[-500:], reason))
+            message = str(term.get("message") or "")
+            result = parse_trainer_result(message)
+            detail = (_in_words(result) if result is not None else message or reason).strip()
+            seen.append(TrainerExit(int(code), detail[-500:], reason, result))
     for wanted in _TELLING_EXITS:
         for found in seen:
             if found.code == wanted:
@@ -192,33 +218,94 @@ def step_end(pods: Sequence[Mapping[str, Any]], kind: StepKind) -> StepEnd:
     return StepEnd(None if code is None else int(code), message.strip())
 
 
-def early_stopped(pods: Sequence[Mapping[str, Any]]) -> EarlyStoppedStatus | None:
-    """How early stopping ended the run, from the trainer's termination message on exit 0
-    (rank 0's pod: `early_stopped step=N best_step=M metric=... value=... patience=P`);
-    None when no pod says it stopped early."""
+def trainer_result(pods: Sequence[Mapping[str, Any]]) -> TrainerResult | None:
+    """What the trainer that finished reported: the `TrainerResult` in rank 0's termination
+    message on exit 0 (its final step, total steps, loss and tokens, and how early stopping
+    ended). A version 1 trainer wrote `early_stopped step=N best_step=M ...` or `completed
+    step=N ...` instead, with early stopping on only; that is read into the same type, without
+    the numbers it did not give. None when no pod exited 0 with one."""
     for pod in pods:
         for term in _trainer_terminations(pod):
             if term.get("exitCode") != 0:
                 continue
-            for line in str(term.get("message") or "").splitlines():
-                words = line.split()
-                if not words or words[0] != EARLY_STOPPED:
-                    continue
-                fields = dict(w.split("=", 1) for w in words[1:] if "=" in w)
-                try:
-                    value = float(fields["value"]) if "value" in fields else None
-                    return EarlyStoppedStatus.model_validate(
-                        {
-                            "step": int(fields["step"]),
-                            "bestStep": int(fields["best_step"]),
-                            "metric": fields.get("metric", "eval_loss"),
-                            "value": None if value is None or value != value else round(value, 6),
-                            "patience": int(fields["patience"]) if "patience" in fields else None,
-                        }
-                    )
-                except (KeyError, ValueError):
-                    continue
+            result = parse_trainer_result(str(term.get("message") or ""))
+            if result is not None:
+                return result
     return None
+
+
+def parse_trainer_result(message: str) -> TrainerResult | None:
+    """The `TrainerResult` in a trainer's termination message: the last line that is one
+    (several ranks of a pod may each write one), else a version 1 trainer's early-stopping
+    line; None when there is neither. A line the kubelet cut short is skipped."""
+    lines = message.splitlines()
+    for line in reversed(lines):
+        if line.startswith("{"):
+            try:
+                return TrainerResult.model_validate_json(line)
+            except ValueError:  # pydantic's ValidationError, for bad JSON too
+                continue
+    for line in lines:
+        result = _version_1_result(line)
+        if result is not None:
+            return result
+    return None
+
+
+def _version_1_result(line: str) -> TrainerResult | None:
+    """A version 1 trainer's `early_stopped step=N best_step=M metric=... value=...
+    patience=P evaluations_without_improvement=E` (or `completed ...`) line as a result."""
+    words = line.split()
+    if not words or words[0] not in (EARLY_STOPPED, "completed"):
+        return None
+    fields = dict(w.split("=", 1) for w in words[1:] if "=" in w)
+    try:
+        value = float(fields["value"]) if "value" in fields else None
+        waited = fields.get("evaluations_without_improvement")
+        return TrainerResult(
+            outcome=EARLY_STOPPED if words[0] == EARLY_STOPPED else "completed",
+            step=int(fields["step"]),
+            early_stopping=EarlyStoppingResult.model_validate(
+                {
+                    "stopped_early": words[0] == EARLY_STOPPED,
+                    "best_step": int(fields["best_step"]),
+                    "metric": fields.get("metric", "eval_loss"),
+                    "best_value": value,
+                    "patience": int(fields["patience"]) if "patience" in fields else None,
+                    "evaluations_without_improvement": None if waited is None else int(waited),
+                }
+            ),
+        )
+    except (KeyError, ValueError):  # ValueError: pydantic's ValidationError too
+        return None
+
+
+def _in_words(result: TrainerResult) -> str:
+    """A result as a version 1 trainer wrote it in words, for what reads the words."""
+    oom = result.out_of_memory
+    if oom is None:
+        return f"{result.outcome} step={result.step}"
+    phase = f" phase={oom.phase}" if oom.phase else ""
+    return f"oom peak_gib={oom.peak_gib:.3f} step={oom.step} rank={oom.rank}{phase} {oom.message}"
+
+
+def early_stopped(pods: Sequence[Mapping[str, Any]]) -> EarlyStoppedStatus | None:
+    """How early stopping ended the run (`trainer_result`); None when no pod says it
+    stopped early."""
+    result = trainer_result(pods)
+    es = result.early_stopping if result is not None else None
+    if result is None or result.outcome != EARLY_STOPPED or es is None:
+        return None
+    value = es.best_value
+    return EarlyStoppedStatus.model_validate(
+        {
+            "step": result.step,
+            "bestStep": es.best_step,
+            "metric": es.metric,
+            "value": None if value is None or value != value else round(value, 6),
+            "patience": es.patience,
+        }
+    )
 
 
 def oom_phase(detail: str) -> str | None:

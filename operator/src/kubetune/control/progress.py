@@ -21,7 +21,7 @@ from kubetune.api.v1alpha1 import (
 )
 from kubetune.control.conditions import now_rfc3339
 from kubetune.control.pods import parse_time
-from kubetune_trainer.contract import checkpoint_dir_name
+from kubetune_trainer.contract import TrainerResult, checkpoint_dir_name
 
 DPO_PROGRESS = (
     "dpo_reward_accuracy",
@@ -151,6 +151,7 @@ def complete(status: FineTuneJobStatus, now: datetime) -> None:
     The trainer exits 0 only after it checkpointed the last step (its contract); the last
     metrics read may have come before that checkpoint. A run that stopped early
     (status.earlyStopped) checkpointed the step it stopped at, and its progress stays there.
+    The loss is the last one read, or the trainer's own if `record_result` took its result.
     """
     total = (status.progress or status.plan or ProgressStatus()).total_steps
     stopped = status.early_stopped
@@ -172,3 +173,20 @@ def complete(status: FineTuneJobStatus, now: datetime) -> None:
         progress.summary = _summary(progress)
         if stopped is not None:
             progress.summary += f" early stopped, best step {stopped.best_step}"
+
+
+def record_result(status: FineTuneJobStatus, result: TrainerResult) -> None:
+    """The finished trainer's own numbers (`pods.trainer_result`) into status.progress,
+    over the last ones its metrics gave (read every few seconds, they may be steps behind):
+    the total steps, the training loss of its last step, the last evaluation's loss.
+    Progress is made if no metrics were ever read."""
+    progress = status.progress or ProgressStatus(
+        total_steps=status.plan.total_steps if status.plan else 0
+    )
+    if result.total_steps:
+        progress.total_steps = result.total_steps
+    if result.loss is not None and math.isfinite(result.loss):
+        progress.loss = round(result.loss, 4)
+    if result.eval_loss is not None and math.isfinite(result.eval_loss):
+        progress.eval_loss = round(result.eval_loss, 4)
+    status.progress = progress
