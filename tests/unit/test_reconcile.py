@@ -24,6 +24,7 @@ from kubetune.control.build.storage import checkpoint_size
 from kubetune.control.reconcile import PHASE_HANDLERS, Decision, Observed, reconcile
 from kubetune.planning.arch import ArchitectureError
 from kubetune.planning.catalog import default_pools
+from kubetune_trainer.contract import TrainerResult
 from support.reconcile import (
     SETTINGS,
     T0,
@@ -133,6 +134,25 @@ def test_success_then_ttl_cleanup() -> None:
     assert d.requeue_after == 60 and not d.delete_self
     _, d = run(job, observed(batch_job("Complete")), now=T0 + timedelta(minutes=7))
     assert d.delete_self
+
+
+def test_the_final_status_takes_the_trainers_own_numbers_not_the_last_scrape() -> None:
+    """The last metrics read may be steps behind; the trainer's result (rank 0's termination
+    message on exit 0) says where it really ended."""
+    job, _ = run(make_job())
+    scraped = {"step": 22.0, "total_steps": 40.0, "loss": 6.2106}
+    running = Observed(
+        pools=default_pools(), batch_job=batch_job(active=1), trainer_metrics=scraped
+    )
+    job, _ = run(job, running, now=T0 + timedelta(minutes=2))
+    assert job.status is not None and job.status.progress is not None
+    assert job.status.progress.loss == 6.2106
+    result = TrainerResult(outcome="completed", step=40, total_steps=40, loss=6.17867)
+    done = pod("demo-a1-0", exit_code=0, msg=result.model_dump_json())
+    job, _ = run(job, observed(batch_job("Complete"), [done]), now=T0 + timedelta(minutes=3))
+    s = job.status
+    assert s is not None and s.phase == Phase.SUCCEEDED and s.progress is not None
+    assert (s.progress.step, s.progress.total_steps, s.progress.loss) == (40, 40, 6.1787)
 
 
 def test_suspend_stops_the_trainer_and_resume_relaunches() -> None:

@@ -73,7 +73,10 @@ def follow_attempt(ctx: Context) -> None:
     job_status = job.get("status") or {}
     if p.job_succeeded(job_status):
         # Read while the trainer's pods are certain to be there (export and upload
-        # steps may run long).
+        # steps may run long): its own final numbers, over the last ones scraped.
+        result = p.trainer_result(ctx.observed.pods)
+        if result is not None:
+            progress.record_result(ctx.s, result)
         ctx.s.early_stopped = ctx.s.early_stopped or p.early_stopped(ctx.observed.pods)
         if not exporting(ctx) and not staging_out(ctx):
             _succeed(ctx)
