@@ -133,3 +133,20 @@ def test_a_named_architecture_wins_over_the_upstreams() -> None:
     assert not isinstance(taken, str)
     assert chained(job, taken).spec.model.architecture == "Qwen/Qwen2.5-7B"
     assert chained(job, taken).spec.model.uri == "pvc://sft-ckpt/output/merged"
+
+
+def test_the_upstreams_model_is_where_its_output_went() -> None:
+    """A `pvc://` or `s3://` output holds the upstream's model; an output.uri that is a hub
+    id, `hf://` or a path means the checkpoint volume's `output/`, where the trainer wrote it
+    (and a URI that is a model URI, which the output's with `/merged` added would not be)."""
+    for out, model_uri in [
+        ("pvc://models/sft-v1/", "pvc://models/sft-v1/merged"),
+        ("s3://results/run", "s3://results/run/merged"),
+        ("org/out", "pvc://sft-ckpt/output/merged"),
+        ("hf://org/out", "pvc://sft-ckpt/output/merged"),
+        ("/models/out", "pvc://sft-ckpt/output/merged"),
+    ]:
+        taken = upstream_result(upstream("Succeeded", output={"uri": out, "mergeAdapter": True}))
+        assert not isinstance(taken, str) and taken.model_uri == model_uri, out
+        job = chained(downstream(), taken)
+        assert job.spec.model.model_validate(job.spec.model.model_dump()).uri == model_uri

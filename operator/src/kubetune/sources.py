@@ -25,9 +25,9 @@ from kubetune.planning.arch import (
     arch_from_hf_config,
     find_known_model,
     known_in_volume_path,
-    split_hub_reference,
     suggestions,
 )
+from kubetune_trainer.uris import Form, Uri, UriError, parse_uri, scheme_form, split_hub_reference
 
 __all__ = ["HF_ENDPOINT", "MAX_CONFIG_BYTES", "load_arch", "load_config_file"]
 
@@ -138,25 +138,34 @@ def _looks_like_path(model: str) -> bool:
     return model.startswith(("/", "./", "../", "~")) or model.endswith(".json")
 
 
-def _from_volume_uri(model: str, pvc_root: str | os.PathLike[str] | None) -> ModelArch:
-    scheme, _, rest = model.partition("://")
-    claim, _, sub = rest.partition("/")
-    if scheme == "pvc" and pvc_root is not None and claim:
-        candidate = Path(pvc_root) / claim / sub
+def _uri(text: str) -> Uri | None:
+    """`text` parsed where its scheme is a volume's or a local file's (in any case); None for
+    anything else (an id, a path, a hub URL). `gs://`, which nothing fetches, is refused."""
+    try:
+        if scheme_form(text) not in (Form.PVC, Form.S3, Form.FILE):
+            return None
+        return parse_uri(text, field="the model", any_case=True)
+    except UriError as exc:
+        raise ArchitectureError(str(exc)) from None
+
+
+def _from_volume_uri(model: str, uri: Uri, pvc_root: str | os.PathLike[str] | None) -> ModelArch:
+    if uri.form is Form.PVC and uri.claim is not None and pvc_root is not None:
+        candidate = Path(pvc_root) / uri.claim / uri.path
         if (candidate / "config.json").is_file() or (
             candidate.is_file() and candidate.suffix == ".json"
         ):
             cfg = load_config_file(candidate)
             return arch_from_hf_config(cfg, model, source=str(candidate))
     # The path often ends in the model's name (pvc://models/Llama-3.1-8B): try the table.
-    known = known_in_volume_path(model)
+    known = known_in_volume_path(uri.path, model)
     if known is not None:
         return known
     raise ArchitectureError(
         f"cannot read the architecture of {model} at plan time: the operator does not mount "
-        f"{scheme}:// volumes. To fix: set spec.model.architecture to a known model id with "
-        "the same architecture (e.g. `meta-llama/Llama-3.1-8B`), or name the model directory "
-        "after a known model id."
+        f"{uri.form.prefix} volumes. To fix: set spec.model.architecture to a known model id "
+        "with the same architecture (e.g. `meta-llama/Llama-3.1-8B`), or name the model "
+        "directory after a known model id."
     )
 
 
@@ -174,7 +183,8 @@ def load_arch(
 
     ``model`` may be a built-in id (case-insensitive, with or without the org prefix, e.g.
     ``meta-llama/Llama-3.1-8B`` or ``llama-3.1-8b``), ``hf://org/name[@revision]``, a local
-    ``config.json`` or a directory containing one, or ``pvc://claim/path`` / ``s3://...``.  A
+    ``config.json`` or a directory containing one, or ``pvc://claim/path`` / ``s3://...``
+    (``gs://`` is refused with what to use instead: nothing fetches from it).  A
     hub id that is not in the table is fetched from the hub only when ``allow_network`` is set.
     ``pvc_root`` is a directory where claims are mounted as ``<pvc_root>/<claim>``.
     ``local_files=False`` refuses local paths: the operator plans jobs whose paths exist in
@@ -184,19 +194,19 @@ def load_arch(
     if not text:
         raise ArchitectureError(f"no model given. {FIX_UNKNOWN}")
 
-    lowered = text.lower()
-    if lowered.startswith(("pvc://", "s3://", "gs://")):
-        return _from_volume_uri(text, pvc_root)
+    uri = _uri(text)
+    if uri is not None and uri.form in (Form.PVC, Form.S3):
+        return _from_volume_uri(text, uri, pvc_root)
 
-    local = lowered.startswith("file://") or _looks_like_path(text)
+    local = (uri is not None and uri.form is Form.FILE) or _looks_like_path(text)
     if local and not local_files:
         raise ArchitectureError(
             f"{text[:200]!r} is a path inside the trainer's pods, which the operator cannot "
             "read at plan time. To fix: set spec.model.architecture to a known model id "
             "(`kubetune estimate --list-models`) with the same architecture."
         )
-    if lowered.startswith("file://"):
-        return _from_path(text[len("file://") :], text)
+    if uri is not None and uri.form is Form.FILE:
+        return _from_path(uri.path, text)
     if _looks_like_path(text) or (
         local_files and os.path.exists(text) and find_known_model(text) is None
     ):

@@ -28,6 +28,15 @@ from kubetune_trainer.contract import (
 )
 from kubetune_trainer.contract import EarlyStoppingMetric as StoppingMetric
 from kubetune_trainer.contract import Objective as TrainingObjective
+from kubetune_trainer.uris import (
+    DATASET_FORMS,
+    MODEL_FORMS,
+    NOT_SPACE,
+    OUTPUT_FORMS,
+    Form,
+    parse_uri,
+    uri_pattern,
+)
 
 GROUP = "kubetune.io"
 VERSION = "v1alpha1"
@@ -41,15 +50,11 @@ RetentionPolicy = Literal["retain", "delete"]
 
 DURATION_PATTERN = r"^([0-9]+(\.[0-9]+)?(h|m|s))+$"
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
-# "Not whitespace" spelled out: the apiserver (Go RE2) and pydantic (Python re) must agree,
-# and `\S` means ASCII whitespace only in RE2 but any Unicode whitespace in Python.
-_NOT_SPACE = r"[^\t\n\f\r ]"
-URI_PATTERN = rf"^((hf|pvc|s3)://{_NOT_SPACE}+|[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?|/{_NOT_SPACE}*)$"
-DATASET_URI_PATTERN = URI_PATTERN.replace("(hf|pvc|s3)://", "(hf|pvc|s3|https)://")
-MODEL_URI_PATTERN = URI_PATTERN.replace("(hf|pvc|s3)://", "(hf|pvc|s3|ftj)://")
-"""Models may also be another FineTuneJob's result: `ftj://<name>` in the same namespace."""
-CHAIN_SCHEME = "ftj://"
-"""Datasets may also be a file served over https (fetched by the stage-in step)."""
+# The URI fields' patterns, composed of the forms `kubetune_trainer.uris` defines and parses,
+# so that the apiserver (Go RE2), pydantic and the operator and trainer agree.
+URI_PATTERN = uri_pattern(OUTPUT_FORMS)
+DATASET_URI_PATTERN = uri_pattern(DATASET_FORMS)
+MODEL_URI_PATTERN = uri_pattern(MODEL_FORMS)
 DPO_NEEDS_OBJECTIVE = (
     "spec.training.dpo is only valid with spec.training.objective: dpo. To fix: set the "
     "objective to dpo, or remove spec.training.dpo"
@@ -79,6 +84,14 @@ class _Model(BaseModel):
     def to_wire(self) -> dict[str, Any]:
         """The camelCase JSON form, without unset optional fields."""
         return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+def _checked_uri(value: Any, forms: tuple[Form, ...], field: str) -> Any:
+    """A URI field's text, or the parser's error (what is wrong, "To fix:") before pydantic's
+    pattern check says only that it does not match; both accept the same texts."""
+    if isinstance(value, str):
+        parse_uri(value, forms, field=field)
+    return value
 
 
 def _cel(rule: str, message: str) -> dict[str, Any]:
@@ -117,7 +130,8 @@ class ModelSource(_Model):
             "model cache by the stage-in step; spec.s3 says how to reach the store), or "
             "`ftj://<name>`: the whole model another FineTuneJob of this namespace produces "
             "(full fine-tuning, or LoRA with output.mergeAdapter); this job waits until that "
-            "one Succeeded."
+            "one Succeeded. `gs://` is not supported: use `s3://` with GCS's S3-compatible "
+            "endpoint, or `pvc://`."
         ),
         pattern=MODEL_URI_PATTERN,
         max_length=512,
@@ -137,6 +151,11 @@ class ModelSource(_Model):
         ),
     )
 
+    @field_validator("uri", mode="before")
+    @classmethod
+    def _model_uri(cls, value: Any) -> Any:
+        return _checked_uri(value, MODEL_FORMS, "spec.model.uri")
+
 
 class DatasetSource(_Model):
     uri: str = Field(
@@ -144,7 +163,8 @@ class DatasetSource(_Model):
             "Training data: a JSONL/JSON/Parquet file or directory as `pvc://<claim>/<path>`, "
             "`s3://bucket/key-or-prefix` or `https://host/path/file.jsonl` (fetched, checked "
             "and measured by the stage-in step), a local path inside the trainer image, or a "
-            "`datasets` hub id (fetched by the stage-in step too)."
+            "`datasets` hub id (fetched by the stage-in step too). `gs://` is not supported: "
+            "use `s3://` with GCS's S3-compatible endpoint, or `pvc://`."
         ),
         pattern=DATASET_URI_PATTERN,
         max_length=512,
@@ -190,6 +210,11 @@ class DatasetSource(_Model):
             "avgTokensPerExample for planning."
         ),
     )
+
+    @field_validator("uri", mode="before")
+    @classmethod
+    def _dataset_uri(cls, value: Any) -> Any:
+        return _checked_uri(value, DATASET_FORMS, "spec.dataset.uri")
 
 
 class LoraSettings(_Model):
@@ -558,6 +583,11 @@ class OutputSettings(_Model):
         ".gguf` (before the upload of an `s3://` output). LoRA/QLoRA need mergeAdapter: true.",
     )
 
+    @field_validator("uri", mode="before")
+    @classmethod
+    def _output_uri(cls, value: Any) -> Any:
+        return _checked_uri(value, OUTPUT_FORMS, "spec.output.uri")
+
 
 class RecoverySettings(_Model):
     max_oom_replans: int = Field(
@@ -612,7 +642,7 @@ class S3Settings(_Model):
     )
     endpoint: str | None = Field(
         default=None,
-        pattern=rf"^https?://[^\t\n\f\r /]+(/{_NOT_SPACE}*)?$",
+        pattern=rf"^https?://[^\t\n\f\r /]+(/{NOT_SPACE}*)?$",
         max_length=512,
         description="Endpoint of an S3-compatible store (MinIO, Ceph RGW, R2); unset: AWS.",
     )

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from kubetune.api.errors import KubetuneError
 from kubetune.api.hints import did_you_mean
 from kubetune.api.tenancy import Tenant
-from kubetune.api.v1alpha1 import CHAIN_SCHEME, FineTuneJob, GPUPool, Objective
+from kubetune.api.v1alpha1 import FineTuneJob, GPUPool, Objective
 from kubetune.cli.errors import Abort
 from kubetune.cli.views import dump, hours
 from kubetune.control.build.settings import BuildSettings
@@ -25,6 +25,7 @@ from kubetune.planning.catalog import default_pools
 from kubetune.planning.estimator import GIB, EstimatorError
 from kubetune.planning.planner import Plan, PlannerSettings, plan_job
 from kubetune.sources import load_arch
+from kubetune_trainer.uris import parse_uri
 
 
 def _load_yaml_docs(path: str) -> list[dict[str, Any]]:
@@ -88,11 +89,10 @@ def load_job(path: str, name: str | None = None) -> FineTuneJob:
             "To fix: pass --job NAME"
         )
     job = _validated_job(path, chosen)
-    uri = job.spec.model.uri
-    upstream = uri[len(CHAIN_SCHEME) :] if uri.startswith(CHAIN_SCHEME) else None
+    upstream = parse_uri(job.spec.model.uri).job
     if upstream in names and job.spec.model.architecture is None:
         before = _validated_job(path, docs[names.index(upstream)]).spec.model
-        known = before.architecture or (None if "://" in before.uri else before.uri)
+        known = before.architecture or (before.uri if parse_uri(before.uri).is_hub else None)
         model = job.spec.model.model_copy(update={"architecture": known})
         job = job.model_copy(update={"spec": job.spec.model_copy(update={"model": model})})
     return job

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kubetune.api.v1alpha1 import CHAIN_SCHEME, FineTuneJob
+from kubetune.api.v1alpha1 import FineTuneJob
 from kubetune.api.vocabulary import TERMINAL_PHASES, Phase
 from kubetune.control.build.storage import input_refs
 from kubetune.control.lifecycle import is_finished
@@ -27,6 +27,7 @@ from kubetune.control.reconcile import (
 from kubetune.controller.cache import JobKey
 from kubetune.controller.capacity_view import CapacityView
 from kubetune.controller.kube import Kube
+from kubetune_trainer.uris import parse_uri
 
 
 @dataclass(frozen=True)
@@ -82,11 +83,11 @@ class Observer:
     async def _upstream(self, job: FineTuneJob, observed: Observed) -> Observed:
         """The FineTuneJob an `ftj://` model comes from, until its result is taken."""
         upstream = job.status.upstream if job.status is not None else None
-        chain = job.spec.model.uri
+        chain = parse_uri(job.spec.model.uri).job
         finished = job.status is not None and is_finished(job.status)
-        if chain.startswith(CHAIN_SCHEME) and upstream is None and not finished:
+        if chain is not None and upstream is None and not finished:
             namespace = str(job.metadata.get("namespace"))
-            found = await self.kube.read_finetunejob(namespace, chain[len(CHAIN_SCHEME) :])
+            found = await self.kube.read_finetunejob(namespace, chain)
             if found is not None:
                 observed = replace(observed, upstream=found[0], upstream_read=True)
         return observed

@@ -48,7 +48,6 @@ __all__ = [
     "known_archs",
     "known_in_volume_path",
     "known_models",
-    "split_hub_reference",
     "suggestions",
 ]
 
@@ -710,30 +709,11 @@ def suggestions(model: str) -> str:
     return f" Did you mean: {', '.join(ids)}?"
 
 
-HUB_PREFIXES = ("hf://", "https://huggingface.co/", "http://huggingface.co/")
-
-
-def split_hub_reference(model: str) -> tuple[str, str | None]:
-    """``org/name`` and the revision of a hub reference (``hf://org/name@rev``, a URL, an id)."""
-    hub_id = model.strip()
-    lowered = hub_id.lower()
-    for prefix in HUB_PREFIXES:
-        if lowered.startswith(prefix):
-            hub_id = hub_id[len(prefix) :]
-            break
-    hub_id = hub_id.strip("/")
-    if "@" in hub_id:
-        base, rev = hub_id.split("@", 1)
-        return base, rev or None
-    return hub_id, None
-
-
-def known_in_volume_path(uri: str) -> ModelArch | None:
-    """The built-in architecture a volume path names, e.g. ``pvc://models/Llama-3.1-8B``."""
-    _, _, rest = uri.partition("://")
-    _, _, sub = rest.partition("/")
-    for part in reversed([p for p in sub.split("/") if p]):
+def known_in_volume_path(path: str, name: str) -> ModelArch | None:
+    """The built-in architecture a path on a volume names (``Llama-3.1-8B`` of
+    ``pvc://models/Llama-3.1-8B``: `path` is what follows the claim or bucket), called `name`."""
+    for part in reversed([p for p in path.split("/") if p]):
         arch = find_known_model(part)
         if arch is not None:
-            return replace(arch, name=uri)
+            return replace(arch, name=name)
     return None

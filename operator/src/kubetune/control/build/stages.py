@@ -39,6 +39,7 @@ from kubetune_trainer.contract import (
     StageInConfig,
     StageOutConfig,
 )
+from kubetune_trainer.uris import Form, parse_uri, pvc_uri
 
 # --------------------------------------------------------------------------- stage-in
 
@@ -128,7 +129,7 @@ def build_stage_in(
 def needs_stage_out(job: FineTuneJob) -> bool:
     """Whether the output goes to S3: a CPU-only stage-out step uploads it after training."""
     uri = job.spec.output.uri
-    return uri is not None and uri.startswith("s3://")
+    return uri is not None and parse_uri(uri).form is Form.S3
 
 
 def build_stage_out_config(job: FineTuneJob) -> StageOutConfig:
@@ -183,9 +184,9 @@ def gguf_uri(job: FineTuneJob) -> str:
     under `output/` of the checkpoint claim."""
     tail = f"{GGUF_DIR}/{gguf_file_name(job)}"
     uri = job.spec.output.uri
-    if uri is not None and uri.startswith("pvc://"):
+    if uri is not None and output_location(job) is not None:
         return f"{uri.rstrip('/')}/{tail}"
-    return f"pvc://{child_names(metadata(job)[0], 1).pvc}/output/{tail}"
+    return pvc_uri(child_names(metadata(job)[0], 1).pvc, f"output/{tail}")
 
 
 def build_export_config(job: FineTuneJob) -> ExportConfig:

@@ -25,6 +25,7 @@ from kubetune.control.build.names import child_names, dns_label, metadata, objec
 from kubetune.control.build.paths import PVC_ROOT
 from kubetune.control.build.settings import BuildSettings
 from kubetune_trainer.contract import GGUF_QUANTIZER_TYPES
+from kubetune_trainer.uris import Form, parse_uri
 
 _GIB = 1024**3
 CACHE_CLAIM = "kubetune-cache"
@@ -44,30 +45,35 @@ class Location:
 
 
 def locate(uri: str, *, split_revision: bool = False) -> Location:
-    """Where a model/dataset/output URI is inside the trainer pod."""
-    if uri.startswith("pvc://"):
-        claim, _, sub = uri[len("pvc://") :].partition("/")
-        sub = sub.strip("/")
+    """Where a model/dataset/output URI is inside the trainer pod. `split_revision`: a hub
+    id's `@<revision>` is the revision (models), not part of the id."""
+    parsed = parse_uri(uri)
+    if parsed.form is Form.PVC:
+        claim, sub = parsed.claim, parsed.path
         path = f"{PVC_ROOT}/{claim}/{sub}" if sub else f"{PVC_ROOT}/{claim}"
         return Location("path", path, claim=claim)
-    if uri.startswith("s3://"):
+    if parsed.form is Form.S3:
         return Location("s3", uri)
-    if uri.startswith(("https://", "http://")):
+    if parsed.form in (Form.HTTPS, Form.HTTP):
         return Location("https", uri)
-    if uri.startswith("/"):
+    if parsed.form is Form.PATH:
         return Location("path", uri)
-    hub_id = uri[len("hf://") :] if uri.startswith("hf://") else uri
-    hub_id = hub_id.strip("/")
-    revision = None
-    if split_revision and "@" in hub_id:
-        hub_id, _, rev = hub_id.partition("@")
-        revision = rev or None
-    return Location("hub", hub_id, revision=revision)
+    if parsed.is_hub and split_revision:
+        assert parsed.hub_id is not None
+        return Location("hub", parsed.hub_id, revision=parsed.revision)
+    if parsed.is_hub:
+        return Location("hub", parsed.path)
+    # An `ftj://` model before the upstream's result replaces it (`reconcile.upstream.chained`)
+    # counts as a hub model, as it always has: the stage-in decisions taken on the job before
+    # it is chained (`reconcile.stages.may_create_stage_in`) see it so.
+    return Location("hub", uri)
 
 
 def output_location(job: FineTuneJob) -> Location | None:
+    """Where a `pvc://` output is in the pods; None: the output goes to the checkpoint
+    volume's `output/` (and from there to an `s3://` output)."""
     uri = job.spec.output.uri
-    return locate(uri) if uri and uri.startswith("pvc://") else None
+    return locate(uri) if uri and parse_uri(uri).form is Form.PVC else None
 
 
 @dataclass(frozen=True)
@@ -94,7 +100,7 @@ def input_refs(job: FineTuneJob) -> list[InputRef]:
         ("spec.dataset.uri", spec.dataset.uri),
         ("spec.output.uri", spec.output.uri),
     ):
-        claim = locate(uri).claim if uri and uri.startswith("pvc://") else None
+        claim = locate(uri).claim if uri else None
         if claim is not None and claim not in seen:
             seen.add(claim)
             refs.append(InputRef("PersistentVolumeClaim", claim, field))

@@ -3,12 +3,13 @@ until that one succeeded, then trains on where its whole model is (status.upstre
 
 from __future__ import annotations
 
-from kubetune.api.v1alpha1 import CHAIN_SCHEME, FineTuneJob, FineTuneJobStatus, UpstreamStatus
+from kubetune.api.v1alpha1 import FineTuneJob, FineTuneJobStatus, UpstreamStatus
 from kubetune.api.vocabulary import ConditionType, Phase, Reason
 from kubetune.control import pods as p
 from kubetune.control.build.names import child_names
 from kubetune.control.conditions import get_condition
 from kubetune.control.reconcile.context import Context, measured_spec
+from kubetune_trainer.uris import Form, parse_uri, pvc_uri
 
 UPSTREAM_GRACE_SECONDS = 60.0
 """How long a job waits for an `ftj://` upstream that does not exist (both applied at once
@@ -21,9 +22,9 @@ def waiting_for_upstream(ctx: Context) -> bool:
     fails when the upstream failed, does not exist, or writes no whole model. True while
     it holds the job."""
     uri = ctx.raw_model_uri
-    if not uri.startswith(CHAIN_SCHEME) or ctx.s.upstream is not None:
+    name = parse_uri(uri).job
+    if name is None or ctx.s.upstream is not None:
         return False
-    name = uri[len(CHAIN_SCHEME) :]
     up = ctx.observed.upstream
     ctx.d.requeue_after = ctx.settings.queue_retry_seconds
     if up is None:
@@ -94,7 +95,8 @@ def upstream_result(up: FineTuneJob) -> UpstreamStatus | str:
         )
     folder = "model" if method == "full" else "merged"
     out = spec.output.uri
-    if out is not None:
+    # Only a `pvc://` or `s3://` output is elsewhere than the checkpoint volume's `output/`.
+    if out is not None and parse_uri(out).form in (Form.PVC, Form.S3):
         model_uri = f"{out.rstrip('/')}/{folder}"
     elif spec.checkpoint.storage.retention == "delete":
         return (
@@ -104,10 +106,10 @@ def upstream_result(up: FineTuneJob) -> UpstreamStatus | str:
             "again"
         )
     else:
-        model_uri = f"pvc://{child_names(name, 1).pvc}/output/{folder}"
+        model_uri = pvc_uri(child_names(name, 1).pvc, f"output/{folder}")
     base = spec.model.uri
     inherited = status.upstream.architecture if status.upstream is not None else None
-    hub_id = not base.startswith(("pvc://", "s3://", "/", CHAIN_SCHEME))
+    hub_id = parse_uri(base).is_hub
     return UpstreamStatus(
         name=name,
         uid=str(up.metadata.get("uid") or ""),
@@ -119,7 +121,7 @@ def upstream_result(up: FineTuneJob) -> UpstreamStatus | str:
 def chained(job: FineTuneJob, upstream: UpstreamStatus | None) -> FineTuneJob:
     """The job as the rest of the reconcile sees it: an `ftj://` model replaced by where the
     upstream's model is (and its architecture, unless the spec names one)."""
-    if upstream is None or not job.spec.model.uri.startswith(CHAIN_SCHEME):
+    if upstream is None or parse_uri(job.spec.model.uri).form is not Form.FTJ:
         return job
     model = job.spec.model.model_copy(
         update={

@@ -22,6 +22,7 @@ from kubetune_trainer.stagein.fetch.base import (
     prune,
     retrying,
 )
+from kubetune_trainer.uris import Form, UriError, parse_uri
 
 HTTP_TIMEOUT_S = 60.0
 
@@ -55,10 +56,11 @@ def classify_https(
 
 def fetch_https(uri: str, *, what: str, field: str, dest: Path, progress: Progress) -> Fetched:
     """Stream the file at `uri` into `dest/<its name>`."""
-    parsed = urllib.parse.urlsplit(uri)
+    try:
+        parsed = parse_uri(uri, (Form.HTTPS, Form.HTTP), field=field)
+    except UriError as e:
+        raise ConfigError(str(e)) from None
     name = urllib.parse.unquote(PurePosixPath(parsed.path).name)
-    if parsed.scheme not in ("https", "http") or not parsed.netloc:
-        raise ConfigError(f"{what} {uri}: not an https:// URL. To fix: correct {field}")
     if PurePosixPath(name).suffix not in SUFFIXES or name.startswith("."):
         raise ConfigError(
             f"{what} {uri}: the URL's path does not end in a data file name ({', '.join(SUFFIXES)})"

@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import os
 import socket
-import urllib.parse
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from kubetune_trainer.stagein.fetch.base import (
     prune,
     retrying,
 )
+from kubetune_trainer.uris import Form, UriError, parse_uri
 
 S3_MAX_ATTEMPTS = 5
 """botocore's own tries of one request (standard retry mode)."""
@@ -63,10 +63,14 @@ S3_TRANSIENT = frozenset(
 
 
 def parse_s3(uri: str, field: str) -> tuple[str, str]:
-    parsed = urllib.parse.urlsplit(uri)
-    if parsed.scheme != "s3" or not parsed.netloc:
-        raise ConfigError(f"{field} {uri}: not an s3://bucket/prefix URI. To fix: write it so")
-    return parsed.netloc, parsed.path.lstrip("/")
+    """The bucket and the key or prefix of an `s3://` URI; a ConfigError (the job's
+    mistake, not retried) when it is not one."""
+    try:
+        parsed = parse_uri(uri, (Form.S3,), field=field)
+    except UriError as e:
+        raise ConfigError(str(e)) from None
+    assert parsed.bucket is not None
+    return parsed.bucket, parsed.path
 
 
 def _s3_fix(bucket: str, may: str = "list and read") -> str:
