@@ -275,7 +275,8 @@ def test_a_result_that_stopped_early_succeeds_as_the_words_did() -> None:
     result = TrainerResult(
         outcome=EARLY_STOPPED,
         step=120,
-        total_steps=400,
+        # The planned total is the plan's (157 here); a result's total would override it.
+        total_steps=None,
         loss=1.61803,
         tokens_seen=1000,
         early_stopping=EarlyStoppingResult(
