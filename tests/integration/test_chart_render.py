@@ -8,7 +8,6 @@ fixture); the chart's files on their own are checked by tests/unit/test_chart.py
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -189,15 +188,17 @@ def test_default_render_is_a_standalone_cluster_wide_operator(helm: Helm) -> Non
 
 
 def test_every_operator_setting_reaches_the_container(helm: Helm) -> None:
-    """Each KUBETUNE_* variable the operator reads is set by the chart.
+    """Each KUBETUNE_* variable the settings table says the chart sets is in the rendered
+    Deployment's environment, and the chart sets no other (the table is what the operator
+    reads: tests/unit/test_settings_table.py). The Lease's namespace is the release's: the
+    operator reads it from POD_NAMESPACE, so the chart leaves KUBETUNE_LEASE_NAMESPACE out."""
+    from kubetune.controller.settings.table import SETTINGS
 
-    The Lease's namespace is the release's: the operator reads it from POD_NAMESPACE.
-    """
-    controller = ROOT / "operator/src/kubetune/controller"
-    for module, unset in (("settings.py", set()), ("leader.py", {"KUBETUNE_LEASE_NAMESPACE"})):
-        read = set(re.findall(r"KUBETUNE_[A-Z_]+", (controller / module).read_text()))
-        assert read, f"no settings found in {module}"
-        assert read - unset <= set(env_of(render(helm))), module
+    set_by_chart = {s.env for s in SETTINGS if s.values or s.chart}
+    assert "KUBETUNE_LEASE_NAMESPACE" not in set_by_chart
+    rendered = {name for name in env_of(render(helm)) if name.startswith("KUBETUNE_")}
+    assert set_by_chart <= rendered, set_by_chart - rendered
+    assert rendered <= {s.env for s in SETTINGS}, rendered - {s.env for s in SETTINGS}
 
 
 def test_non_default_values(helm: Helm, tmp_path: Path) -> None:
