@@ -65,6 +65,7 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.mark.kubelet
+@pytest.mark.xdist_group("baseline")  # one worker runs the baseline once
 def test_happy_path(target: Target, baseline: dict[str, Any]) -> None:
     name = baseline["name"]
     final = baseline["snapshots"][-1]
@@ -190,6 +191,7 @@ def test_the_cli_follows_a_long_named_two_rank_job(target: Target) -> None:
 
 
 @pytest.mark.kubelet
+@pytest.mark.xdist_group("baseline")  # one worker runs the baseline once
 def test_preemption_resumes_at_the_same_step(target: Target, baseline: dict[str, Any]) -> None:
     name = "preempt"
     target.apply(job_doc(name))
