@@ -7,6 +7,11 @@ PY_PATHS := $(wildcard operator dev trainer_image tests hack benchmarks)
 # at most four (each imports torch, about 1 GB; an integration worker runs a control plane of
 # its own).
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ "$$n" -gt 4 ] && n=4; echo $$n)
+# Local e2e targets run at once (pytest-xdist), each a control plane, an operator and pod
+# runners of its own: a scenario mostly waits (for a trainer, an operator poll, a timeout), so
+# two keep two cores busy (the tier used 24-48 % of them on one). At most two, one per core.
+E2E_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ "$$n" -gt 2 ] && n=2; echo $$n)
+E2E_XDIST := -n $(E2E_WORKERS) --dist loadgroup
 
 .PHONY: setup test lint unit trainer tooling integration e2e crds docs demo plan-examples
 
@@ -42,7 +47,7 @@ integration: setup
 	$(VENV)/bin/pytest -m integration --durations=12
 
 e2e: setup
-	$(VENV)/bin/pytest -m e2e
+	$(VENV)/bin/pytest -m e2e $(E2E_XDIST)
 
 # Every tier, each control-plane tier in a pytest run of its own: the e2e tier starts its own
 # control plane and operator, which must not share the machine with the integration tier's.
@@ -53,7 +58,9 @@ e2e: setup
 # file's work (12.6 minutes on one process, 8.5 to 9 on two, on two cores).
 # The kind step goes first among the e2e runs: the scenarios marked kubelet that pass there,
 # under a real kubelet, are left out of the local target's run (about 7 minutes); where kind
-# is skipped (no cached images, too little disk) the local target runs every scenario.
+# is skipped (no cached images, too little disk) the local target runs every scenario. The
+# local target's scenarios run on E2E_WORKERS targets at once (--dist loadgroup keeps the
+# ones that share the baseline run, and the two-node ones, on one worker each).
 test: lint
 	$(VENV)/bin/pytest -m "unit or trainer or (tooling and not controlplane)" \
 	  -n $(TEST_WORKERS) --durations=15
@@ -65,9 +72,9 @@ test: lint
 	if [ -s "$$passed" ]; then \
 	  rm -f "$$passed"; \
 	  echo "== the kubelet scenarios passed on kind; the local target runs the others"; \
-	  $(VENV)/bin/pytest -m "e2e and not kubelet" --durations=12; \
+	  $(VENV)/bin/pytest -m "e2e and not kubelet" $(E2E_XDIST) --durations=12; \
 	else \
-	  $(VENV)/bin/pytest -m e2e --durations=12; \
+	  $(VENV)/bin/pytest -m e2e $(E2E_XDIST) --durations=12; \
 	fi
 
 crds: setup

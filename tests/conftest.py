@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
 EXAMPLES = ROOT / "examples"
 
-pytest_plugins = ["support.control_plane"]
+pytest_plugins = ["support.control_plane", "support.ordering"]
 
 TIERS = ("unit", "trainer", "tooling", "integration", "e2e")
 CONTROL_PLANE = "controlplane"

@@ -1,13 +1,18 @@
 """Fixtures for the e2e tier: a cluster where the trainer really trains.
 
-The target (see support/e2e_targets.py) starts once per session. Every scenario applies its own
-FineTuneJob into the `e2e` namespace, which holds a volume with a tiny random-init model
-and an Alpaca-style dataset. When a scenario fails, the operator's and the pod runner's
-log tails are attached to the report.
+The target (see support/e2e_targets.py) starts once per session: once per pytest-xdist
+worker where the run has several (`make test` runs the local target's scenarios on two, each
+with a control plane, an operator and pod runners of its own; most of a scenario is waiting
+for a trainer, an operator poll or a timeout, so two share the cores well). Every scenario
+applies its own FineTuneJob into the `e2e` namespace, which holds a volume with a tiny
+random-init model and an Alpaca-style dataset. When a scenario fails, the operator's and the
+pod runner's log tails are attached to the report. What scenarios measured (REPORT) travels
+with their reports, so the run's summary prints it whichever worker ran them.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import threading
 import time
@@ -25,9 +30,12 @@ from support.waiting import wait_for
 def target(
     tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> Iterator[Target]:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")  # gw0, gw1, ...
     try:
         t = make_target(
-            lambda: tmp_path_factory.mktemp("e2e"), lambda: request.getfixturevalue("binaries")
+            lambda: tmp_path_factory.mktemp("e2e"),
+            lambda: request.getfixturevalue("binaries"),
+            block=int(worker.removeprefix("gw")),
         )
     except LookupError as exc:
         pytest.skip(str(exc))
@@ -92,6 +100,12 @@ def baseline(target: Target) -> Iterator[dict[str, Any]]:
     delete_job(target, name)
 
 
+MEASURED = "e2e measurement"
+"""The user property a report carries each REPORT line under."""
+_MEASUREMENTS: list[str] = []
+"""The run's REPORT lines, gathered from the reports (in the process that prints them)."""
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Iterator[None]:
     outcome = yield
@@ -100,10 +114,17 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
         target: Target = item.funcargs["target"]  # type: ignore[attr-defined]
         for name, text in target.diagnostics().items():
             report.sections.append((f"{name} log (tail)", text))
+    if REPORT:  # what this test's phase measured, carried by its report
+        report.user_properties.extend((MEASURED, line) for line in REPORT)
+        REPORT.clear()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _MEASUREMENTS.extend(value for name, value in report.user_properties if name == MEASURED)
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    if REPORT:
+    if _MEASUREMENTS:
         terminalreporter.section("e2e measurements")
-        for line in REPORT:
+        for line in _MEASUREMENTS:
             terminalreporter.write_line(line)

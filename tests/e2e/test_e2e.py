@@ -65,6 +65,7 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.mark.kubelet
+@pytest.mark.xdist_group("baseline")  # one worker runs the baseline once
 def test_happy_path(target: Target, baseline: dict[str, Any]) -> None:
     name = baseline["name"]
     final = baseline["snapshots"][-1]
@@ -190,6 +191,7 @@ def test_the_cli_follows_a_long_named_two_rank_job(target: Target) -> None:
 
 
 @pytest.mark.kubelet
+@pytest.mark.xdist_group("baseline")  # one worker runs the baseline once
 def test_preemption_resumes_at_the_same_step(target: Target, baseline: dict[str, Any]) -> None:
     name = "preempt"
     target.apply(job_doc(name))
@@ -461,13 +463,15 @@ def test_data_from_s3_is_staged_in_once_measured_and_trained_on(
     # On the address of this machine the pods reach (kind: the Docker network's gateway).
     with s3_server(tmp_path_factory.mktemp("s3"), host=target.host_address) as s3:
         s3.make_bucket("data")
-        s3.client().put_object(Bucket="data", Key="support/train.jsonl",
+        # A key of its own: the namespace's cache is keyed by the URI, not by the store it
+        # came from, and another scenario on this target may have staged s3://data/support/.
+        s3.client().put_object(Bucket="data", Key="staged-once/train.jsonl",
                                Body="\n".join(records).encode() + b"\n")  # fmt: skip
         creds = {"AWS_ACCESS_KEY_ID": s3.access_key, "AWS_SECRET_ACCESS_KEY": s3.secret_key}
         target.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3-creds"},
                       "stringData": creds})  # fmt: skip
         store = {"credentialsSecret": "s3-creds", "region": s3.region, "endpoint": s3.endpoint}
-        data = {"uri": "s3://data/support/train.jsonl"}
+        data = {"uri": "s3://data/staged-once/train.jsonl"}
         timings = []
         for name in ("from-s3", "from-s3-again"):
             started = time.monotonic()
@@ -483,7 +487,7 @@ def test_data_from_s3_is_staged_in_once_measured_and_trained_on(
             runs = runs_of(train_log(target, name))
             assert runs[-1].end == "finish" and runs[-1].last == 10, runs
         # The second job found the data in the namespace's cache: one GET in all.
-        assert s3.gets("data", "support/") == 1
+        assert s3.gets("data", "staged-once/") == 1
         assert staged["downloadedBytes"] == 0 and staged["reusedBytes"] > 0
     REPORT.append(
         f"S3 stage-in: apply → first step {timings[0]:.1f}s (fetched), {timings[1]:.1f}s "

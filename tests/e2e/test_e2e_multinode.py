@@ -28,11 +28,15 @@ from support.e2e_targets import (
     POOL,
     POOL_NAME,
     REPORT,
+    LocalTarget,
     Target,
 )
 from support.waiting import wait_for
 
-pytestmark = pytest.mark.e2e
+# One worker runs both: a two-node job's rendezvous (c10d's TCPStore) listens on a fixed port
+# (BuildSettings.rendezvous_port) on every address of the machine, which the local targets of
+# one run (one per pytest-xdist worker) share.
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("two-nodes")]
 
 POOL_2N_NAME = "local-cpu-2n"
 POOL_2N_LABEL = "kubetune.io/two-node-pool"
@@ -47,7 +51,7 @@ POOL_2N: dict[str, Any] = {
         "pricePerGPUHour": 14.4,
     },
 }
-NODES_2N = {"local-2": "127.0.102.", "local-3": "127.0.103."}
+NODES_2N = ("local-2", "local-3")
 STEPS, INTERVAL = 40, 10
 CROSS_LAYOUT_TOLERANCE = 2e-3
 """fp32, 40 steps: four ranks sum gradients in another order than two ranks accumulating two
@@ -61,9 +65,9 @@ EARLY_TOLERANCE = 1e-5
 @pytest.fixture(scope="module")
 def two_node_pool(target: Target) -> Iterator[list[str]]:
     """The pool's nodes: two more local pod runners, or kind's two workers."""
-    cluster = getattr(target, "cluster", None)
-    if cluster is not None:
-        cluster.add_local_pool(POOL_2N, nodes=NODES_2N)
+    if isinstance(target, LocalTarget):
+        bases = {node: target.pod_ip_base(2 + i) for i, node in enumerate(NODES_2N)}
+        target.cluster.add_local_pool(POOL_2N, nodes=bases)
         nodes = list(NODES_2N)
     else:
         nodes = list(target.nodes)
@@ -86,8 +90,8 @@ def two_node_pool(target: Target) -> Iterator[list[str]]:
     yield nodes
     target.kubectl("delete", "gpupool", POOL_2N_NAME, check=False)
     for node in nodes:
-        if cluster is not None:
-            cluster.stop_component(f"podrunner-{node}")
+        if isinstance(target, LocalTarget):
+            target.cluster.stop_component(f"podrunner-{node}")
             target.kubectl("delete", "node", node, "--wait=false", check=False)
         else:
             target.kubectl("label", "node", node, f"{POOL_2N_LABEL}-", check=False)

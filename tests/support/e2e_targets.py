@@ -204,14 +204,24 @@ class Target:
 # ---------------------------------------------------------------------- local
 
 
+def pod_ip_base(block: int, node: int) -> str:
+    """The pod IP base of a local target's `node`-th pod runner: `127.<block>.<100+node>.`.
+
+    All of 127/8 is loopback on Linux. Each target of one run (one per pytest-xdist worker)
+    takes a block of its own, so the pods of two targets never share an address: a trainer
+    binds its metrics port, and a multi-node job's rendezvous, on its pod's."""
+    return f"127.{block}.{100 + node}."
+
+
 class LocalTarget(Target):
     name = "local"
 
-    def __init__(self, root: Path, binaries: Binaries) -> None:
+    def __init__(self, root: Path, binaries: Binaries, block: int = 0) -> None:
         from kubetune.api.crdgen import render_all
         from kubetune_dev.cluster import LocalCluster
         from kubetune_dev.demo import prepare_data
 
+        self.block = block
         self.cluster = LocalCluster(root, binaries, die_with_caller=True)
         t0 = time.monotonic()
         self.cluster.start()
@@ -220,14 +230,18 @@ class LocalTarget(Target):
             self.kubectl("wait", "--for=condition=Established", "crd", "--all", "--timeout=30s")
             # As a careful admin would have it: the `restricted` Pod Security Standard.
             self.kubectl("create", "-f", "-", input=yaml.safe_dump(restricted_namespace(NAMESPACE)))
-            self.cluster.add_local_pool(POOL, node=NODE_A)
-            self.cluster.add_local_pool(POOL_B, node=NODE_B, pod_ip_base="127.0.101.")
+            self.cluster.add_local_pool(POOL, node=NODE_A, pod_ip_base=self.pod_ip_base(0))
+            self.cluster.add_local_pool(POOL_B, node=NODE_B, pod_ip_base=self.pod_ip_base(1))
             prepare_data(self.cluster, say, namespace=NAMESPACE, claim=DATA_CLAIM)
             self.start_operator()
         except BaseException:
             self.close()
             raise
         say(f"e2e target local ready in {time.monotonic() - t0:.1f}s")
+
+    def pod_ip_base(self, node: int) -> str:
+        """The pod IP base of this target's `node`-th pod runner (0: NODE_A, 1: NODE_B)."""
+        return pod_ip_base(self.block, node)
 
     def hard_kill(self, pod: str) -> None:
         # The local pod runner kills a force-deleted pod's processes at once.
@@ -630,14 +644,18 @@ def docker_network_gateway(network: str) -> str:
     return gateways[0]
 
 
-def make_target(root_factory: Callable[[], Path], binaries: Callable[[], Binaries]) -> Target:
+def make_target(
+    root_factory: Callable[[], Path], binaries: Callable[[], Binaries], block: int = 0
+) -> Target:
     """The target named by KUBETUNE_E2E_TARGET; raises LookupError with why it cannot run.
 
-    `binaries` gives the control-plane binaries, which only the local target needs.
+    `binaries` gives the control-plane binaries, which only the local target needs; `block`
+    sets the local target's pod addresses apart from another's in the same run (one per
+    pytest-xdist worker). A kind cluster is one per run.
     """
     which = os.environ.get("KUBETUNE_E2E_TARGET", "local")
     if which == "local":
-        return LocalTarget(root_factory(), binaries())
+        return LocalTarget(root_factory(), binaries(), block)
     if which == "kind":
         kubeconfig = os.environ.get("KUBETUNE_KIND_KUBECONFIG")
         image = os.environ.get("KUBETUNE_KIND_TRAINER_IMAGE", "kubetune/trainer:e2e")

@@ -8,7 +8,6 @@ single-threaded. See the package docstring for what it does as a kubelet.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import shutil
@@ -16,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +35,12 @@ from kubetune_dev.podrunner.podspec import (
     hosts_file,
     pod_hostname,
 )
-from kubetune_dev.podrunner.sandbox import START_ERROR_EXIT, ExecSpec
+from kubetune_dev.podrunner.sandbox import (
+    START_ERROR_EXIT,
+    ExecSpec,
+    mount_points_dir,
+    remove_unused_mount_points,
+)
 from kubetune_dev.podrunner.status import (
     TERMINAL_PHASES,
     ContainerRun,
@@ -50,7 +55,6 @@ from kubetune_dev.podrunner.volumes import (
     Mount,
     image_env,
     materialise,
-    path_depth,
     plan_mounts,
     plan_volumes,
     runtime_paths,
@@ -152,7 +156,6 @@ class PodRunner:
         self.lookup = ApiLookup(api, config.volumes_root)
         self.records: dict[str, PodRecord] = {}
         self.finalized: set[str] = set()
-        self.created_paths: set[str] = set()
         self.node_uid: str | None = None
         self.node_since = rfc3339()
         self.next_heartbeat = 0.0
@@ -426,9 +429,10 @@ class PodRunner:
             hostname=pod_hostname(rec.pod),
             mounts=cp.mounts,
             namespace=self.config.mount_namespace,
-            created_file=str(private / f"{run.name}.created.json"),
+            created_file=str(mount_points_dir() / "created" / f"{uuid.uuid4().hex}.json"),
             error_file=str(private / f"{run.name}.start-error"),
             parent_pid=os.getpid(),
+            mount_points=str(mount_points_dir()),
         )
         spec_path = private / f"{run.name}.exec.json"
         spec_path.write_text(spec.to_json())
@@ -510,9 +514,6 @@ class PodRunner:
         # Tells a follower of the container's log (logserver.py) that no more output comes.
         with contextlib.suppress(OSError):
             exited_marker(rec.dir, run.name).write_text(str(run.exit_code))
-        created = rec.private / f"{run.name}.created.json"
-        with contextlib.suppress(OSError, ValueError):
-            self.created_paths.update(json.loads(created.read_text() or "[]"))
         log.info(
             "pod %s/%s: %s exited %s (%s)",
             rec.namespace,
@@ -783,18 +784,12 @@ class PodRunner:
                 rec.hosts = text
 
     def _cleanup_mount_points(self) -> None:
-        """Remove the empty mount points created on the host once no container runs."""
-        if not self.created_paths or any(
-            cp.alive for rec in self.records.values() for cp in rec.containers
-        ):
+        """Remove the empty mount points created on the host once no container of this
+        machine runs (sandbox.remove_unused_mount_points)."""
+        if any(cp.alive for rec in self.records.values() for cp in rec.containers):
             return
-        for path in sorted(self.created_paths, key=path_depth, reverse=True):
-            with contextlib.suppress(OSError):
-                if os.path.isdir(path) and not os.path.islink(path):
-                    os.rmdir(path)
-                elif os.path.isfile(path) and os.path.getsize(path) == 0:
-                    os.unlink(path)
-        self.created_paths.clear()
+        with contextlib.suppress(OSError):
+            remove_unused_mount_points(mount_points_dir())
 
     def _event(
         self,

@@ -7,12 +7,23 @@ working directory, then the command forked as PID 1 of the new PID namespace (`_
 or exec'ed directly where there is no PID namespace. Without CAP_SYS_ADMIN it falls back to
 the path map in $KUBETUNE_PATH_MAP. `probe_mount_namespace` tells the runner up front which
 of the two it will get. Linux only, and the only module that calls libc through ctypes.
+
+A container whose mount point is missing on the host (`/cache`, `/checkpoints`) gets it
+created there, and the runner removes it again once it is unused. Every pod runner of the
+machine (one per node, and the nodes of several local clusters) shares the host's root, and
+removing a directory that is a mount point in another mount namespace detaches that mount
+(Linux ≥ 3.18): the other container would go on writing to a new, empty folder of the host.
+So "unused" is machine-wide: each container holds a shared lock on one file for as long as
+any of its processes lives (`hold_mount_points`), records the points it created in a folder
+beside it, and a runner removes them only when it can take that lock exclusively
+(`remove_unused_mount_points`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import json
 import os
 import shutil
@@ -21,13 +32,19 @@ import socket
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Any, NoReturn
 
-from kubetune_dev.podrunner.volumes import Mount, map_path, path_map
+from kubetune_dev.podrunner.volumes import Mount, map_path, path_depth, path_map
 
 PATH_MAP_ENV = "KUBETUNE_PATH_MAP"
 START_ERROR_EXIT = 128
+MOUNT_POINTS_ENV = "KUBETUNE_PODRUNNER_MOUNT_POINTS"
+"""Where the machine-wide lock and record of created mount points live (tests set it)."""
+
+
+def mount_points_dir() -> Path:
+    return Path(os.environ.get(MOUNT_POINTS_ENV) or "/run/kubetune-podrunner")
 
 
 @dataclass
@@ -46,6 +63,8 @@ class ExecSpec:
     error_file: str
     """Where the helper records why the command could not be started."""
     parent_pid: int = 0
+    mount_points: str = ""
+    """The machine-wide folder of `hold_mount_points` (empty: take no lock)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -117,6 +136,46 @@ def _ensure_target(target: str, is_dir: bool, covered: Sequence[str]) -> list[st
         if not inside:
             created.append(path)
     return created
+
+
+def hold_mount_points(folder: str) -> None:
+    """Take the machine-wide shared lock for this process and every process it becomes or
+    starts (the descriptor survives exec), before any mount point is created: no runner
+    removes mount points while one is held."""
+    Path(folder, "created").mkdir(parents=True, exist_ok=True)
+    fd = os.open(Path(folder, "lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    os.set_inheritable(fd, True)
+
+
+def remove_unused_mount_points(folder: str | Path) -> bool:
+    """Remove the empty mount points containers created on the host, if no container of any
+    runner of the machine runs; False (nothing removed) while one does."""
+    lock = Path(folder, "lock")
+    if not lock.exists():
+        return True
+    fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        records = sorted(Path(folder, "created").glob("*.json"))
+        paths: set[str] = set()
+        for record in records:
+            with contextlib.suppress(OSError, ValueError):
+                paths.update(json.loads(record.read_text() or "[]"))
+        for path in sorted(paths, key=path_depth, reverse=True):
+            with contextlib.suppress(OSError):
+                if os.path.isdir(path) and not os.path.islink(path):
+                    os.rmdir(path)  # only if empty: what a container left there stays
+                elif os.path.isfile(path) and os.path.getsize(path) == 0:
+                    os.unlink(path)
+        for record in records:
+            record.unlink(missing_ok=True)
+        return True
+    finally:
+        os.close(fd)
 
 
 def bind_mounts(mounts: Sequence[Mount]) -> list[str]:
@@ -230,9 +289,13 @@ def exec_container(spec: ExecSpec) -> NoReturn:
     PID namespace, fork the command as its PID 1 and wait for it)."""
     # Both files may be hidden by the mounts below, so open them first.
     error_fd = os.open(spec.error_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC)
-    created_fd = os.open(spec.created_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC)
     env = dict(spec.env)
     try:
+        if spec.mount_points:  # before the record of what is created, in its folder
+            hold_mount_points(spec.mount_points)
+        created_fd = os.open(
+            spec.created_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        )
         libc = _libc()
         # Die with the runner even if it is SIGKILLed (survives exec); no orphans.
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
