@@ -170,13 +170,25 @@ def running(pid: int) -> bool:
 
 
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="no util-linux setpriv here")
-@pytest.mark.parametrize("tied", [True, False])
-def test_components_die_with_a_caller_killed_outright_when_tied(tmp_path: Path, tied: bool) -> None:
-    """A test run stopped by SIGKILL never reaches its teardown: tied components still go."""
+@pytest.mark.parametrize("tied,late", [(True, False), (True, True), (False, False)])
+def test_components_die_with_a_caller_killed_outright_when_tied(
+    tmp_path: Path, tied: bool, late: bool
+) -> None:
+    """A test run stopped by SIGKILL never reaches its teardown: tied components still go, even
+    when the caller dies before the death signal is set (`late`: a setpriv that starts slowly)."""
+    env = dict(os.environ)
+    if late:
+        slow = tmp_path / "slow-bin"
+        slow.mkdir()
+        real = shutil.which("setpriv")
+        (slow / "setpriv").write_text(f'#!/bin/sh\nsleep 0.5\nexec {real} "$@"\n')
+        (slow / "setpriv").chmod(0o755)
+        env["PATH"] = f"{slow}:{env.get('PATH', '')}"
     caller = subprocess.Popen(
         [sys.executable, "-c", SPAWNER, str(tmp_path), "tied" if tied else "free"],
         stdout=subprocess.PIPE,
         text=True,
+        env=env,
     )
     assert caller.stdout is not None
     component = int(caller.stdout.readline())

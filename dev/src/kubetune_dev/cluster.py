@@ -38,6 +38,8 @@ SERVICE_CIDR = "10.96.0.0/16"
 KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 STORAGE_CLASS = "kubetune-local"
 ADMIN = "admin"
+# Run under `setpriv --pdeathsig`: exec the component unless the caller ($1) died first.
+_TIED = 'test "$PPID" = "$1" || exit 143; shift; exec "$@"'
 CLIENTS: dict[str, tuple[str, str | None]] = {
     ADMIN: ("kubetune-admin", "system:masters"),
     "controller-manager": ("system:kube-controller-manager", None),
@@ -274,7 +276,10 @@ class LocalCluster:
         log = (self.logs / f"{name}.log").open("ab")
         setpriv = shutil.which("setpriv") if self.die_with_caller else None
         if setpriv is not None:  # it sets the signal, then execs argv (same pid)
-            argv = [setpriv, "--pdeathsig", "TERM", "--", *argv]
+            # A caller that dies before the signal is set sends none: the shell, started after
+            # it is set, goes if its parent is no longer this process, else execs argv.
+            caller = str(os.getpid())
+            argv = [setpriv, "--pdeathsig", "TERM", "--", "sh", "-c", _TIED, "sh", caller, *argv]
         proc = subprocess.Popen(
             list(argv),
             stdout=log,
