@@ -528,25 +528,35 @@ class KindTarget(Target):
         return None if out.strip() == "<missing>" else out.split()[0]
 
     def hard_kill(self, pod: str) -> None:
-        """SIGKILL the training processes inside the pod (`kubectl exec`).
+        """SIGKILL every process of the trainer container from its node, as a crash or the
+        kernel's OOM killer does: no checkpoint, and the container ends 137.
 
-        A force delete is no hard kill under a real kubelet: the API object goes at once while
-        the old container may still run, so its replacement would train beside it on the same
-        volume. Killing the workers makes the launcher exit 1 and the pod fail, as a crash does.
+        From the node, not from inside the container: there the launcher of a one-worker job
+        may be PID 1 of its namespace, which ignores a SIGKILL sent from within. A force
+        delete is no hard kill under a real kubelet either: the API object goes at once while
+        the old container may still run, so its replacement would train beside it on the
+        same volume.
         """
+        doc = self.get("pod", pod) or {}
+        node = doc["spec"]["nodeName"]
+        [container_id] = [
+            c["containerID"].split("://", 1)[1]
+            for c in doc["status"]["containerStatuses"]
+            if c["name"] == "trainer" and c.get("containerID")
+        ]
+        # The container's processes are those whose cgroup path names its id (cgroup v1 or
+        # v2, either kubelet cgroup driver); twice, for any forked while the first ran.
         script = (
-            "import os, signal\n"
-            "for pid in filter(str.isdigit, os.listdir('/proc')):\n"
-            "    if int(pid) in (1, os.getpid()):\n"
-            "        continue\n"
-            "    try:\n"
-            "        cmd = open(f'/proc/{pid}/cmdline', 'rb').read().split(b'\\0')\n"
-            "    except OSError:\n"
-            "        continue\n"
-            "    if b'kubetune_trainer' in cmd:\n"
-            "        os.kill(int(pid), signal.SIGKILL)\n"
+            'for round in 1 2; do for p in /proc/[0-9]*; do grep -qs "$1" "$p/cgroup" && '
+            'kill -9 "${p#/proc/}" 2>/dev/null; done; done; true'
         )
-        self.kubectl("exec", "-n", NAMESPACE, pod, "-c", "trainer", "--", "python", "-c", script)
+        out = subprocess.run(
+            ["docker", "exec", node, "sh", "-c", script, "sh", container_id],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, f"kill the trainer of {pod} on {node}: {out.stderr.strip()}"
 
     def lose_node(self, node: str) -> str:
         # The node container SIGKILLed: kubelet, containerd and the trainer die at once.

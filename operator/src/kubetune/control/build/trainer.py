@@ -212,6 +212,10 @@ def _trainer_pod_spec(
     }
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
+        # The pod's sandbox process is PID 1 and reaps orphans; the launcher is an ordinary
+        # process, so signals reach it as they do everywhere else (a PID 1 ignores any it
+        # has no handler for, SIGKILL from within included). The pod has one container.
+        "shareProcessNamespace": True,
         "subdomain": names.service,
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,
