@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -305,6 +306,64 @@ def test_retained_checkpoint_volume_survives_deletion(
     cluster.kubectl("delete", "ftj", "keep", "-n", namespace, "--wait=true", "--timeout=60s")
     wait_for("job collected", lambda: cluster.get("job.batch", "keep-a1", namespace) is None, 60)
     assert cluster.get("pvc", "keep-ckpt", namespace) is not None
+
+
+def test_a_claim_kubetune_did_not_make_is_not_taken_for_a_checkpoint_volume(
+    cluster: Cluster, namespace: str, operator: Path
+) -> None:
+    """The trainer prunes the `step-N` folders of its checkpoint volume: a claim of the
+    user's that happens to bear the name (say, a torchtitan run's) must fail the job, not
+    lose its folders."""
+    theirs = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "theirs-ckpt", "labels": {"kubetune.io/job": "theirs"}},
+        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}},
+    }
+    assert cluster.apply(theirs, namespace=namespace).returncode == 0
+    cluster.apply(job_doc("theirs"), namespace=namespace)
+    status = wait_phase(cluster, "theirs", namespace, "Failed")["status"]
+    (cond,) = [c for c in status["conditions"] if c["type"] == "Failed"]
+    assert cond["reason"] == "ChildConflict", status
+    assert "kubetune did not make it" in status["message"] and "To fix:" in status["message"]
+    assert cluster.get("job.batch", "theirs-a1", namespace) is None
+    claim = cluster.get("pvc", "theirs-ckpt", namespace)
+    assert claim is not None and not claim["metadata"].get("ownerReferences")
+
+
+def test_a_job_created_again_waits_for_the_children_its_predecessor_left(
+    cluster: Cluster, namespace: str, operator: Path
+) -> None:
+    """Deleted and created again while garbage collection still holds the old job's
+    ConfigMap (a finalizer keeps it here): the new job waits, then launches."""
+    cluster.apply(job_doc("twice"), namespace=namespace)
+    wait_for("twice-a1", lambda: cluster.get("configmap", "twice-a1", namespace), 60)
+    hold = {"metadata": {"finalizers": ["kubetune.test/hold"]}}
+    cluster.kubectl("patch", "configmap", "twice-a1", "-n", namespace, "-p", json.dumps(hold))
+    cluster.kubectl("delete", "ftj", "twice", "-n", namespace, "--wait=true", "--timeout=60s")
+    wait_for(
+        "the old ConfigMap marked for deletion",
+        lambda: (
+            (cluster.get("configmap", "twice-a1", namespace) or {})
+            .get("metadata", {})
+            .get("deletionTimestamp")
+        ),
+        60,
+    )
+    cluster.apply(job_doc("twice"), namespace=namespace)
+    time.sleep(6)  # a few looks of the operator (its poll is 1 s here)
+    job = cluster.get("finetunejob", "twice", namespace) or {}
+    assert (job.get("status") or {}).get("phase") != "Failed", job.get("status")
+    new_uid = job["metadata"]["uid"]
+    batch = cluster.get("job.batch", "twice-a1", namespace)
+    assert batch is None or new_uid not in json.dumps(batch["metadata"]), "launched too soon"
+    cluster.kubectl(
+        "patch", "configmap", "twice-a1", "-n", namespace, "--type=json",
+        "-p", '[{"op": "remove", "path": "/metadata/finalizers"}]',
+    )  # fmt: skip
+    wait_phase(cluster, "twice", namespace, "Running", "Succeeded")
+    config = wait_for("the new ConfigMap", lambda: cluster.get("configmap", "twice-a1", namespace))
+    assert [o["uid"] for o in config["metadata"]["ownerReferences"]] == [new_uid]
 
 
 def test_queued_until_gpus_free_up(cluster: Cluster, namespace: str, operator: Path) -> None:

@@ -21,6 +21,7 @@ from lightkube.core.exceptions import ApiError
 from lightkube.models.meta_v1 import Status, StatusCause, StatusDetails
 
 from kubetune.api.vocabulary import Reason
+from kubetune.control.ownership import Existing
 from kubetune.control.reconcile import ControllerSettings
 from kubetune.controller import kube as kube_module
 from kubetune.controller.backoff import Backoff
@@ -78,6 +79,8 @@ class Patched:
     class metadata:
         resourceVersion = "7"
         ownerReferences = None
+        labels = None
+        annotations = None
 
 
 CONFIGMAP = {
@@ -161,7 +164,7 @@ async def test_deletes_and_reads_are_retried_too() -> None:
     kube = Kube(client)  # type: ignore[arg-type]
     await kube.delete_batch_job(NAMESPACE, "demo-a1")
     await kube.delete_finetunejob(NAMESPACE, "demo")
-    assert await kube.owner_uids(CONFIGMAP) == set()
+    assert await kube.existing(CONFIGMAP) == Existing()
     assert client.calls == ["delete", "delete", "delete", "delete", "get", "get"]
 
 

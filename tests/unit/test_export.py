@@ -247,7 +247,7 @@ def test_an_export_failure_fails_the_job_with_its_reason(
     assert s is not None and s.phase == Phase.FAILED and s.export is None
     cond = c.get_condition(s.conditions, ConditionType.FAILED)
     assert cond is not None and cond.reason == Reason.EXPORT_FAILED
-    for words in [*says, "stays on its volume", "To fix", "resumeFromUID: uid-1"]:
+    for words in [*says, "stays on the checkpoint volume", "To fix", "resumeFromUID: uid-1"]:
         assert words in cond.message, (words, cond.message)
     assert [e.reason for e in d.events][-1] in (Reason.EXPORT_FAILED,)
 

@@ -5,6 +5,7 @@ uploaded, and fails with UploadFailed (the output kept on the volume) when it ca
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -131,6 +132,35 @@ def test_a_permanent_upload_failure_fails_the_job_and_keeps_the_output() -> None
     assert "stays on the checkpoint volume (demo-ckpt" in cond.message
     assert "resumeFromUID: uid-1" in cond.message
     assert "demo-stageout" not in d.delete_jobs  # its pod log stays readable
+
+
+def owned_claim(uid: str = "uid-1") -> dict[str, Any]:
+    """The checkpoint claim as retention `delete` makes it: owned by the job."""
+    owner = {"kind": "FineTuneJob", "name": "demo", "uid": uid}
+    return {"metadata": {"name": "demo-ckpt", "ownerReferences": [owner]}}
+
+
+def test_a_failed_upload_releases_the_owned_volume_before_any_ttl_deletes_the_job() -> None:
+    """Retention `delete` and a TTL: the volume holds the only copy of the output, so the
+    claim leaves the job's ownership before the job may go (and the message is true)."""
+    ttl = {"ttlSecondsAfterFinished": 60, "checkpoint": {"storage": {"retention": "delete"}}}
+    job, _ = run(make_job(**S3_OUT, **ttl))
+    job, _ = run(job, trained(), now=T0 + timedelta(minutes=30))
+    failed = trained(stage_out_job("Failed"), stage_out_pod(EXIT_CONFIG_ERROR, "AccessDenied"))
+    failed = replace(failed, checkpoint_claim=owned_claim())
+    job, d = run(job, failed, now=T0 + timedelta(minutes=31))
+    assert job.status is not None and job.status.phase == Phase.FAILED
+    assert d.release_claims == ["demo-ckpt"] and not d.delete_self
+    assert "which deleting this job leaves in place" in (job.status.message or "")
+
+    # Should that release not have landed, the look that deletes the job releases it first.
+    later = replace(trained(stage_out_job("Failed")), checkpoint_claim=owned_claim())
+    _, d = run(job, later, now=T0 + timedelta(minutes=33))
+    assert d.delete_self and d.release_claims == ["demo-ckpt"]
+    # Released (or another job's), nothing more to do.
+    later = replace(later, checkpoint_claim=owned_claim(uid="uid-other"))
+    _, d = run(job, later, now=T0 + timedelta(minutes=33))
+    assert d.delete_self and d.release_claims == []
 
 
 def test_a_stage_out_without_its_result_fails_with_the_reason() -> None:

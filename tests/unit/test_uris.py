@@ -128,6 +128,10 @@ def test_https_urls_split_as_urllib_splits_them() -> None:
         ("ftj://", "is not a ftj://<name> URI"),
         ("ftj://Upper", "the name of a FineTuneJob"),
         ("ftj://sft/", "the name of a FineTuneJob"),
+        # A path out of the namespace would make the operator read another tenant's job.
+        ("ftj://../../other/finetunejobs/x", "the name of a FineTuneJob"),
+        ("ftj://..", "the name of a FineTuneJob"),
+        ("ftj://a..b", "the name of a FineTuneJob"),
         ("org/name/extra", "is not a <org>/<name> URI: a hub id"),
         ("org/name@main", "hf://<org>/<name>@<revision>"),
         ("./data.jsonl", "is not a <org>/<name> URI"),

@@ -8,8 +8,10 @@ the objects the trainer's pods use first, the batch Job last.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -18,14 +20,28 @@ from lightkube.core.exceptions import ApiError
 from kubetune.api.v1alpha1 import FineTuneJob
 from kubetune.api.vocabulary import EventType, Reason
 from kubetune.control.lifecycle import failed
+from kubetune.control.ownership import Claim, judge
 from kubetune.control.reconcile import ControllerSettings, Decision
 from kubetune.controller.cache import job_key
 from kubetune.controller.capacity_view import CapacityView
 from kubetune.controller.kube import Kube
 from kubetune.controller.status_writes import PostEvent, StatusWriter, Written
 
+log = logging.getLogger(__name__)
+
 Conflict = tuple[Reason, str]
 """Why a child could not be created: the reason the job fails with, and its message."""
+
+
+@dataclass(frozen=True)
+class Held:
+    """A child not created yet, for a reason that passes (an earlier job's object the
+    garbage collector has yet to remove): the launch waits for a later look."""
+
+    why: str
+
+
+Outcome = Conflict | Held | None
 
 
 class CarryOut:
@@ -83,7 +99,9 @@ class CarryOut:
             raise conflict
         if conflict is None and last:
             conflict = await self._create_children(job, created, last)
-        if conflict is not None:
+        if isinstance(conflict, Held):  # no batch Job yet: a later look creates it
+            log.info("%s/%s: launch held: %s", namespace, name, conflict.why)
+        elif conflict is not None:
             landed, wire = await self._fail(job, written, d, body, now, conflict)
         await self._follow_up(namespace, name, d, body)
         return bool(landed), wire
@@ -110,7 +128,8 @@ class CarryOut:
     async def _follow_up(
         self, namespace: str, name: str, d: Decision, body: Mapping[str, Any]
     ) -> None:
-        """The decision's deletions, claim expansions and Events, after its writes."""
+        """The decision's deletions, claim expansions and releases and Events, after its
+        writes (a release before the job's own deletion)."""
         for batch_job in d.delete_jobs:
             await self.kube.delete_batch_job(namespace, batch_job)
         for claim, storage in d.resize_claims:
@@ -125,6 +144,8 @@ class CarryOut:
                     f"{claim} could not be expanded to {storage}: {exc.status.message}; the "
                     "trainer may run out of room when it saves",
                 )
+        for claim in d.release_claims:
+            await self.kube.release_claim(namespace, claim)
         for event in d.events:
             self.post_event(body, event.type, event.reason, event.message)
         if d.delete_self:
@@ -132,12 +153,15 @@ class CarryOut:
 
     async def _create_children(
         self, job: FineTuneJob, created: dict[str, float], manifests: Sequence[Mapping[str, Any]]
-    ) -> Conflict | None:
-        """Create each child once, together; the first conflict found, if any.
+    ) -> Outcome:
+        """Create each child once, together; the first conflict found, else the first
+        child held back, if any.
 
-        A child owned by someone else is a conflict, and so is one Kubernetes refuses
-        (400, 422): the spec passed admission but makes an object that cannot exist (a
-        Secret or StorageClass name, a volume size), and retrying cannot help.
+        A name taken by an object that is not this job's is a conflict (control/ownership.py
+        says whose it is; one an earlier job of this name left for the garbage collector
+        holds the launch back instead), and so is a child Kubernetes refuses (400, 422): the
+        spec passed admission but makes an object that cannot exist (a Secret or
+        StorageClass name, a volume size), and retrying cannot help.
         A child counts as created when the cache holds it (batch Jobs) or when this process
         created it in the last resync period; only then is it POSTed again (a child deleted
         behind the operator's back comes back within one resync).
@@ -153,11 +177,12 @@ class CarryOut:
                 f"{exc.status.message}. To fix: correct the spec field it names and create "
                 "the job again",
             )
-        return next((c for c in found if c is not None), None)
+        conflicts = [c for c in found if c is not None and not isinstance(c, Held)]
+        return conflicts[0] if conflicts else next((c for c in found if c is not None), None)
 
     async def _create_child(
         self, job: FineTuneJob, created: dict[str, float], manifest: Mapping[str, Any]
-    ) -> Conflict | None:
+    ) -> Outcome:
         caches = self.view.caches
         assert caches is not None
         uid = str(job.metadata.get("uid"))
@@ -170,17 +195,14 @@ class CarryOut:
         if kind == "Job" and caches.has_batch_job(job_key(job), name, uid):
             created[ident] = time.monotonic()
             return None
-        if not await self.kube.create_if_absent(manifest) and kind != "PersistentVolumeClaim":
-            # A retained checkpoint volume of an earlier job of the same name is meant to
-            # be taken over (docs/runbook.md); any other child must be ours.
-            owners = await self.kube.owner_uids(manifest)
-            if owners is not None and uid not in owners:
-                return (
-                    Reason.CHILD_CONFLICT,
-                    f"a {kind} named {name} already exists in namespace "
-                    f"{manifest['metadata'].get('namespace')} and does not belong to this "
-                    f"FineTuneJob. To fix: delete or rename that {kind}, or create this "
-                    "job under another name",
-                )
+        if not await self.kube.create_if_absent(manifest):
+            existing = await self.kube.existing(manifest)
+            if existing is None:
+                return Held(f"{ident} was removed as it was created; creating it again")
+            verdict = judge(manifest, existing, str(job.metadata["name"]), uid)
+            if verdict.claim is Claim.WAIT:
+                return Held(verdict.message)
+            if verdict.claim is Claim.CONFLICT:
+                return (Reason.CHILD_CONFLICT, verdict.message)
         created[ident] = time.monotonic()
         return None

@@ -2,7 +2,7 @@
 
 Reconciles read the cluster from watch-fed caches (controller/cache.py); what goes through
 here are the writes (`create_if_absent`, `delete_batch_job`, `patch_status`, ...), the one
-read that resolves a create conflict (`owner_uids`), the launch preflight's reads of the
+read that resolves a create conflict (`existing`), the launch preflight's reads of the
 claims and Secret a job names (`missing_inputs`) and the trainer metrics scrape.
 Every call retries what a retry can fix (throttling, server errors, lost connections, and
 for status writes conflicts) a few times, with jittered exponential back-off (tenacity,
@@ -33,8 +33,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
 
 from kubetune.api.v1alpha1 import GROUP, VERSION, FineTuneJob
-from kubetune.api.vocabulary import COMPLETION_INDEX_ANNOTATION
+from kubetune.api.vocabulary import ANNOTATION_RETENTION, COMPLETION_INDEX_ANNOTATION
 from kubetune.control.build.storage import InputRef
+from kubetune.control.ownership import Existing, Owner
 from kubetune.control.pods import PodPhase
 from kubetune.control.reconcile import MissingInput
 from kubetune.controller.backoff import RANDOM, Backoff, BackoffWait
@@ -188,8 +189,9 @@ class Kube:
             return None
         return parse_trainer_metrics(text)
 
-    async def owner_uids(self, manifest: Mapping[str, Any]) -> set[str] | None:
-        """The owner UIDs of the live object a manifest names; None when it does not exist."""
+    async def existing(self, manifest: Mapping[str, Any]) -> Existing | None:
+        """The owners, labels and annotations of the live object a manifest names; None
+        when it does not exist."""
         meta = manifest.get("metadata") or {}
         kind = _KINDS.get(str(manifest.get("kind")))
         if kind is None:
@@ -204,8 +206,14 @@ class Kube:
             if exc.status.code == 404:
                 return None
             raise
-        refs = obj.metadata.ownerReferences if obj.metadata else None
-        return {ref.uid for ref in refs or []}
+        live = obj.metadata
+        if live is None:
+            return Existing()
+        return Existing(
+            owners=tuple(Owner(r.kind, r.name, r.uid) for r in live.ownerReferences or ()),
+            labels=dict(live.labels or {}),
+            annotations=dict(live.annotations or {}),
+        )
 
     async def missing_inputs(self, namespace: str, refs: Sequence[InputRef]) -> list[MissingInput]:
         """Which of `refs` do not exist in `namespace` (a Secret also when it lacks the key).
@@ -338,6 +346,27 @@ class Kube:
                 patch_type=PatchType.MERGE,
             ),
         )
+
+    async def release_claim(self, namespace: str, name: str) -> None:
+        """Take a PersistentVolumeClaim from its owner: garbage collection no longer deletes
+        it with the job (its retention annotation says so). A claim already gone is no error."""
+        patch = {
+            "metadata": {"ownerReferences": None, "annotations": {ANNOTATION_RETENTION: "retain"}}
+        }
+        try:
+            await self._retrying(
+                f"release of PersistentVolumeClaim {namespace}/{name}",
+                lambda: self.client.patch(
+                    PersistentVolumeClaim,
+                    name,
+                    patch,
+                    namespace=namespace,
+                    patch_type=PatchType.MERGE,
+                ),
+            )
+        except ApiError as exc:
+            if exc.status.code != 404:
+                raise
 
     async def delete_batch_job(self, namespace: str, name: str) -> None:
         """Delete a batch Job and (in the background) its pods, which get SIGTERM first."""

@@ -166,6 +166,9 @@ class Decision:
     events: list[Event] = field(default_factory=list)
     resize_claims: list[tuple[str, str]] = field(default_factory=list)
     """(claim, new storage request): claims to expand."""
+    release_claims: list[str] = field(default_factory=list)
+    """Claims whose owner reference to the job goes (before `delete_self`): deleting the job
+    then leaves them."""
     delete_self: bool = False
     requeue_after: float | None = None
 

@@ -23,7 +23,7 @@ from kubetune.control.reconcile.recovery import (
     relaunch_after_preemption,
     relaunch_if_stalled,
 )
-from kubetune.control.reconcile.stages import exporting, staging_out
+from kubetune.control.reconcile.stages import exporting, keep_output, output_at_risk, staging_out
 
 
 def finished(ctx: Context) -> None:
@@ -31,6 +31,8 @@ def finished(ctx: Context) -> None:
     if job is not None and (job.get("status") or {}).get("active"):
         ctx.stop_trainer()
     ctx.delete_stale_attempts(newer_too=True)
+    if output_at_risk(ctx):
+        keep_output(ctx)
     ttl = ctx.spec.ttl_seconds_after_finished
     done = p.parse_time(ctx.s.completion_time)
     if ttl is None or done is None:

@@ -168,6 +168,7 @@ def staging_in(ctx: Context) -> bool:
         ctx.go.condition(ConditionType.STAGED_IN, True, Reason.STAGED_IN, summary)
         ctx.d.event(Reason.STAGED_IN, summary)
         return False
+    keep_output(ctx)
     why = "a permanent failure" if end.code == EXIT_CONFIG_ERROR else "failed repeatedly"
     ctx.fail(Reason.STAGE_IN_FAILED, f"the stage-in step {why}: {end.message[-600:]}")
     return True
@@ -270,11 +271,13 @@ def _after_training(ctx: Context, step: _AfterTraining) -> bool:
     if end.code == 0:
         summary = step.record(end.message)
         if summary is None:
+            keep_output(ctx)
             ctx.fail(failed, f"{_no_result(step.kind, step.batch, end)}. {step.kept}")
             return True
         ctx.go.condition(condition, True, done, summary)
         ctx.d.event(done, summary)
         return False
+    keep_output(ctx)
     why = "a permanent failure" if end.code == EXIT_CONFIG_ERROR else "failed repeatedly"
     name = (step.batch.get("metadata") or {}).get("name")
     detail = end.message[-600:]
@@ -293,6 +296,29 @@ def _after_training(ctx: Context, step: _AfterTraining) -> bool:
     return True
 
 
+def keep_output(ctx: Context) -> None:
+    """After an export or upload failed, the checkpoint volume holds the only copy of the
+    trained output: a claim the job owns (retention `delete`) is released, so that neither
+    the TTL nor a user deleting the job to create it again (as the failure message says to)
+    deletes it with the job. Repeated until the watched claim shows no owner."""
+    claim = ctx.observed.checkpoint_claim
+    owners = ((claim or {}).get("metadata") or {}).get("ownerReferences") or []
+    if claim is None or not any(o.get("uid") == ctx.job.metadata.get("uid") for o in owners):
+        return
+    name = str(claim["metadata"]["name"])
+    if name not in ctx.d.release_claims:
+        ctx.d.release_claims.append(name)
+
+
+def output_at_risk(ctx: Context) -> bool:
+    """Whether the job failed in the export or upload step (its output only on the volume)."""
+    failed = get_condition(ctx.s.conditions, ConditionType.FAILED)
+    return failed is not None and failed.reason in (
+        _STEP_FAILURES[StepKind.EXPORT],
+        _STEP_FAILURES[StepKind.STAGE_OUT],
+    )
+
+
 def exporting(ctx: Context) -> bool:
     """The GGUF file spec.output.gguf asks for, written by the export step."""
     if not needs_export(ctx.job) or ctx.s.export is not None:
@@ -308,6 +334,7 @@ def exporting(ctx: Context) -> bool:
             f"{exported.seconds}s"
         )
 
+    pvc = child_names(ctx.job_name, 1).pvc
     return _after_training(
         ctx,
         _AfterTraining(
@@ -317,7 +344,8 @@ def exporting(ctx: Context) -> bool:
             build=lambda: build_export(ctx.job, ctx.settings.build),
             doing=lambda: f"exporting the trained model to GGUF: {gguf_uri(ctx.job)}",
             record=record,
-            kept="The trained output stays on its volume",
+            kept=f"The trained output stays on the checkpoint volume ({pvc}, output/), which "
+            "deleting this job leaves in place",
             again="export",
             fixed="the fixed spec.output.gguf and ",
         ),
@@ -350,7 +378,8 @@ def staging_out(ctx: Context) -> bool:
             build=lambda: build_stage_out(ctx.job, ctx.settings.build),
             doing=lambda: f"uploading the output to {ctx.spec.output.uri}",
             record=record,
-            kept=f"The output stays on the checkpoint volume ({pvc}, output/)",
+            kept=f"The output stays on the checkpoint volume ({pvc}, output/), which deleting "
+            "this job leaves in place",
             again="upload",
             fixed="",
         ),
