@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import traceback
 from collections import namedtuple
 from pathlib import Path
@@ -36,7 +37,9 @@ from kubetune_trainer.checkpoint import (
 )
 from kubetune_trainer.contract import EXIT_CHECKPOINT_FAILED, EXIT_OK, EXIT_PREEMPTED
 from kubetune_trainer.distributed import DistEnv
+from kubetune_trainer.errors import CheckpointFailed, StorageUnavailable
 from kubetune_trainer.recipe import SftRecipe
+from support import faultyfs
 from support.trainer import checkpoint_names, read_log, step_losses, trainer_config, write_config
 
 pytestmark = pytest.mark.trainer
@@ -316,3 +319,80 @@ def test_keep_one_with_its_only_checkpoint_damaged_fails_clearly(
     assert run_main(tmp_path, cfg, monkeypatch) == EXIT_CHECKPOINT_FAILED
     assert "could not be loaded earlier and was quarantined" in termination(tmp_path)
     assert len(read_log(tmp_path / "metrics.jsonl", "step")) == steps  # never trained again
+
+
+# ------------------------------------------------------------------ a storage in trouble
+
+
+def faulty_mount() -> None:
+    why = faultyfs.unavailable()
+    if why is not None:
+        pytest.skip(f"no FUSE file system to inject a real EIO with: {why}")
+
+
+def test_a_read_error_proves_no_damage_and_quarantines_nothing(tmp_path: Path) -> None:
+    """verify() meets a real EIO (from a FUSE file system, below Python): it raises
+    StorageUnavailable; the checkpoint keeps its name, and verifies once reads work again."""
+    faulty_mount()
+    ck, model, opt = small_checkpointer(tmp_path / "src")
+    save(ck, 1, model, opt)
+    control, mnt = tmp_path / "eio", tmp_path / "mnt"
+    with faultyfs.mounted(tmp_path / "src", mnt, control):
+        seen = Checkpointer(mnt, keep=2, env=ONE, adapter_only=False)
+        control.write_text("__0_0.distcp\n")
+        with pytest.raises(StorageUnavailable, match=r"step-1: .*Input/output error.*To fix"):
+            seen.verify(mnt / "step-1")
+        control.unlink()
+        assert names(mnt) == ["step-1"] and seen.verify(mnt / "step-1") is None
+
+
+def test_a_resume_the_storage_fails_ends_the_attempt_restartably_and_the_next_resumes(
+    tmp_path: Path, tiny_llama: Path, alpaca_data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checkpoint volume answers EIO while the relaunched trainer resumes: exit 1 (the
+    Job restarts it), nothing quarantined; once it reads again the run resumes from step 2."""
+    faulty_mount()
+    cfg = trainer_config(
+        tmp_path, tiny_llama, alpaca_data, "lora",
+        training={"max_steps": 2}, checkpoint={"interval_steps": 2, "keep": 1},
+    )  # fmt: skip
+    assert run_main(tmp_path, cfg, monkeypatch) == EXIT_OK
+    ckpt = tmp_path / "ckpt"
+    ckpt.rename(tmp_path / "volume")
+    control = tmp_path / "eio"
+    with faultyfs.mounted(tmp_path / "volume", ckpt, control):
+        control.write_text("trainer_state.json\n")
+        assert run_main(tmp_path, cfg, monkeypatch) == 1
+        assert "could not be read" in termination(tmp_path)
+        assert names(ckpt) == ["step-2"]  # nothing quarantined, nothing pruned
+        control.unlink()
+        assert run_main(tmp_path, cfg, monkeypatch) == EXIT_OK
+    assert read_log(tmp_path / "metrics.jsonl", "start")[-1]["resumed_from"].endswith("step-2")
+
+
+def test_making_room_removes_only_quarantined_checkpoints_proven_damaged(tmp_path: Path) -> None:
+    """A really full file system (a 24 MiB tmpfs): the save that cannot fit removes the
+    quarantined folder that fails its manifest and keeps the one that still matches it (a
+    transient error may have put it there)."""
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    mount = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(volume)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to fill: {mount.stderr.strip()}")
+    try:
+        ck, model, opt = small_checkpointer(volume)
+        sound = save(ck, 1, model, opt).rename(volume / f"step-1{QUARANTINE_MARK}20261201T000000Z")
+        damaged = save(ck, 2, model, opt)
+        shard = damaged / "__0_0.distcp"
+        shard.write_bytes(shard.read_bytes()[:-8])
+        damaged = damaged.rename(volume / f"step-2{QUARANTINE_MARK}20261201T000001Z")
+        free = shutil.disk_usage(volume).free
+        (volume / "filler").write_bytes(b"\0" * (free - 2 * 2**20))  # 2 MiB left: too little
+        with pytest.raises(CheckpointFailed, match="not enough space"):
+            save(ck, 3, model, opt)
+        assert sound.is_dir() and not damaged.exists()
+    finally:
+        subprocess.run(["umount", str(volume)], check=False)

@@ -20,15 +20,19 @@ Under pressure:
 
 - Before a save rank 0 compares the volume's free space with the checkpoint's expected size
   (the newest complete checkpoint's, or parameter + optimizer bytes for the first one); a save
-  that would not fit is not started (quarantined checkpoints are deleted first to make room)
-  and the run ends with `CheckpointFailed` (exit 45), the previous checkpoint intact.
+  that would not fit is not started (quarantined checkpoints proven damaged, those that no
+  longer match their manifest, are deleted first to make room) and the run ends with
+  `CheckpointFailed` (exit 45), the previous checkpoint intact.
 - A save that fails anyway (ENOSPC, any error, DCP's `CheckpointException`, which is a
   `BaseException`) removes its temp folder and ends the same way.
 - At start-up rank 0 removes `.tmp-step-*` leftovers of interrupted saves.
-- On resume a checkpoint is checked against its manifest, then loaded; one that fails either
-  is renamed `step-<N>.corrupt-<UTC time>` (quarantined: never resumed, never counted by
-  keep-K) and the next older one is tried. Pruning never removes the last checkpoint known to
-  load (the one resumed or just written).
+- On resume a checkpoint is checked against its manifest, then loaded; one that differs from
+  its manifest (a size, a hash, a missing file) or does not load for its contents is renamed
+  `step-<N>.corrupt-<UTC time>` (quarantined: never resumed, never counted by keep-K) and the
+  next older one is tried. A read the storage fails (EIO, a stale NFS handle, a collective
+  timed out while loading) proves nothing: `StorageUnavailable` ends the attempt with exit 1,
+  nothing quarantined, and its restart reads the volume again. Pruning never removes the last
+  checkpoint known to load (the one resumed or just written).
 
 Whose checkpoints: the volume is named after the job and outlives it, so a new job of the
 same name finds the old job's checkpoints. `identity` in trainer_state.json holds the writing
@@ -79,7 +83,7 @@ from kubetune_trainer.contract import (
     checkpoint_dir_name,
 )
 from kubetune_trainer.distributed import DistEnv, all_reduce_max, barrier
-from kubetune_trainer.errors import CheckpointFailed
+from kubetune_trainer.errors import CheckpointFailed, StorageUnavailable
 from kubetune_trainer.identity import IDENTITY_KEY
 
 log = logging.getLogger(__name__)
@@ -127,6 +131,51 @@ def quarantined_checkpoints(root: Path) -> list[Path]:
         if p.name.startswith(CHECKPOINT_PREFIX) and QUARANTINE_MARK in p.name and p.is_dir()
     ]
     return sorted(found, key=lambda p: (p.name.split(QUARANTINE_MARK, 1)[1], p.name))
+
+
+def _manifest_problem(path: Path, rank: int = 0, world_size: int = 1) -> str | None:
+    """What makes `path` differ from its manifest, checking this rank's share of the files;
+    None when it matches (or predates manifests). Raises OSError (a missing file excepted)
+    when a file cannot be read: that is the storage's trouble, not the checkpoint's."""
+    try:
+        entries = dict(json.loads((path / MANIFEST_FILE).read_text())["files"])
+    except FileNotFoundError:
+        try:
+            version = int(json.loads((path / STATE_FILE).read_text()).get("format_version", 1))
+        except FileNotFoundError:
+            return f"{STATE_FILE} is missing"
+        except (ValueError, TypeError, AttributeError) as e:
+            return f"{STATE_FILE} is unreadable ({_first_line(e)})"
+        if version >= 2:
+            return f"{MANIFEST_FILE} is missing"
+        log.info("%s has no manifest (written by an older trainer): not checked", path)
+        return None
+    except (ValueError, KeyError, TypeError) as e:
+        return f"{MANIFEST_FILE} is unreadable ({_first_line(e)})"
+    for name in sorted(entries)[rank::world_size]:
+        want = entries[name]
+        try:
+            size = (path / name).stat().st_size
+            if size != int(want["size"]):
+                return f"{name} has {size} bytes, its manifest says {want['size']}"
+            if file_sha256(path / name) != want["sha256"]:
+                return f"{name} does not match its sha256"
+        except FileNotFoundError:
+            return f"{name} is missing"
+        except (KeyError, TypeError, ValueError) as e:
+            return f"{name} cannot be checked ({_first_line(e)})"
+    return None
+
+
+def _still_matches(path: Path) -> bool:
+    """Whether a quarantined checkpoint matches a manifest of its own (then it was not proven
+    damaged, and is never removed to make room); one that cannot be read counts as matching."""
+    if not (path / MANIFEST_FILE).is_file():
+        return False
+    try:
+        return _manifest_problem(path) is None
+    except OSError:
+        return True
 
 
 def capture_rng() -> dict[str, Any]:
@@ -283,41 +332,24 @@ class Checkpointer:
 
     def verify(self, path: Path) -> str | None:
         """Check `path` against its manifest, each rank hashing a share of the files. None when
-        it matches (or predates manifests), else what is wrong: the same answer on every rank."""
-        problem: str | None = None
-        entries: dict[str, Any] = {}
+        it matches (or predates manifests), else what is wrong: the same answer on every rank.
+        A file that cannot be read (EIO, a stale NFS handle) proves nothing wrong with the
+        checkpoint: StorageUnavailable on every rank, and a restart reads it again."""
         try:
-            manifest = json.loads((path / MANIFEST_FILE).read_text())
-            entries = dict(manifest["files"])
-        except FileNotFoundError:
-            try:
-                version = int(json.loads((path / STATE_FILE).read_text()).get("format_version", 1))
-            except (OSError, ValueError, TypeError, AttributeError) as e:
-                version, problem = 0, f"{STATE_FILE} is unreadable ({_first_line(e)})"
-            if version >= 2:
-                problem = f"{MANIFEST_FILE} is missing"
-            elif problem is None:
-                log.info("%s has no manifest (written by an older trainer): not checked", path)
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            problem = f"{MANIFEST_FILE} is unreadable ({_first_line(e)})"
-        if problem is None:
-            names = sorted(entries)
-            for name in names[self.env.rank :: self.env.world_size]:
-                want = entries[name]
-                try:
-                    size = (path / name).stat().st_size
-                    if size != int(want["size"]):
-                        problem = f"{name} has {size} bytes, its manifest says {want['size']}"
-                    elif file_sha256(path / name) != want["sha256"]:
-                        problem = f"{name} does not match its sha256"
-                except FileNotFoundError:
-                    problem = f"{name} is missing"
-                except (OSError, KeyError, TypeError, ValueError) as e:
-                    problem = f"{name} cannot be checked ({_first_line(e)})"
-                if problem:
-                    break
-        found = [p for p in _all_gather(problem, self.env) if p]
-        return found[0] if found else None
+            problem = _manifest_problem(path, self.env.rank, self.env.world_size)
+            unreadable = None
+        except OSError as e:
+            problem, unreadable = None, f"{path.name}: {_first_line(e)}"
+        found = _all_gather((problem, unreadable), self.env)
+        cannot_read = [u for _, u in found if u]
+        if cannot_read:
+            raise StorageUnavailable(
+                f"checkpoint {cannot_read[0]}: the volume could not be read; nothing was "
+                "quarantined, and a restart reads it again. To fix: if this repeats, check "
+                "the checkpoint volume (its storage, its mount on the node)"
+            )
+        problems = [p for p, _ in found if p]
+        return problems[0] if problems else None
 
     def quarantine(self, path: Path, reason: str) -> Path:
         """Rank 0 renames a checkpoint that cannot be resumed to `step-<N>.corrupt-<time>`."""
@@ -582,6 +614,9 @@ class Checkpointer:
                 for q in quarantined_checkpoints(self.root):
                     if free >= needed:
                         break
+                    if _still_matches(q):  # only a checkpoint proven damaged is removed
+                        log.warning("kept quarantined %s: it matches its manifest", q.name)
+                        continue
                     shutil.rmtree(q, ignore_errors=True)
                     log.warning("removed quarantined checkpoint %s to make room", q.name)
                     free = shutil.disk_usage(self.root).free

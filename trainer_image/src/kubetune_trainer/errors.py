@@ -64,6 +64,26 @@ class OutOfMemory(TrainerExit):
         self.result = result
 
 
+class StorageUnavailable(TrainerExit):
+    """The checkpoint volume could not be read for a reason that may pass (EIO, a stale NFS
+    handle, a collective timed out while loading): no checkpoint is judged damaged for it.
+    The attempt ends (exit 1) and its restart reads the volume again."""
+
+
+def transient(e: BaseException) -> bool:
+    """Whether `e` (or, for DCP's CheckpointException, what any rank raised) is an error of
+    the storage or the network, not of a checkpoint's contents: an OSError (a missing file
+    excepted: that is the checkpoint's), a timeout, a collective's failure."""
+    import torch.distributed as dist
+
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict):
+        return any(transient(pair[0]) for pair in failures.values())
+    if isinstance(e, FileNotFoundError):
+        return False
+    return isinstance(e, OSError | TimeoutError | dist.DistError)
+
+
 class HubUnavailable(TrainerExit):
     """The hub could not be reached, or answered with a server error, after a few tries;
     a restart may find it well again (exit 1)."""

@@ -25,7 +25,7 @@ from kubetune_trainer.checkpoint import (
 )
 from kubetune_trainer.contract import TrainerConfig
 from kubetune_trainer.distributed import DistEnv, all_reduce_max
-from kubetune_trainer.errors import CheckpointFailed, first_line
+from kubetune_trainer.errors import CheckpointFailed, StorageUnavailable, first_line, transient
 from kubetune_trainer.identity import RESUME_FIELD, changed_fields, describe, whose
 from kubetune_trainer.metrics import TrainerMetrics
 from kubetune_trainer.recipe.optim import configured_hyperparameters
@@ -83,15 +83,24 @@ def resume_newest(
     configured = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     failed: list[str] = []
     for step, path in reversed(complete_checkpoints(ck.root)):
+        unavailable: StorageUnavailable | None = None
         try:
             state, problem = _load(r, path)
         except _OtherWeights:
             break
+        except StorageUnavailable as e:
+            state, problem, unavailable = None, None, e
         except CheckpointException as e:  # DCP's error is a BaseException
             if "out of memory" in str(e).lower():
                 raise  # not the checkpoint's fault: never quarantine for it
             state, problem = None, f"cannot be loaded: {first_line(e)}"
-        if all_reduce_max([int(problem is not None)], env)[0]:
+            if transient(e):
+                problem, unavailable = None, _unavailable(path, e)
+        flags = [int(problem is not None), int(unavailable is not None)]
+        damaged, cannot_read = all_reduce_max(flags, env)
+        if cannot_read:  # on every rank: a restart reads the volume again
+            raise unavailable or _unavailable(path, RuntimeError("another rank could not read"))
+        if damaged:
             problem = problem or "another rank could not load it"
             moved = ck.quarantine(path, problem)
             metrics.event(
@@ -117,8 +126,10 @@ def _load(r: _Resume, path: Path) -> tuple[dict[str, Any] | None, str | None]:
         return None, problem
     try:
         saved = json.loads((path / STATE_FILE).read_text())
-    except (OSError, ValueError) as e:
+    except ValueError as e:
         return None, f"{STATE_FILE} is unreadable ({first_line(e)})"
+    except OSError as e:
+        raise _unavailable(path, e) from e
     if bool(saved.get("adapter_only")) != r.adapter_only:
         log.warning(
             "%s holds %s weights but this run trains %s; starting from the base model",
@@ -132,7 +143,18 @@ def _load(r: _Resume, path: Path) -> tuple[dict[str, Any] | None, str | None]:
     except Exception as e:
         if "out of memory" in str(e).lower():
             raise  # not the checkpoint's fault: never quarantine for it
+        if transient(e):
+            raise _unavailable(path, e) from e
         return None, f"cannot be loaded: {first_line(e)}"
+
+
+def _unavailable(path: Path, e: BaseException) -> StorageUnavailable:
+    """A load the storage or the network failed: nothing is quarantined for it."""
+    return StorageUnavailable(
+        f"checkpoint {path.name} could not be read ({first_line(e)}); nothing was "
+        "quarantined, and a restart reads it again. To fix: if this repeats, check the "
+        "checkpoint volume (its storage, its mount on the node)"
+    )
 
 
 def _none_loaded(root: Path, failed: list[str]) -> None:
