@@ -16,7 +16,7 @@ import pytest
 
 from kubetune.api.tenancy import Tenant
 from kubetune.api.units import quantity_value
-from kubetune.api.v1alpha1 import FineTuneJobStatus, LabelSelector
+from kubetune.api.v1alpha1 import FineTuneJob, FineTuneJobStatus, LabelSelector
 from kubetune.api.vocabulary import ConditionType, Phase, Reason
 from kubetune.control import conditions as c
 from kubetune.control.build.settings import BuildSettings
@@ -422,6 +422,65 @@ def test_a_secret_the_namespace_did_not_allow_fails_before_planning() -> None:
     consenting = Tenant.of("team-a", {}, {"kubetune.io/allowed-secrets": "s3-creds, hf-token"})
     allowed, _ = run(job, Observed(pools=default_pools(), tenant=consenting))
     assert allowed.status is not None and allowed.status.phase == Phase.RUNNING
+
+
+def patched(job: FineTuneJob, **update: Any) -> FineTuneJob:
+    """The job after a `kubectl patch` of its spec (by alias, as the API takes it)."""
+    spec = type(job.spec).model_validate({**job.spec.model_dump(by_alias=True), **update})
+    return job.model_copy(update={"spec": spec})
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"trainerImage": "evil.example/miner:1"}, Reason.IMAGE_NOT_ALLOWED),
+        ({"model": {"uri": "org/model", "tokenSecretRef": {"name": "aws-admin"}}},
+         Reason.SECRET_NOT_ALLOWED),
+    ],
+)  # fmt: skip
+def test_a_spec_patched_after_the_first_launch_is_checked_again_before_the_next(
+    change: dict[str, Any], reason: Reason
+) -> None:
+    """The rules are checked before every launch: a job patched while suspended (or before
+    a relaunch) gets no pod with an image or a Secret the rules refuse."""
+    tenant = Tenant.of("team-a", {}, {"kubetune.io/allowed-secrets": "hf-token"})
+    seen = Observed(pools=default_pools(), tenant=tenant)
+    job, _ = run(make_job(), seen)
+    assert job.status is not None and job.status.phase == Phase.RUNNING
+    suspended = job.model_copy(update={"spec": job.spec.model_copy(update={"suspend": True})})
+    job, _ = run(suspended, replace(seen, batch_job=batch_job(active=1)))
+    assert job.status is not None and job.status.phase == Phase.SUSPENDED
+    resumed = patched(job, suspend=False, **change)
+    job, d = run(resumed, replace(seen, attempt=1))
+    s = job.status
+    assert s is not None and s.phase == Phase.FAILED and d.create == [], s
+    assert c.get_condition(s.conditions, ConditionType.FAILED).reason == reason  # type: ignore[union-attr]
+
+
+def test_a_relaunch_onto_a_pool_that_no_longer_takes_the_namespace_plans_again() -> None:
+    job, _ = run(make_job())
+    assert job.status is not None and job.status.plan is not None
+    pool = job.status.plan.pool
+    closed = [
+        p.model_copy(
+            update={
+                "spec": p.spec.model_copy(
+                    update={"namespace_selector": LabelSelector(match_labels={"team": "b"})}
+                )
+            }
+        )
+        if p.name == pool
+        else p
+        for p in default_pools()
+    ]
+    tenant = Tenant.of("team-a", {"team": "a"}, {})
+    suspended = job.model_copy(update={"spec": job.spec.model_copy(update={"suspend": True})})
+    job, _ = run(suspended, Observed(pools=closed, tenant=tenant, batch_job=batch_job(active=1)))
+    resumed = job.model_copy(update={"spec": job.spec.model_copy(update={"suspend": False})})
+    job, d = run(resumed, Observed(pools=closed, tenant=tenant, attempt=1))
+    s = job.status
+    assert s is not None and d.create == [], d.create
+    assert s.plan is None and s.phase == Phase.PLANNING, s  # the planner picks another pool
 
 
 def test_pools_keep_to_the_namespaces_they_select() -> None:

@@ -9,6 +9,7 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
+from kubetune.api.tenancy import Tenant
 from kubetune.api.vocabulary import ConditionType, Phase, Reason, StepKind
 from kubetune.control import conditions as c
 from kubetune.control.build.paths import OUTPUT_DIR
@@ -161,6 +162,21 @@ def test_a_failed_upload_releases_the_owned_volume_before_any_ttl_deletes_the_jo
     later = replace(later, checkpoint_claim=owned_claim(uid="uid-other"))
     _, d = run(job, later, now=T0 + timedelta(minutes=33))
     assert d.delete_self and d.release_claims == []
+
+
+def test_a_credentials_secret_patched_after_the_launch_gets_no_upload_pod() -> None:
+    """spec.s3 stays mutable: the upload step is checked against the namespace's consent
+    when it is built, not only the launch."""
+    tenant = Tenant.of("team-a", {}, {"kubetune.io/allowed-secrets": "s3-creds"})
+    job, _ = run(make_job(**S3_OUT), Observed(pools=default_pools(), tenant=tenant))
+    s3 = {**S3_OUT["s3"], "credentialsSecret": "someone-elses-keys"}
+    spec = type(job.spec).model_validate({**job.spec.model_dump(by_alias=True), "s3": s3})
+    job = job.model_copy(update={"spec": spec})
+    job, d = run(job, replace(trained(), tenant=tenant), now=T0 + timedelta(minutes=30))
+    s = job.status
+    assert s is not None and s.phase == Phase.FAILED and d.create == []
+    cond = c.get_condition(s.conditions, ConditionType.FAILED)
+    assert cond is not None and cond.reason == Reason.SECRET_NOT_ALLOWED
 
 
 def test_a_stage_out_without_its_result_fails_with_the_reason() -> None:

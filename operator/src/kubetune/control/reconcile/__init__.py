@@ -17,7 +17,8 @@ come first for every unfinished job:
     Succeeded, Failed             → stop what still runs, delete old attempts, TTL (follow.py)
     Suspended, resumed            → relaunch from the checkpoint, plan first if never planned
                                     (suspension.py)
-    Pending, Planning, Queued     → preflight: the admins' rules, the claims and Secret it
+    Pending, Planning, Queued     → preflight: the admins' rules (policy.py, checked again
+                                    before every launch and step), the claims and Secret it
                                     reads exist (preflight.py); the stage-in step for remote
                                     sources (stages.py); plan with what was measured; launch,
                                     or queue for capacity (launch.py)
@@ -53,7 +54,8 @@ from kubetune.control.reconcile.context import (
 )
 from kubetune.control.reconcile.follow import adopt_lost_launch, finished, follow_attempt
 from kubetune.control.reconcile.launch import plan_and_launch
-from kubetune.control.reconcile.preflight import inputs_missing, needs_preflight, refused
+from kubetune.control.reconcile.policy import refused
+from kubetune.control.reconcile.preflight import inputs_missing, needs_preflight
 from kubetune.control.reconcile.recovery import (
     KEEP_RECOVERIES,
     preemptions_without_progress,

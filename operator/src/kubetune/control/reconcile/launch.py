@@ -16,6 +16,7 @@ from kubetune.control.build.storage import checkpoint_size
 from kubetune.control.build.trainer import host_memory_gib
 from kubetune.control.conditions import get_condition, is_true
 from kubetune.control.reconcile.context import Context, NewPlan
+from kubetune.control.reconcile.policy import may_use_pool, refused
 from kubetune.planning.arch import ArchitectureError
 from kubetune.planning.estimator import EstimatorError
 from kubetune.planning.planner import Layout, PlannerSettings
@@ -110,9 +111,12 @@ def launch_attempt(ctx: Context) -> None:
     """Start the next attempt of the current plan (it resumes from the checkpoint)."""
     plan = ctx.s.plan
     assert plan is not None
+    if refused(ctx):  # a spec patched since the last launch
+        return
     pool = ctx.pool(plan.pool)
-    if pool is None:
-        # The pool disappeared since the plan was made: plan again next time.
+    if pool is None or not may_use_pool(ctx, pool):
+        # The pool disappeared, or no longer takes this namespace, since the plan was
+        # made: plan again next time.
         ctx.go.replan()
         ctx.d.requeue_after = ctx.settings.queue_retry_seconds
         return

@@ -1,15 +1,13 @@
-"""Before a launch: the admins' rules (trainer images, Secrets a namespace may use) and the
-claims and Secrets the job reads, which must exist before any GPU is asked for."""
+"""Before a launch: the claims and Secrets the job reads, which must exist before any GPU is
+asked for (the admins' rules are policy.py's)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from fnmatch import fnmatchcase
 
 from kubetune.api.v1alpha1 import FineTuneJob
 from kubetune.api.vocabulary import ConditionType, Phase, Reason
 from kubetune.control import pods as p
-from kubetune.control.build.storage import input_refs
 from kubetune.control.conditions import get_condition
 from kubetune.control.reconcile.context import Context, MissingInput
 
@@ -21,38 +19,6 @@ def needs_preflight(job: FineTuneJob) -> bool:
     if job.spec.suspend:
         return False
     return phase in (Phase.PENDING, Phase.PLANNING, Phase.QUEUED, Phase.SUSPENDED)
-
-
-def refused(ctx: Context) -> bool:
-    """Fail a job that asks for what the cluster's admins do not allow (before any GPU
-    is spent): a trainer image off the allow-list, a Secret its namespace did not
-    allow. True when it failed."""
-    image = ctx.spec.trainer_image
-    if image is not None and not _image_allowed(ctx, image):
-        allowed = [ctx.settings.build.trainer_image, *ctx.settings.allowed_trainer_images]
-        ctx.fail(
-            Reason.IMAGE_NOT_ALLOWED,
-            f"spec.trainerImage {image!r} is not allowed on this cluster (allowed: "
-            f"{', '.join(allowed)}). To fix: remove spec.trainerImage to use the "
-            "operator's trainer image, or ask the cluster admin to add the image to the "
-            "chart value operator.allowedTrainerImages",
-        )
-        return True
-    tenant = ctx.observed.tenant
-    if tenant is None:
-        return False
-    for ref in input_refs(ctx.job):
-        refusal = ref.kind == "Secret" and tenant.secret_refusal(ref.name, ref.field)
-        if refusal:
-            ctx.fail(Reason.SECRET_NOT_ALLOWED, refusal)
-            return True
-    return False
-
-
-def _image_allowed(ctx: Context, image: str) -> bool:
-    if image == ctx.settings.build.trainer_image:
-        return True
-    return any(fnmatchcase(image, pattern) for pattern in ctx.settings.allowed_trainer_images)
 
 
 def inputs_missing(ctx: Context) -> bool:

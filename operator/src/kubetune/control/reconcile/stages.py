@@ -35,6 +35,7 @@ from kubetune.control.build.stages import (
 from kubetune.control.build.storage import CACHE_CLAIM
 from kubetune.control.conditions import get_condition
 from kubetune.control.reconcile.context import Context, ControllerSettings, Observed, measured_spec
+from kubetune.control.reconcile.policy import refused
 from kubetune.planning.arch import ArchitectureError
 from kubetune.planning.estimator import EstimatorError
 from kubetune_trainer.contract import (
@@ -126,6 +127,8 @@ def staging_in(ctx: Context) -> bool:
         return True
     ctx.d.requeue_after = ctx.settings.poll_seconds
     if batch is None:
+        if refused(ctx):
+            return True
         try:
             keep = ctx.observed.cache_in_use
             ctx.d.create.extend(build_stage_in(ctx.job, build, keep_paths=keep))
@@ -254,6 +257,8 @@ def _after_training(ctx: Context, step: _AfterTraining) -> bool:
     condition, running, done = _STEP_CONDITIONS[step.kind]
     failed = _STEP_FAILURES[step.kind]
     if step.batch is None:
+        if refused(ctx):  # a spec patched since the launch (its image, its Secret)
+            return True
         try:
             ctx.d.create.extend(step.build())
             what = step.doing()
