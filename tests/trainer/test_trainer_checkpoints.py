@@ -396,3 +396,26 @@ def test_making_room_removes_only_quarantined_checkpoints_proven_damaged(tmp_pat
         assert sound.is_dir() and not damaged.exists()
     finally:
         subprocess.run(["umount", str(volume)], check=False)
+
+
+class _Payload:
+    """Unpickled, it would create the file `path`."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.touch, (self.path,))
+
+
+def test_a_planted_rng_file_runs_no_code_when_loaded(tmp_path: Path) -> None:
+    """The RNG state is loaded with weights_only: a pickle planted in a checkpoint folder by
+    anyone who can write the volume fails to load (and the resume quarantines it) instead
+    of running."""
+    ck, model, opt = small_checkpointer(tmp_path / "ckpt")
+    path = save(ck, 1, model, opt)
+    ran = tmp_path / "ran"
+    torch.save({"python": _Payload(ran), "torch": torch.get_rng_state()}, path / "rng/rank-0.pt")
+    with pytest.raises(Exception, match="Weights only load failed"):
+        ck.load(path, model, opt)
+    assert not ran.exists()

@@ -695,7 +695,8 @@ class Checkpointer:
             raise RuntimeError(f"{path}: checkpoint lacks {sorted(missing)[:3]}")
         rng_file = path / "rng" / f"rank-{self.env.rank}.pt"
         if rng_file.is_file() and state.get("world_size") == self.env.world_size:
-            restore_rng(torch.load(rng_file, weights_only=False))
+            # Tensors, tuples and ints only: nothing in a checkpoint folder runs code.
+            restore_rng(torch.load(rng_file, weights_only=True))
         else:
             seed = int(state.get("seed", 0)) + int(state["step"]) * 7919 + self.env.rank
             random.seed(seed)
