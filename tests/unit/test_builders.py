@@ -863,7 +863,8 @@ def test_claim_used_for_input_and_output_is_writable() -> None:
 def test_pod_template_annotations_and_labels() -> None:
     built = build_indexed_job(full_8b_job(), full_8b_plan(), h100_pool(), SETTINGS, 3)
     meta = built["spec"]["template"]["metadata"]
-    assert meta["labels"] == labels(full_8b_job(), 3)
+    # The job's uid too: the pods of a deleted job of the same name are not this one's.
+    assert meta["labels"] == {**labels(full_8b_job(), 3), "kubetune.io/job-uid": "uid-8b"}
     assert meta["annotations"]["prometheus.io/scrape"] == "true"
     assert meta["annotations"]["prometheus.io/port"] == "9400"
     assert meta["annotations"]["kubetune.io/plan-revision"] == "2"

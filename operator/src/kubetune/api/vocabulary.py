@@ -253,6 +253,10 @@ LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_JOB = "kubetune.io/job"
 """On every child of a FineTuneJob, and on its pods: the job's name (shortened past 63
 characters); the operator's watches select its children by it."""
+LABEL_JOB_UID = "kubetune.io/job-uid"
+"""On a trainer attempt's pods: the uid of the FineTuneJob whose batch Job made them. A job
+deleted and created again under its name has a new uid, so its reconciles never take the
+old job's pods, still terminating, for its own."""
 LABEL_ATTEMPT = "kubetune.io/attempt"
 """On a trainer attempt's ConfigMap, batch Job and pods: the attempt's number."""
 LABEL_STEP = "kubetune.io/step"
@@ -275,7 +279,8 @@ GPU_RESOURCE = "nvidia.com/gpu"
 commonly carry)."""
 
 ANNOTATION_RETENTION = "kubetune.io/retention"
-ANNOTATION_JOB_UID = "kubetune.io/job-uid"
+ANNOTATION_JOB_UID = LABEL_JOB_UID
+"""On the checkpoint claim: the uid of the job that made it (a label key too, on pods)."""
 ANNOTATION_PLAN_REVISION = "kubetune.io/plan-revision"
 ANNOTATION_TEST_FAULTS = "kubetune.io/test-faults"
 """Test-only fault injection, e.g. `{"oomAtStep": 6, "attempts": [1]}`: the trainer of the

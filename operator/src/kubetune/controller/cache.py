@@ -25,7 +25,7 @@ from pydantic import ValidationError
 
 from kubetune.api.tenancy import Tenant
 from kubetune.api.v1alpha1 import FineTuneJob, GPUPool, GPUPoolStatus
-from kubetune.api.vocabulary import LABEL_ATTEMPT, LABEL_JOB, LABEL_STEP, StepKind
+from kubetune.api.vocabulary import LABEL_ATTEMPT, LABEL_JOB, LABEL_JOB_UID, LABEL_STEP, StepKind
 from kubetune.control.build.names import child_names, label_value
 from kubetune.control.capacity import NodeInfo, gpus_held, pool_capacity
 from kubetune.control.conditions import now_rfc3339
@@ -234,12 +234,7 @@ class Caches:
         steps["checkpoint_class_expands"] = self.class_expands(claim)
         if not attempt:
             return Observed(pools=pools, other_attempts=others, tenant=tenant, **steps)
-        pods = [
-            pod
-            for pod in self.pods.get(key) or ()
-            if str(((pod.get("metadata") or {}).get("labels") or {}).get(LABEL_ATTEMPT))
-            == str(attempt)
-        ]
+        pods = [pod for pod in self.pods.get(key) or () if _of_attempt(pod, str(uid), attempt)]
         return Observed(
             pools=pools,
             batch_job=by_attempt.get(attempt),
@@ -314,3 +309,13 @@ def with_capacity(pool: GPUPool, capacity: Mapping[str, Any], generation: Any) -
         {**capacity, "observedGeneration": generation, "updatedAt": now_rfc3339()}
     )
     return pool.model_copy(update={"status": status})
+
+
+def _of_attempt(pod: Mapping[str, Any], uid: str, attempt: int) -> bool:
+    """Whether `pod` is one of this job's (`uid`) pods of `attempt`: not one of an earlier
+    job of the same name, whose pods may still be terminating (a pod of an older operator,
+    without the uid label, is taken by its attempt alone)."""
+    pod_labels = (pod.get("metadata") or {}).get("labels") or {}
+    if str(pod_labels.get(LABEL_ATTEMPT)) != str(attempt):
+        return False
+    return pod_labels.get(LABEL_JOB_UID) in (None, uid)

@@ -12,6 +12,7 @@ from kubetune.api.v1alpha1 import FineTuneJob, GPUPool, PlanStatus
 from kubetune.api.vocabulary import (
     ANNOTATION_PLAN_REVISION,
     GPU_RESOURCE,
+    LABEL_JOB_UID,
     PROMETHEUS_PATH_ANNOTATION,
     PROMETHEUS_PORT_ANNOTATION,
     PROMETHEUS_SCRAPE_ANNOTATION,
@@ -241,7 +242,7 @@ def build_indexed_job(
     attempt: int,
 ) -> dict[str, Any]:
     """The Indexed batch Job: one pod per node, `torchrun` inside."""
-    name, _, _ = metadata(job)
+    name, _, uid = metadata(job)
     plan_revision = str(plan.revision)
     return {
         "apiVersion": "batch/v1",
@@ -264,7 +265,7 @@ def build_indexed_job(
             "podFailurePolicy": _pod_failure_policy(),
             "template": {
                 "metadata": {
-                    "labels": labels(job, attempt),
+                    "labels": {**labels(job, attempt), LABEL_JOB_UID: uid},
                     "annotations": {
                         PROMETHEUS_SCRAPE_ANNOTATION: "true",
                         PROMETHEUS_PORT_ANNOTATION: str(settings.metrics_port),
