@@ -10,7 +10,15 @@ import yaml
 from pydantic import ValidationError
 
 from kubetune.api.crdgen import render_all
-from kubetune.api.v1alpha1 import FineTuneJob, FineTuneJobSpec, GPUPool, parse_duration
+from kubetune.api.v1alpha1 import (
+    MESSAGE_LIMIT,
+    Condition,
+    FineTuneJob,
+    FineTuneJobSpec,
+    FineTuneJobStatus,
+    GPUPool,
+    parse_duration,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -240,3 +248,35 @@ def test_no_integer_default_meets_a_fractional_exclusive_bound() -> None:
     for name, text in render_all().items():
         walk(yaml.safe_load(text), name)
     assert not found, found
+
+
+def test_status_messages_are_bounded_and_keep_their_fix() -> None:
+    """User strings quoted into a message (20,000 target modules, say) never grow a status
+    past etcd's limit: a message is cut to MESSAGE_LIMIT in its middle, its "To fix:" kept."""
+    long = "spec.lora.targetModules " + ", ".join(f"m{i}" for i in range(20_000))
+    status = FineTuneJobStatus(message=f"{long}. To fix: name fewer modules")
+    assert status.message is not None and len(status.message) == MESSAGE_LIMIT
+    assert status.message.startswith("spec.lora.targetModules m0, m1")
+    assert status.message.endswith("To fix: name fewer modules")
+    status.conditions = [
+        Condition(type="Failed", status="True", reason="InvalidSpec", message=long,
+                  last_transition_time="2026-12-02T00:00:00Z"),
+    ]  # fmt: skip
+    assert len(status.conditions[0].message) == MESSAGE_LIMIT
+    short = "short and whole"
+    assert FineTuneJobStatus(message=short).message == short
+
+
+def test_a_spec_too_large_for_its_status_is_refused_by_the_crd_and_the_model() -> None:
+    crd = _crd("finetunejobs.kubetune.io.yaml")
+    lora = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    modules = lora["properties"]["spec"]["properties"]["lora"]["properties"]["targetModules"]
+    assert (modules["maxItems"], modules["items"]["maxLength"]) == (256, 128)
+    with pytest.raises(ValidationError, match="at most 256 items"):
+        FineTuneJobSpec.model_validate(
+            {
+                "model": {"uri": "org/m"},
+                "dataset": {"uri": "org/d"},
+                "lora": {"targetModules": [f"m{i}" for i in range(20_000)]},
+            }
+        )

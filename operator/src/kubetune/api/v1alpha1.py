@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from kubetune.api.gpus import KNOWN_GPUS
@@ -92,6 +92,25 @@ def _checked_uri(value: Any, forms: tuple[Form, ...], field: str) -> Any:
     if isinstance(value, str):
         parse_uri(value, forms, field=field)
     return value
+
+
+MESSAGE_LIMIT = 1024
+"""Characters of a message in status: a spec's own strings, quoted into one, never grow a
+status past what etcd stores (the CRD says so too, as maxLength)."""
+_KEEP_TAIL = 300  # a message ends with its "To fix:"; the cut goes in the middle
+
+
+def bounded(value: Any) -> Any:
+    """A message of at most MESSAGE_LIMIT characters: a longer one keeps its start and its
+    end (where the "To fix:" is) around an ellipsis."""
+    if isinstance(value, str) and len(value) > MESSAGE_LIMIT:
+        head = MESSAGE_LIMIT - _KEEP_TAIL - 3
+        return f"{value[:head]} … {value[-_KEEP_TAIL:]}"
+    return value
+
+
+Message = Annotated[str, BeforeValidator(bounded), Field(max_length=MESSAGE_LIMIT)]
+"""A status message: cut to MESSAGE_LIMIT characters when set."""
 
 
 def _cel(rule: str, message: str) -> dict[str, Any]:
@@ -221,9 +240,10 @@ class LoraSettings(_Model):
     rank: int = Field(default=16, ge=1, le=1024, description="LoRA rank r.")
     alpha: int = Field(default=32, ge=1, description="LoRA scaling alpha (scale = alpha / rank).")
     dropout: float = Field(default=0.05, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
-    target_modules: list[str] = Field(
+    target_modules: list[Annotated[str, Field(min_length=1, max_length=128)]] = Field(
         default_factory=lambda: ["all-linear"],
         min_length=1,
+        max_length=256,
         description=(
             "Module names that get adapters (e.g. `q_proj`, `v_proj`) or `all-linear` for every "
             "linear layer of the decoder blocks (MoE: Mixtral's and Qwen3-MoE's experts and "
@@ -814,7 +834,7 @@ class Condition(_Model):
     type: str = Field(description="Condition type, e.g. Planned, Running, Succeeded.")
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     reason: str = Field(description="CamelCase machine-readable reason.")
-    message: str = Field(default="", description="Human-readable details.")
+    message: Message = Field(default="", description="Human-readable details.")
     last_transition_time: str = Field(description="When status last flipped (RFC 3339).")
     observed_generation: int | None = Field(
         default=None, description="spec generation the condition was computed from."
@@ -835,7 +855,7 @@ class PlanAlternative(_Model):
 
 class PlanRejection(_Model):
     pool: str = Field(description="GPUPool name.")
-    reason: str = Field(description="Why no configuration on this pool was acceptable.")
+    reason: Message = Field(description="Why no configuration on this pool was acceptable.")
 
 
 class PlanStatus(_Model):
@@ -849,7 +869,7 @@ class PlanStatus(_Model):
         "the kernel killed a trainer for memory, OOMKilled).",
     )
     reason: PlanReason = Field(default=PlanReason.INITIAL, description="Why this plan was made.")
-    message: str | None = Field(
+    message: Message | None = Field(
         default=None,
         description="What made the re-plan necessary, e.g. the layout that ran out of memory.",
     )
@@ -1090,7 +1110,7 @@ class Recovery(_Model):
     pod: str | None = Field(
         default=None, description="The trainer pod that failed, when one pod did."
     )
-    message: str = Field(default="", description="Details, e.g. the new plan after an OOM.")
+    message: Message = Field(default="", description="Details, e.g. the new plan after an OOM.")
 
     @model_validator(mode="before")
     @classmethod
@@ -1120,7 +1140,7 @@ class FineTuneJobStatus(_Model):
     observed_generation: int | None = Field(
         default=None, description="Latest spec generation the operator acted on."
     )
-    message: str | None = Field(default=None, description="Latest human-readable news.")
+    message: Message | None = Field(default=None, description="Latest human-readable news.")
     conditions: list[Condition] = Field(default_factory=list, description="Current conditions.")
     plan: PlanStatus | None = Field(default=None, description="The plan being executed.")
     queue: QueueStatus | None = Field(
