@@ -233,8 +233,10 @@ async def test_no_policy_when_turned_off(
     assert loop.status()["phase"] != "Failed"
 
 
-def _existing_policy(uid: str) -> dict[str, Any]:
+def _existing_policy(uid: str, owner_name: str | None = None) -> dict[str, Any]:
     owner = {**owner_reference_of_tiny_job(), "uid": uid}
+    if owner_name is not None:
+        owner["name"] = owner_name
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -283,10 +285,26 @@ async def test_a_policy_of_its_own_is_taken_as_created(
     assert len(requests(apiserver, kmock.action.CREATE, NETPOLS)) == before
 
 
+async def test_a_policy_an_earlier_job_of_the_same_name_left_holds_the_launch(
+    apiserver: ApiServerEmulator, kube: Kube, clock: Any
+) -> None:
+    """Owned by a FineTuneJob of this name and another uid: that job was deleted and the
+    garbage collector has yet to remove its policy. No failure, no trainer until it goes."""
+    existing = _existing_policy("uid-of-the-deleted-job")
+    apiserver.objects[NETPOLS, NAMESPACE, existing["metadata"]["name"]] = existing
+    seed(apiserver, *example_cluster(), tiny_job())
+    loop = _loop(apiserver, kube, IN_CLUSTER)
+
+    await loop.look()
+
+    assert loop.status()["phase"] != "Failed"
+    assert not requests(apiserver, kmock.action.CREATE, "batch/v1/jobs")
+
+
 async def test_a_policy_owned_by_someone_else_fails_the_job(
     apiserver: ApiServerEmulator, kube: Kube, clock: Any
 ) -> None:
-    existing = _existing_policy("someone-else")
+    existing = _existing_policy("someone-else", owner_name="another-job")
     apiserver.objects[NETPOLS, NAMESPACE, existing["metadata"]["name"]] = existing
     seed(apiserver, *example_cluster(), tiny_job())
     loop = _loop(apiserver, kube, IN_CLUSTER)
