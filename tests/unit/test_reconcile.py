@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
@@ -291,6 +291,36 @@ def test_cost_accrual_does_not_drift_with_sub_second_ticks() -> None:
         job, _ = run(job, running, now=now)
     elapsed_h = (now.replace(microsecond=0) - T0).total_seconds() / 3600
     assert job.status.cost.accrued_usd == pytest.approx(rate * elapsed_h, rel=1e-4)  # type: ignore[union-attr]
+
+
+def timed_pod(name: str, started: datetime, finished: datetime | None = None) -> dict[str, Any]:
+    """A trainer pod with the kubelet's start (and finish) times of its container."""
+    stamp = "%Y-%m-%dT%H:%M:%SZ"
+    state: dict[str, Any] = {"running": {"startedAt": started.strftime(stamp)}}
+    if finished is not None:
+        state = {"terminated": {"exitCode": 0, "startedAt": started.strftime(stamp),
+                                "finishedAt": finished.strftime(stamp)}}  # fmt: skip
+    phase = "Running" if finished is None else "Succeeded"
+    cs = [{"name": "trainer", "state": state}]
+    return {"metadata": {"name": name}, "status": {"phase": phase, "containerStatuses": cs}}
+
+
+def test_cost_over_an_operator_outage_is_what_the_trainers_ran_in_it() -> None:
+    """The operator was away two hours: billed by the pods' own times, not at the share of
+    running pods it sees on its return (all of it for a pod just started, none of it for
+    one that ended just before)."""
+    rwx = {"storage": {"accessMode": "ReadWriteMany"}}
+    job, _ = run(make_job(resources={"gpus": 16}, checkpoint=rwx))  # two nodes
+    plan, rate = job.status.plan, job.status.cost.rate_usd_per_hour  # type: ignore[union-attr]
+    assert plan is not None and plan.nodes == 2 and rate is not None
+    back = T0 + timedelta(hours=2)
+    pods = [
+        timed_pod("demo-a1-0", T0, finished=T0 + timedelta(hours=1)),  # ended in the outage
+        timed_pod("demo-a1-1", back - timedelta(minutes=10)),  # started just before the return
+    ]
+    job, _ = run(job, observed(batch_job(active=1, ready=1), pods), now=back)
+    ran_hours = (1.0 + 10 / 60) / 2  # each pod is half the plan's GPUs
+    assert job.status.cost.accrued_usd == pytest.approx(rate * ran_hours, rel=1e-4)  # type: ignore[union-attr]
 
 
 def test_progress_eta_and_checkpoint_come_from_trainer_metrics() -> None:

@@ -378,6 +378,26 @@ def trainer_running(pod: Mapping[str, Any], container: str = TRAINER_CONTAINER) 
     return cs is None or "running" in (cs.get("state") or {})
 
 
+Interval = tuple[datetime | None, datetime | None]
+"""When a trainer ran: (started, finished), None where not known or not yet."""
+
+
+def trainer_interval(pod: Mapping[str, Any], container: str = TRAINER_CONTAINER) -> Interval | None:
+    """When the pod's trainer ran, by the kubelet's own times: (startedAt, None) while it
+    runs, (startedAt, finishedAt) once it ended; None when it never ran. A Running pod that
+    reports no status for it counts as running since a time not known (None, None)."""
+    cs = _trainer_status(pod, container)
+    if cs is None:
+        return (None, None) if pod_phase(pod) == PodPhase.RUNNING else None
+    state = cs.get("state") or {}
+    if "running" in state:
+        return parse_time((state["running"] or {}).get("startedAt")), None
+    ended = state.get("terminated")
+    if ended and ended.get("startedAt"):
+        return parse_time(ended.get("startedAt")), parse_time(ended.get("finishedAt"))
+    return None
+
+
 IMAGE_PULL_WAITING = frozenset(
     {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"}
 )

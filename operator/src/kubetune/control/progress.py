@@ -8,7 +8,7 @@ hands the samples to `reconcile`, which keeps `status.progress`, `status.checkpo
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 
 from kubetune.api.v1alpha1 import (
@@ -20,7 +20,7 @@ from kubetune.api.v1alpha1 import (
     ProgressStatus,
 )
 from kubetune.control.conditions import now_rfc3339
-from kubetune.control.pods import parse_time
+from kubetune.control.pods import Interval, parse_time
 from kubetune_trainer.contract import TrainerResult, checkpoint_dir_name
 
 DPO_PROGRESS = (
@@ -73,22 +73,31 @@ def stalled_for(status: FineTuneJobStatus, now: datetime) -> float | None:
     return None if since is None else (now - since).total_seconds()
 
 
-def accrue(cost: CostStatus | None, now: datetime, share: float) -> None:
-    """Add the plan's price for the time since the last update, times `share`: the fraction
-    of the attempt's trainer pods whose trainer runs now.
+def accrue(
+    cost: CostStatus | None, now: datetime, trainers: Sequence[Interval], nodes: int
+) -> None:
+    """Add the plan's price for the time since the last update, for the part of it each of
+    the attempt's `nodes` trainer pods ran (`trainers`: when each ran, by the kubelet's
+    start and finish times).
 
     A job counts as training, and costs, only while its trainers run: a pod that waits for
     room, for its image or for a Secret costs the job nothing (the startup timeout bounds how
-    long a bound pod may wait). Timestamps have one-second resolution: measure against the
-    whole second that is recorded, or every update would add up to a second too much.
+    long a bound pod may wait). By the pods' own times, a gap between updates (an operator
+    down for a while) is billed for what ran in it, not at the share seen at its end.
+    Timestamps have one-second resolution: measure against the whole second that is
+    recorded, or every update would add up to a second too much.
     """
     if cost is None or cost.rate_usd_per_hour is None:
         return
     whole = now.replace(microsecond=0)
     last = parse_time(cost.updated_at) or whole
-    seconds = max(0.0, (whole - last).total_seconds())
-    share = min(1.0, max(0.0, share))
-    cost.accrued_usd = round(cost.accrued_usd + cost.rate_usd_per_hour * seconds * share / 3600, 6)
+    ran = 0.0
+    for started, finished in trainers:
+        begin = max(started or last, last)
+        end = min(finished or whole, whole)
+        ran += max(0.0, (end - begin).total_seconds())
+    share_seconds = ran / max(1, nodes)
+    cost.accrued_usd = round(cost.accrued_usd + cost.rate_usd_per_hour * share_seconds / 3600, 6)
     cost.updated_at = now_rfc3339(whole)
 
 

@@ -23,6 +23,7 @@ from kubetune.api.v1alpha1 import (
 )
 from kubetune.api.vocabulary import ConditionType, EventType, Reason
 from kubetune.control import pods as p
+from kubetune.control import progress
 from kubetune.control.build.names import child_names
 from kubetune.control.build.settings import BuildSettings
 from kubetune.control.build.storage import InputRef, single_node
@@ -295,7 +296,10 @@ class Context:
     def running_trainers(self) -> int:
         return sum(1 for pod in self.observed.pods if p.trainer_running(pod))
 
-    def training_share(self) -> float:
-        """The fraction of the attempt's trainer pods that train now (what the job costs)."""
+    def accrue_cost(self) -> None:
+        """Bill the time since the last update for what the attempt's trainers ran of it."""
         plan = self.s.plan
-        return self.running_trainers() / plan.nodes if plan is not None else 0.0
+        if plan is None:
+            return
+        ran = [p.trainer_interval(pod) for pod in self.observed.pods]
+        progress.accrue(self.s.cost, self.now, [r for r in ran if r is not None], plan.nodes)

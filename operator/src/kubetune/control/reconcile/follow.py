@@ -71,7 +71,7 @@ def follow_attempt(ctx: Context) -> None:
     if job is None:
         recreate_children(ctx, plan)
         return
-    progress.accrue(ctx.s.cost, ctx.now, ctx.training_share())
+    ctx.accrue_cost()
     job_status = job.get("status") or {}
     if p.job_succeeded(job_status):
         # Read while the trainer's pods are certain to be there (export and upload

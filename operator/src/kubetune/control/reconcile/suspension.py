@@ -8,7 +8,6 @@ from typing import Any
 
 from kubetune.api.vocabulary import Phase, Reason
 from kubetune.control import pods as p
-from kubetune.control import progress
 from kubetune.control.reconcile.context import Context
 from kubetune.control.reconcile.launch import launch_attempt, plan_and_launch
 from kubetune.control.reconcile.stages import staging_in
@@ -22,7 +21,7 @@ def suspend(ctx: Context) -> None:
     if ctx.s.phase != Phase.SUSPENDED:
         ctx.go.suspend()
         ctx.d.event(Reason.SUSPEND_REQUESTED, "Stopping the trainer; it checkpoints first")
-        progress.accrue(ctx.s.cost, ctx.now, ctx.training_share())
+        ctx.accrue_cost()
     ctx.stop_trainer()
     ctx.delete_stale_attempts(newer_too=True)
 
