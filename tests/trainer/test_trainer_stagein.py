@@ -535,6 +535,41 @@ def test_s3_model_and_dataset_staged_then_reused(
     assert s3.gets() == fetched
 
 
+def test_a_bucket_of_the_same_name_on_another_endpoint_is_another_source(
+    tmp_path: Path,
+    s3: S3Server,
+    s3_env: Callable[..., None],
+    tiny_llama: Path,
+    alpaca: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A tenant stages s3://data/alpaca.jsonl from a store of its own; another tenant's job
+    names the same URI on the real store: the shared cache must not serve it the first
+    one's file (the key holds the endpoint)."""
+    poisoned = alpaca.read_text().splitlines()[:40]
+    with s3_server(tmp_path / "other-store") as theirs:
+        theirs.make_bucket("models")
+        theirs.put_tree("models", "tiny-llama", tiny_llama)
+        theirs.make_bucket("data")
+        theirs.client().put_object(
+            Bucket="data", Key="alpaca.jsonl", Body="\n".join(poisoned).encode() + b"\n"
+        )
+        for key, value in theirs.env().items():
+            monkeypatch.setenv(key, value)
+        cfg = s3_config(tmp_path)
+        code, message = run_stagein(tmp_path / "theirs", cfg, monkeypatch)
+        assert code == 0, message
+        assert len(Path(result_of(cfg, message).dataset_path).read_text().splitlines()) == 40
+
+    s3_env()  # the real store, same URIs, same cache volume
+    gets = s3.gets("data", "alpaca.jsonl")
+    cfg = s3_config(tmp_path, result_path=str(tmp_path / "out2" / "result.json"))
+    code, message = run_stagein(tmp_path / "ours", cfg, monkeypatch)
+    assert code == 0, message
+    assert Path(result_of(cfg, message).dataset_path).read_bytes() == alpaca.read_bytes()
+    assert s3.gets("data", "alpaca.jsonl") == gets + 1
+
+
 def test_s3_two_processes_at_once_fetch_once(
     tmp_path: Path, s3: S3Server, s3_env: Callable[..., None], tiny_llama: Path
 ) -> None:

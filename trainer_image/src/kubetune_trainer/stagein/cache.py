@@ -6,7 +6,9 @@
     <cache_dir>/<models|datasets>/.trash-<key>.*/  an evicted entry being deleted (`evict`)
     <cache_dir>/locks/<key>.lock         held (flock) while <key> is fetched, used or evicted
 
-`key` is a readable name and a short sha256 of (kind, source, revision). A fetch goes into
+`key` is a readable name and a short sha256 of (kind, source, revision) and, for an S3 or hub
+source fetched from an endpoint other than the default, that endpoint: a bucket of the same
+name on another store is another source. A fetch goes into
 `.tmp-<key>/` on the same volume; `.kubetune-entry.json` is written there last, and the folder
 is then renamed to `<key>/` in one step, so an entry either is complete or does not exist.
 The lock makes two stage-ins of the same source fetch once: the second waits, then finds the
@@ -42,9 +44,28 @@ TMP_PREFIX = ".tmp-"
 NAME_CHARS = 48
 
 
-def cache_key(kind: str, source: str, revision: str | None) -> str:
-    """`<readable name>-<12 hex digits of sha256(kind, source, revision)>`."""
-    digest = hashlib.sha256(json.dumps([kind, source, revision or ""]).encode()).hexdigest()
+DEFAULT_ORIGINS = {"s3": "https://s3.amazonaws.com", "hub": "https://huggingface.co"}
+"""Where an `s3://` or hub source comes from when no endpoint is set."""
+
+
+def source_origin(kind: str) -> str:
+    """The store a source of `kind` is fetched from (the S3 endpoint, the hub's), as this
+    process's environment sets it: the same bucket name on two S3 endpoints is two sources,
+    one of which may be anyone's."""
+    env = {"s3": "AWS_ENDPOINT_URL", "hub": "HF_ENDPOINT"}.get(kind)
+    if env is None:
+        return ""
+    return (os.environ.get(env) or DEFAULT_ORIGINS[kind]).strip().rstrip("/").lower()
+
+
+def cache_key(kind: str, source: str, revision: str | None, origin: str = "") -> str:
+    """`<readable name>-<12 hex digits of sha256(kind, source, revision[, origin])>`: the
+    origin is part of the key unless it is the kind's default (so that entries fetched
+    before it was keyed stay valid where no endpoint is set)."""
+    parts_of_key = [kind, source, revision or ""]
+    if origin and origin != DEFAULT_ORIGINS.get(kind):
+        parts_of_key.append(origin)
+    digest = hashlib.sha256(json.dumps(parts_of_key).encode()).hexdigest()
     parts = [p for p in source.split("://", 1)[-1].split("/") if p]
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", "--".join(parts[-2:])).strip(".-")
     return f"{name[:NAME_CHARS] or 'source'}-{digest[:12]}"

@@ -23,6 +23,7 @@ from kubetune_trainer.stagein.cache import (
     locked,
     lookup,
     publish,
+    source_origin,
     temp_dir,
 )
 from kubetune_trainer.stagein.cache import touch as touch_entry
@@ -163,7 +164,7 @@ def _fetch_into(
 ) -> Staged:
     """Fetch into `.tmp-<key>/` and publish it as the entry (the key's lock held)."""
     root = cache_dir / f"{what}s"
-    key = cache_key(kind, source, revision)
+    key = cache_key(kind, source, revision, source_origin(kind))
     tmp = temp_dir(root, key)
     t0 = time.monotonic()
     try:
@@ -222,7 +223,7 @@ def stage_source(
             )
         return Staged(source, 0, 0, None)
     root = cache_dir / f"{what}s"
-    key = cache_key(kind, source, revision)
+    key = cache_key(kind, source, revision, source_origin(kind))
     entry = lookup(root, key)
     checked = entry is not None
     if entry is not None:  # before the lock, which a fetch of this source holds for long
