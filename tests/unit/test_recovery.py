@@ -269,8 +269,14 @@ def test_a_pod_without_room_moves_the_job_to_another_pool() -> None:
         (RecoveryReason.RESCHEDULED, "demo-a1-0-bbbbb")
     ]
     assert d.delete_jobs == ["demo-a1"]
-    assert d.create[-1]["metadata"]["name"] == "demo-a2"
     assert Reason.RESCHEDULED in [e.reason for e in d.events]
+    # Its pod, not yet being deleted, might still be placed: attempt 2 waits for that.
+    assert "Job" not in [m["kind"] for m in d.create]
+    going = unschedulable("demo-a1-0-bbbbb", T0)
+    going["metadata"]["deletionTimestamp"] = "2026-11-22T12:00:40Z"
+    later = T0 + timedelta(seconds=SETTINGS.reschedule_seconds + 3)
+    job, d = run(job, Observed(pools=default_pools(), earlier_pods=[going]), now=later)
+    assert d.create[-1]["metadata"]["name"] == "demo-a2"
 
 
 def test_a_move_waits_for_the_queue_of_the_pool_it_would_move_to() -> None:
@@ -351,9 +357,21 @@ def test_a_stalled_attempt_is_relaunched_from_its_checkpoint() -> None:
     (rec,) = s.recoveries
     assert rec.reason == RecoveryReason.STALLED and rec.step == 4
     assert rec.message == "no step progress for 660s (stall timeout 600s) at step 5"
-    assert d.delete_jobs == ["demo-a1"] and "Job" in [m["kind"] for m in d.create]
+    assert d.delete_jobs == ["demo-a1"] and "ConfigMap" in [m["kind"] for m in d.create]
     assert [e.reason for e in d.events if e.type == "Warning"] == [Reason.STALLED]
     assert s.recovery_counts == {"Stalled": 1}
+    # The hung trainer still runs: attempt 2's pods wait until it stopped (two trainers on
+    # one checkpoint folder would remove each other's files).
+    assert "Job" not in [m["kind"] for m in d.create]
+    assert s.message == (
+        "attempt 2 starts once the earlier attempt's trainer has stopped: pod demo-a1-0"
+    )
+    stopping = Observed(pools=default_pools(), earlier_pods=[pod("demo-a1-0")])
+    job, d = run(job, stopping, now=T0 + timedelta(hours=3, minutes=12, seconds=30))
+    assert "Job" not in [m["kind"] for m in d.create] and job.status.attempt == 2  # type: ignore[union-attr]
+    stopped = Observed(pools=default_pools(), earlier_pods=[pod("demo-a1-0", exit_code=137)])
+    job, d = run(job, stopped, now=T0 + timedelta(hours=3, minutes=12, seconds=40))
+    assert [m["metadata"]["name"] for m in d.create if m["kind"] == "Job"] == ["demo-a2"]
     # The new attempt loads and reports the checkpoint's step for a long while: not timed.
     job, d = run(job, running_with(4, checkpoint=4), now=T0 + timedelta(hours=3, minutes=13))
     job, d = run(job, running_with(4, checkpoint=4), now=T0 + timedelta(hours=5))

@@ -378,6 +378,26 @@ def trainer_running(pod: Mapping[str, Any], container: str = TRAINER_CONTAINER) 
     return cs is None or "running" in (cs.get("state") or {})
 
 
+OVERDUE_DELETION_SECONDS = 60
+"""A pod still there this long after its deletion was due (deletionTimestamp, which includes
+the grace period) sits on a lost node: it no longer counts as running."""
+
+
+def still_running(pod: Mapping[str, Any], now: datetime) -> bool:
+    """A trainer pod that may still write to the checkpoint folder: Running or Pending (it
+    may yet start), unless it is being deleted and either no node took it (the scheduler
+    places no pod that is being deleted) or its deletion is long overdue (its node is gone:
+    nothing runs there any more, and the pod object lingers)."""
+    if pod_phase(pod) not in (PodPhase.PENDING, PodPhase.RUNNING):
+        return False
+    due = parse_time((pod.get("metadata") or {}).get("deletionTimestamp"))
+    if due is None:
+        return True
+    if not (pod.get("spec") or {}).get("nodeName"):
+        return False
+    return (now - due).total_seconds() < OVERDUE_DELETION_SECONDS
+
+
 Interval = tuple[datetime | None, datetime | None]
 """When a trainer ran: (started, finished), None where not known or not yet."""
 

@@ -234,7 +234,9 @@ class Caches:
         steps["checkpoint_class_expands"] = self.class_expands(claim)
         if not attempt:
             return Observed(pools=pools, other_attempts=others, tenant=tenant, **steps)
-        pods = [pod for pod in self.pods.get(key) or () if _of_attempt(pod, str(uid), attempt)]
+        mine = [pod for pod in self.pods.get(key) or () if _of_job(pod, str(uid))]
+        pods = [pod for pod in mine if _attempt_of(pod) == attempt]
+        earlier = [pod for pod in mine if 0 < _attempt_of(pod) < attempt]
         return Observed(
             pools=pools,
             batch_job=by_attempt.get(attempt),
@@ -242,6 +244,7 @@ class Caches:
             lost_nodes=self.lost_nodes(pods),
             attempt=attempt,
             other_attempts=others,
+            earlier_pods=sorted(earlier, key=lambda pod: str(pod["metadata"].get("name"))),
             tenant=tenant,
             **steps,
         )
@@ -311,11 +314,15 @@ def with_capacity(pool: GPUPool, capacity: Mapping[str, Any], generation: Any) -
     return pool.model_copy(update={"status": status})
 
 
-def _of_attempt(pod: Mapping[str, Any], uid: str, attempt: int) -> bool:
-    """Whether `pod` is one of this job's (`uid`) pods of `attempt`: not one of an earlier
-    job of the same name, whose pods may still be terminating (a pod of an older operator,
-    without the uid label, is taken by its attempt alone)."""
+def _of_job(pod: Mapping[str, Any], uid: str) -> bool:
+    """Whether `pod` is one of this job's (`uid`), not one of an earlier job of the same
+    name whose pods may still be terminating (a pod of an older operator, without the uid
+    label, is taken as this job's)."""
     pod_labels = (pod.get("metadata") or {}).get("labels") or {}
-    if str(pod_labels.get(LABEL_ATTEMPT)) != str(attempt):
-        return False
     return pod_labels.get(LABEL_JOB_UID) in (None, uid)
+
+
+def _attempt_of(pod: Mapping[str, Any]) -> int:
+    """The attempt a trainer pod belongs to (0: not a trainer attempt's pod)."""
+    raw = str(((pod.get("metadata") or {}).get("labels") or {}).get(LABEL_ATTEMPT, ""))
+    return int(raw) if raw.isdigit() else 0

@@ -119,6 +119,9 @@ class Observed:
     between creating it and writing the status)."""
     other_attempts: Sequence[int] = ()
     """Attempts, other than `attempt`, whose batch Job exists and is not being deleted."""
+    earlier_pods: Sequence[Mapping[str, Any]] = ()
+    """Trainer pods of this job's attempts before `attempt` that still exist (stopping, or
+    ended): the next attempt's pods start only once none of them may still write."""
     tenant: Tenant | None = None
     """The job's namespace: the pools it may use, the Secrets it may reference (None: not
     known; every pool is eligible and no Secret is checked)."""

@@ -3,6 +3,7 @@ plan, and create the children of the next attempt, which resumes from the checkp
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -10,6 +11,7 @@ from kubetune.api.errors import InfeasibleError, SpecError
 from kubetune.api.units import about, quantity_value
 from kubetune.api.v1alpha1 import INT64_MAX, PlanStatus
 from kubetune.api.vocabulary import ANNOTATION_TEST_FAULTS, ConditionType, PlanReason, Reason
+from kubetune.control import pods as p
 from kubetune.control import progress
 from kubetune.control.build.children import build_children
 from kubetune.control.build.storage import checkpoint_size
@@ -126,10 +128,11 @@ def launch_attempt(ctx: Context) -> None:
     except SpecError as exc:
         ctx.fail(Reason.INVALID_SPEC, str(exc))
         return
-    ctx.d.create.extend(children)
     _fit_checkpoint_volume(ctx, plan)
     ctx.go.launch(attempt)
     progress.start_attempt(ctx.s, plan, ctx.now)
+    # The attempt ending now is an earlier one from here on: its pods fence the new one's.
+    _create_fenced(ctx, children, [*ctx.observed.earlier_pods, *ctx.observed.pods])
     ctx.d.event(Reason.LAUNCHED, f"Attempt {attempt} on pool {plan.pool}")
     faults = (ctx.job.metadata.get("annotations") or {}).get(ANNOTATION_TEST_FAULTS)
     if faults and not ctx.settings.build.allow_test_faults and attempt == 1:
@@ -187,7 +190,27 @@ def recreate_children(ctx: Context, plan: PlanStatus) -> None:
     except SpecError as exc:
         ctx.fail(Reason.INVALID_SPEC, str(exc))
         return
-    ctx.d.create.extend(children)
+    _create_fenced(ctx, children, ctx.observed.earlier_pods)
+
+
+def _create_fenced(
+    ctx: Context, children: list[dict[str, Any]], earlier: Sequence[Mapping[str, Any]]
+) -> None:
+    """Create an attempt's children, its batch Job only once no trainer pod of an earlier
+    attempt may still write: two trainers on one checkpoint folder would remove each
+    other's temporary checkpoints and prune what the other loads. (A stall relaunch stops
+    a trainer that still runs; a pod on a lost node stops counting once its deletion is
+    overdue.) Until then a later look creates it (`recreate_children`)."""
+    running = [p.pod_name(pod) for pod in earlier if p.still_running(pod, ctx.now)]
+    if not running:
+        ctx.d.create.extend(children)
+        return
+    ctx.d.create.extend(m for m in children if m["kind"] != "Job")
+    ctx.d.requeue_after = ctx.settings.poll_seconds
+    ctx.s.message = (
+        f"attempt {ctx.s.attempt} starts once the earlier attempt's trainer has stopped: "
+        f"pod {', '.join(running)}"
+    )
 
 
 def _first_int_over(value: Any, limit: int, path: str = "plan") -> str | None:

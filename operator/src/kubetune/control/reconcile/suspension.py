@@ -3,18 +3,11 @@ resumed from that checkpoint once the trainer has stopped."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from kubetune.api.vocabulary import Phase, Reason
 from kubetune.control import pods as p
 from kubetune.control.reconcile.context import Context
 from kubetune.control.reconcile.launch import launch_attempt, plan_and_launch
 from kubetune.control.reconcile.stages import staging_in
-
-OVERDUE_DELETION_SECONDS = 60
-"""A pod still there this long after its deletion was due (deletionTimestamp, which includes
-the grace period) sits on a lost node: it no longer counts as running."""
 
 
 def suspend(ctx: Context) -> None:
@@ -27,7 +20,7 @@ def suspend(ctx: Context) -> None:
 
 
 def resume(ctx: Context) -> None:
-    stopping = [p.pod_name(pod) for pod in ctx.observed.pods if _still_stopping(ctx, pod)]
+    stopping = [p.pod_name(pod) for pod in ctx.observed.pods if p.still_running(pod, ctx.now)]
     if stopping:
         # The suspended attempt's trainer is still checkpointing: a new one now would
         # run two trainers on one checkpoint folder.
@@ -43,12 +36,3 @@ def resume(ctx: Context) -> None:
             plan_and_launch(ctx)
         return
     launch_attempt(ctx)
-
-
-def _still_stopping(ctx: Context, pod: Mapping[str, Any]) -> bool:
-    """A trainer pod that still runs, unless its deletion is long overdue (its node is
-    gone: nothing runs there any more, and the pod object lingers)."""
-    if p.pod_phase(pod) not in (p.PodPhase.PENDING, p.PodPhase.RUNNING):
-        return False
-    due = p.parse_time((pod.get("metadata") or {}).get("deletionTimestamp"))
-    return due is None or (ctx.now - due).total_seconds() < OVERDUE_DELETION_SECONDS
