@@ -30,7 +30,14 @@ def claim(name: str, job: str, mode: str) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
-        "metadata": {"name": name, "labels": {"kubetune.io/job": job}},
+        "metadata": {
+            "name": name,
+            "labels": {"kubetune.io/job": job},
+            "annotations": {
+                "kubetune.io/job-uid": f"uid-of-an-earlier-{job}",
+                "kubetune.io/retention": "retain",
+            },
+        },
         "spec": {"accessModes": [mode], "resources": {"requests": {"storage": "1Gi"}}},
     }
 

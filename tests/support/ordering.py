@@ -2,13 +2,15 @@
 
 pytest-xdist hands tests to its workers in the order collected; a long test that starts last
 keeps its worker busy while the others have nothing left to do (a minute at the end of the
-unit and trainer run, measured). This plugin orders each run's tests by how long they took
-before, longest first: by test where the run hands out single tests, by file where it hands
-out whole files (`--dist loadfile`). The durations of passed tests are kept in
-`~/.cache/kubetune/test-durations.json` (`$KUBETUNE_TEST_DURATIONS`), read once by the
-process that hands out the tests and passed to its workers, so that every worker collects
-the same order. Without the file (a fresh machine) the tiers go by how long their tests
-usually take: e2e, trainer, integration and tooling tests before unit tests.
+unit and trainer run, measured). This plugin orders each distributed run's tests by how long
+they took before, longest first: by test where the run hands out single tests, by file where
+it hands out whole files (`--dist loadfile`; each file's tests keep their order, since they
+may share a module fixture that the file's last test tears down). A run in one process keeps
+the collected order. The durations of passed tests are kept in
+`~/.cache/kubetune/test-durations.json` (`$KUBETUNE_TEST_DURATIONS`), read once by the process
+that hands out the tests and passed to its workers, so that every worker collects the same
+order. Without the file (a fresh machine) the tiers go by how long their tests usually take:
+e2e, trainer, integration and tooling tests before unit tests.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pytest
 
 ENV = "KUBETUNE_TEST_DURATIONS"
 _KEY = "kubetune_durations"
+_BY_FILE = "kubetune_by_file"
 TIER_GUESS = {"e2e": 60.0, "trainer": 5.0, "integration": 5.0, "tooling": 1.0, "unit": 0.05}
 """Seconds a test of a tier takes, where no earlier run says."""
 
@@ -52,6 +55,8 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node: Any) -> None:  # pytest-xdist's hook, in the controller
     node.workerinput[_KEY] = node.config.stash.get(_STASH, {})
+    # A worker's own options say `--dist no`: it is told how the controller hands out tests.
+    node.workerinput[_BY_FILE] = node.config.getoption("dist", "no") == "loadfile"
 
 
 def ordered(items: list[pytest.Item], known: dict[str, float], by_file: bool) -> list[pytest.Item]:
@@ -71,10 +76,13 @@ def ordered(items: list[pytest.Item], known: dict[str, float], by_file: bool) ->
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Order a distributed run's tests (each worker collects them so); a run in one process
+    keeps the collected order, where the order changes nothing but what a file's tests may
+    assume of each other (a test marked to run last in its file)."""
     worker = getattr(config, "workerinput", None)
-    known = worker.get(_KEY, {}) if worker is not None else config.stash.get(_STASH, {})
-    by_file = config.getoption("dist", "no") == "loadfile"
-    items[:] = ordered(items, known, by_file)
+    if worker is None:
+        return
+    items[:] = ordered(items, worker.get(_KEY, {}), bool(worker.get(_BY_FILE, False)))
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

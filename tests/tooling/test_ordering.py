@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from support.ordering import ordered
+from support.ordering import ordered, pytest_collection_modifyitems
 
 
 class _Item:
@@ -47,3 +47,22 @@ def test_by_file_keeps_each_file_together_in_its_order() -> None:
         "trainer/test_t.py::one",
         "unit/test_b.py::new",
     ]
+
+
+class _Config:
+    def __init__(self, workerinput: dict[str, Any] | None = None) -> None:
+        if workerinput is not None:
+            self.workerinput = workerinput
+
+
+def test_workers_order_by_file_when_told_and_one_process_keeps_the_collected_order() -> None:
+    """A worker's own options say `--dist no` (pytest-xdist sets it): how tests are handed
+    out comes in its workerinput. Without workers nothing is reordered."""
+    known = {"tests/unit/test_a.py::fast": 0.01, "tests/unit/test_a.py::slow": 30.0}
+    items = list(ITEMS)
+    worker = _Config({"kubetune_durations": known, "kubetune_by_file": True})
+    pytest_collection_modifyitems(worker, items)  # type: ignore[arg-type]
+    assert _names(items) == _names(ordered(ITEMS, known, by_file=True))  # type: ignore[arg-type]
+    items = list(ITEMS)
+    pytest_collection_modifyitems(_Config(), items)  # type: ignore[arg-type]
+    assert items == ITEMS
