@@ -336,16 +336,7 @@ class Kube:
     async def resize_claim(self, namespace: str, name: str, storage: str) -> None:
         """Raise a PersistentVolumeClaim's storage request (its StorageClass allows it)."""
         patch = {"spec": {"resources": {"requests": {"storage": storage}}}}
-        await self._retrying(
-            f"resize of PersistentVolumeClaim {namespace}/{name}",
-            lambda: self.client.patch(
-                PersistentVolumeClaim,
-                name,
-                patch,
-                namespace=namespace,
-                patch_type=PatchType.MERGE,
-            ),
-        )
+        await self._patch_claim(namespace, name, patch, "resize")
 
     async def release_claim(self, namespace: str, name: str) -> None:
         """Take a PersistentVolumeClaim from its owner: garbage collection no longer deletes
@@ -354,19 +345,20 @@ class Kube:
             "metadata": {"ownerReferences": None, "annotations": {ANNOTATION_RETENTION: "retain"}}
         }
         try:
-            await self._retrying(
-                f"release of PersistentVolumeClaim {namespace}/{name}",
-                lambda: self.client.patch(
-                    PersistentVolumeClaim,
-                    name,
-                    patch,
-                    namespace=namespace,
-                    patch_type=PatchType.MERGE,
-                ),
-            )
+            await self._patch_claim(namespace, name, patch, "release")
         except ApiError as exc:
             if exc.status.code != 404:
                 raise
+
+    async def _patch_claim(
+        self, namespace: str, name: str, patch: Mapping[str, Any], what: str
+    ) -> None:
+        await self._retrying(
+            f"{what} of PersistentVolumeClaim {namespace}/{name}",
+            lambda: self.client.patch(
+                PersistentVolumeClaim, name, patch, namespace=namespace, patch_type=PatchType.MERGE
+            ),
+        )
 
     async def delete_batch_job(self, namespace: str, name: str) -> None:
         """Delete a batch Job and (in the background) its pods, which get SIGTERM first."""
