@@ -730,6 +730,29 @@ async def test_pool_capacity_is_written_only_when_it_changed(
     assert len([r for r in apiserver if r.method == "PATCH"]) == writes
 
 
+async def test_pools_that_select_the_same_nodes_say_so(
+    apiserver: ApiServerEmulator, loop: Loop
+) -> None:
+    """Two pools with one nodeSelector count the same GPUs: the status says which pool
+    shares which nodes, with the fix; a pool alone carries no such condition."""
+    again = copy.deepcopy(pool("h100"))
+    again["metadata"]["name"] = "h100-again"
+    seed(apiserver, *capacity_cluster(), pool("h100"), again)
+    loop.reconcilers.caches = caches_from(apiserver)
+
+    await loop.reconcilers.pool_loop.reconcile_pool(
+        copy.deepcopy(dict(apiserver.objects[POOLS, None, "h100"]))
+    )
+
+    conditions = {
+        c["type"]: c for c in apiserver.objects[POOLS, None, "h100"]["status"]["conditions"]
+    }
+    shared = conditions["Overlapping"]
+    assert (shared["status"], shared["reason"]) == ("True", "PoolsOverlap")
+    assert shared["message"].startswith("pool h100-again selects h100-0, h100-1 as well")
+    assert "To fix:" in shared["message"] and conditions["Valid"]["status"] == "True"
+
+
 async def test_an_unreadable_pool_gets_a_condition(
     apiserver: ApiServerEmulator, loop: Loop
 ) -> None:

@@ -177,6 +177,8 @@ class Reason(StrEnum):
     """The job has fields this operator does not know (a newer CRD): it is left alone."""
     # GPUPools
     POOL_ACCEPTED = "Accepted"
+    POOLS_OVERLAP = "PoolsOverlap"
+    POOLS_DISJOINT = "PoolsDisjoint"
 
 
 class PoolConditionType(StrEnum):
@@ -184,6 +186,9 @@ class PoolConditionType(StrEnum):
 
     VALID = "Valid"
     """False when the operator cannot read the pool; such a pool takes part in no plan."""
+    OVERLAPPING = "Overlapping"
+    """True when another pool's nodeSelector selects some of this pool's ready nodes: their
+    GPUs count in both pools, and plans on the two may count them twice."""
 
 
 class RecoveryReason(StrEnum):

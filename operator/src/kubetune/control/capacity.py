@@ -99,3 +99,23 @@ def pool_capacity(
         "freeGPUsPerNode": free,
         "nodeMemoryGiB": memory or None,
     }
+
+
+def overlaps(
+    selectors: Mapping[str, Mapping[str, str]], nodes: Iterable[NodeInfo]
+) -> dict[str, dict[str, list[str]]]:
+    """For each pool (name → nodeSelector), the other pools that select some of the same
+    ready nodes, and which nodes (sorted): their GPUs count in each such pool."""
+    owners: dict[str, list[str]] = {}
+    for node in nodes:
+        if node.schedulable:
+            owners[node.name] = sorted(
+                pool for pool, selector in selectors.items() if matches(selector, node.labels)
+            )
+    out: dict[str, dict[str, list[str]]] = {}
+    for node_name, pools in sorted(owners.items()):
+        for pool in pools:
+            for other in pools:
+                if other != pool:
+                    out.setdefault(pool, {}).setdefault(other, []).append(node_name)
+    return out

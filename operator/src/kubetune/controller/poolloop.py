@@ -1,6 +1,7 @@
 """The loop of each GPUPool (a kopf daemon, controller/handlers.py): it writes the pool's live
-capacity whenever it changed, and marks a pool the operator cannot read (condition
-Valid=False) without letting it affect any job."""
+capacity whenever it changed, marks a pool the operator cannot read (condition Valid=False)
+without letting it affect any job, and says when another pool selects some of its nodes
+(condition Overlapping=True: their GPUs count in both)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kubetune.api.vocabulary import PoolConditionType, Reason
+from kubetune.control.capacity import overlaps
 from kubetune.control.conditions import now_rfc3339
 from kubetune.control.reconcile import ControllerSettings
 from kubetune.controller import metrics
@@ -73,10 +75,12 @@ class PoolLoop:
                 f"the operator cannot read this GPUPool ({parsed}); no job is planned onto it. "
                 "To fix: correct the field and apply the pool again"
             )
-            condition = _pool_condition(old, False, Reason.INVALID_SPEC, message)
-            if condition is not None:
+            conditions = _pool_conditions(
+                old, [(PoolConditionType.VALID, False, Reason.INVALID_SPEC, message)]
+            )
+            if conditions is not None:
                 log.error("GPUPool %s is invalid: %s", name, parsed)
-                await self._write_pool(name, {"conditions": [condition]})
+                await self._write_pool(name, {"conditions": conditions})
             return
         # Computed once per change of nodes, pods or reservations, for every pool at once.
         _, live = self.view.live_pools()
@@ -84,9 +88,17 @@ class PoolLoop:
         capacity["observedGeneration"] = meta.get("generation")
         capacity["gpuMemoryGiB"] = parsed.spec.gpu.memory_gib  # the product's when not given
         patch = {k: v for k, v in capacity.items() if old.get(k) != v}
-        condition = _pool_condition(old, True, Reason.POOL_ACCEPTED, "the operator reads this pool")
-        if condition is not None:
-            patch["conditions"] = [condition]
+        pools, _ = self.view.live_pools()
+        selectors = {pool.name: dict(pool.spec.node_selector) for pool in pools}
+        selectors[name] = dict(parsed.spec.node_selector)
+        shared = overlaps(selectors, caches.node_infos()).get(name, {})
+        accepted = "the operator reads this pool"
+        wanted: list[Wanted] = [(PoolConditionType.VALID, True, Reason.POOL_ACCEPTED, accepted)]
+        if shared or _has(old, PoolConditionType.OVERLAPPING):
+            wanted.append(_overlap_condition(shared))
+        conditions = _pool_conditions(old, wanted)
+        if conditions is not None:
+            patch["conditions"] = conditions
         if patch or not old.get("updatedAt"):
             patch["updatedAt"] = now_rfc3339()
             await self._write_pool(name, patch)
@@ -105,19 +117,53 @@ class PoolLoop:
         metrics.status_write("ok")
 
 
-def _pool_condition(
-    old: Mapping[str, Any], valid: bool, reason: Reason, message: str
-) -> dict[str, Any] | None:
-    """The pool's Valid condition, or None when it already says so."""
-    wanted = "True" if valid else "False"
-    for cond in old.get("conditions") or []:
-        same = cond.get("status") == wanted and cond.get("reason") == reason
-        if cond.get("type") == PoolConditionType.VALID and same:
-            return None
-    return {
-        "type": str(PoolConditionType.VALID),
-        "status": wanted,
-        "reason": str(reason),
-        "message": message,
-        "lastTransitionTime": now_rfc3339(),
-    }
+Wanted = tuple[PoolConditionType, bool, Reason, str]
+"""A pool condition: its type, status, reason and message."""
+
+
+def _overlap_condition(shared: Mapping[str, list[str]]) -> Wanted:
+    """Overlapping, from the other pools that select some of this pool's ready nodes."""
+    if not shared:
+        return (PoolConditionType.OVERLAPPING, False, Reason.POOLS_DISJOINT,
+                "no other pool selects this pool's nodes")  # fmt: skip
+    named = "; ".join(
+        f"pool {other} selects {', '.join(nodes[:5])}{' …' if len(nodes) > 5 else ''}"
+        for other, nodes in sorted(shared.items())
+    )
+    return (
+        PoolConditionType.OVERLAPPING,
+        True,
+        Reason.POOLS_OVERLAP,
+        f"{named} as well: their GPUs count in each pool, so plans on them may count them "
+        "twice. To fix: make the pools' nodeSelectors disjoint (a label that tells the "
+        "nodes apart), or merge the pools",
+    )
+
+
+def _has(old: Mapping[str, Any], kind: PoolConditionType) -> bool:
+    return any(c.get("type") == kind for c in old.get("conditions") or [])
+
+
+def _pool_conditions(old: Mapping[str, Any], wanted: list[Wanted]) -> list[dict[str, Any]] | None:
+    """The pool's conditions as `wanted`, or None when they already say so. A condition
+    whose status does not change keeps its lastTransitionTime."""
+    before = {c.get("type"): c for c in old.get("conditions") or []}
+    out = []
+    for kind, ok, reason, message in wanted:
+        status = "True" if ok else "False"
+        prior = before.get(str(kind)) or {}
+        same = prior.get("status") == status
+        if same and prior.get("reason") == reason and prior.get("message") == message:
+            out.append(dict(prior))
+            continue
+        since = prior.get("lastTransitionTime") if same else None
+        out.append(
+            {
+                "type": str(kind),
+                "status": status,
+                "reason": str(reason),
+                "message": message,
+                "lastTransitionTime": since or now_rfc3339(),
+            }
+        )
+    return None if out == list(old.get("conditions") or []) else out
