@@ -49,7 +49,7 @@ from kubetune_trainer.contract import (
 from kubetune_trainer.data import prepare_data, read_records
 from kubetune_trainer.stagein import cache_entries, cache_key, stage_in
 from kubetune_trainer.stagein.__main__ import main
-from kubetune_trainer.stagein.cache import ENTRY_FILE, locked
+from kubetune_trainer.stagein.cache import ENTRY_FILE, locked, source_origin
 from kubetune_trainer.stagein.fetch import Progress
 from kubetune_trainer.stagein.progress import StageProgress
 from kubetune_trainer.tiny import make_records, write_jsonl
@@ -776,7 +776,7 @@ def test_progress_is_served_while_a_stage_in_runs(
         except BaseException as e:
             outcome["error"] = e
 
-    with locked(cache, cache_key("hub", MODEL_REPO, None), "the test"):
+    with locked(cache, cache_key("hub", MODEL_REPO, None, source_origin("hub")), "the test"):
         thread = threading.Thread(target=run)
         thread.start()
         deadline = time.monotonic() + 60
@@ -976,7 +976,7 @@ def left(cache: Path) -> set[str]:
     return {
         c
         for c, repo in zip("abc", EVICTION_REPOS, strict=True)
-        if cache_key("hub", repo, None) in names
+        if cache_key("hub", repo, None, source_origin("hub")) in names
     }
 
 
