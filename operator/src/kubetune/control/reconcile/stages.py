@@ -171,7 +171,6 @@ def staging_in(ctx: Context) -> bool:
         ctx.go.condition(ConditionType.STAGED_IN, True, Reason.STAGED_IN, summary)
         ctx.d.event(Reason.STAGED_IN, summary)
         return False
-    keep_output(ctx)
     why = "a permanent failure" if end.code == EXIT_CONFIG_ERROR else "failed repeatedly"
     ctx.fail(Reason.STAGE_IN_FAILED, f"the stage-in step {why}: {end.message[-600:]}")
     return True
