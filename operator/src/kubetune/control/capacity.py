@@ -102,20 +102,15 @@ def pool_capacity(
 
 
 def overlaps(
-    selectors: Mapping[str, Mapping[str, str]], nodes: Iterable[NodeInfo]
-) -> dict[str, dict[str, list[str]]]:
-    """For each pool (name → nodeSelector), the other pools that select some of the same
-    ready nodes, and which nodes (sorted): their GPUs count in each such pool."""
-    owners: dict[str, list[str]] = {}
-    for node in nodes:
-        if node.schedulable:
-            owners[node.name] = sorted(
-                pool for pool, selector in selectors.items() if matches(selector, node.labels)
-            )
-    out: dict[str, dict[str, list[str]]] = {}
-    for node_name, pools in sorted(owners.items()):
-        for pool in pools:
-            for other in pools:
-                if other != pool:
-                    out.setdefault(pool, {}).setdefault(other, []).append(node_name)
+    pool: str, selectors: Mapping[str, Mapping[str, str]], nodes: Iterable[NodeInfo]
+) -> dict[str, list[str]]:
+    """The other pools (of `selectors`, pool name → nodeSelector) that select some of the
+    ready nodes `pool` selects, and which nodes (by name): their GPUs count in both."""
+    out: dict[str, list[str]] = {}
+    for node in sorted(nodes, key=lambda n: n.name):
+        if not node.schedulable or not matches(selectors[pool], node.labels):
+            continue
+        for other, selector in sorted(selectors.items()):
+            if other != pool and matches(selector, node.labels):
+                out.setdefault(other, []).append(node.name)
     return out

@@ -83,15 +83,14 @@ class PoolLoop:
                 await self._write_pool(name, {"conditions": conditions})
             return
         # Computed once per change of nodes, pods or reservations, for every pool at once.
-        _, live = self.view.live_pools()
+        pools, live = self.view.live_pools()
         capacity = dict(live.get(name) or caches.capacities([parsed])[name])
         capacity["observedGeneration"] = meta.get("generation")
         capacity["gpuMemoryGiB"] = parsed.spec.gpu.memory_gib  # the product's when not given
         patch = {k: v for k, v in capacity.items() if old.get(k) != v}
-        pools, _ = self.view.live_pools()
         selectors = {pool.name: dict(pool.spec.node_selector) for pool in pools}
         selectors[name] = dict(parsed.spec.node_selector)
-        shared = overlaps(selectors, caches.node_infos()).get(name, {})
+        shared = overlaps(name, selectors, caches.node_infos())
         accepted = "the operator reads this pool"
         wanted: list[Wanted] = [(PoolConditionType.VALID, True, Reason.POOL_ACCEPTED, accepted)]
         if shared or _has(old, PoolConditionType.OVERLAPPING):
