@@ -51,6 +51,7 @@ from kubetune_trainer.contract import (
     EXIT_OOM,
     EXIT_PREEMPTED,
     EXIT_STOPPED,
+    EXIT_SUPERSEDED,
     FaultInjection,
     TrainerConfig,
 )
@@ -507,6 +508,11 @@ def test_trainer_config_hub_model_and_lora() -> None:
     assert config.training.gradient_accumulation == 2
     assert config.training.max_steps == 50
     assert config.training.chunked_cross_entropy is False
+    # The attempt is the checkpoint folder's writer epoch (kubetune_trainer.fence).
+    assert config.checkpoint.attempt == 1
+    assert (
+        build_trainer_config(tiny_lora_job(), tiny_lora_plan(), SETTINGS, 4).checkpoint.attempt == 4
+    )
 
 
 def test_the_planned_chunked_loss_reaches_the_trainer() -> None:
@@ -676,7 +682,7 @@ def test_pod_failure_policy_uses_contract_exit_codes() -> None:
         ("Ignore", (EXIT_PREEMPTED,)),
         ("Ignore", "disruption"),
         ("FailJob", (EXIT_OOM,)),
-        ("FailJob", (EXIT_CONFIG_ERROR, EXIT_STOPPED, EXIT_CHECKPOINT_FAILED)),
+        ("FailJob", (EXIT_CONFIG_ERROR, EXIT_STOPPED, EXIT_CHECKPOINT_FAILED, EXIT_SUPERSEDED)),
     ]
     for rule in rules:
         if "onExitCodes" in rule:

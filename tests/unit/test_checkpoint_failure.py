@@ -9,7 +9,7 @@ import pytest
 from kubetune.api.vocabulary import ConditionType, Reason
 from kubetune.control import conditions as c
 from kubetune.control import pods as p
-from kubetune_trainer.contract import EXIT_CHECKPOINT_FAILED
+from kubetune_trainer.contract import EXIT_CHECKPOINT_FAILED, EXIT_SUPERSEDED
 from support.reconcile import batch_job, make_job, observed, pod, run
 
 pytestmark = pytest.mark.unit
@@ -46,3 +46,23 @@ def test_checkpoint_failure_fails_the_job_with_its_reason() -> None:
     assert "could not write or load a checkpoint" in (s.message or "")
     assert "spec.checkpoint.storage.size" in (s.message or "")
     assert d.create == [] and s.restarts == 0  # no relaunch
+
+
+def test_a_superseded_current_attempt_fails_the_job_with_the_fix() -> None:
+    """Exit 46 on the current attempt: the folder names a later attempt of this job, which
+    happens only when the job's status was reset. Never a relaunch (it would exit 46 again)."""
+    assert EXIT_SUPERSEDED in p.JOB_ENDING_EXITS
+    msg = (
+        "rank=0 /checkpoints is written by attempt 5 of job uid u1, not by this attempt 1 of "
+        "job uid u1: ... To fix, only if no later attempt of this job runs (its status was "
+        "reset): delete writer.json from the checkpoint folder and resume the job"
+    )
+    job, _ = run(make_job())
+    job, d = run(job, observed(batch_job("Failed"), [pod("demo-a1-0", EXIT_SUPERSEDED, msg=msg)]))
+    s = job.status
+    assert s is not None and s.phase == "Failed"
+    cond = c.get_condition(s.conditions, ConditionType.FAILED)
+    assert cond is not None and cond.reason == Reason.CHECKPOINT_FAILED
+    assert "claimed by a later attempt" in (s.message or "")
+    assert "delete writer.json" in (s.message or "")
+    assert d.create == [] and s.restarts == 0

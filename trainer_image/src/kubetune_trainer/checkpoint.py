@@ -25,7 +25,9 @@ Under pressure:
   `CheckpointFailed` (exit 45), the previous checkpoint intact.
 - A save that fails anyway (ENOSPC, any error, DCP's `CheckpointException`, which is a
   `BaseException`) removes its temp folder and ends the same way.
-- At start-up rank 0 removes `.tmp-step-*` leftovers of interrupted saves.
+- At start-up rank 0 removes `.tmp-step-*` leftovers of interrupted saves, once it has
+  claimed the folder for this attempt (kubetune_trainer.fence: one writer at a time; a stale
+  attempt stops before it deletes or renames anything, and temp folders carry the attempt).
 - On resume a checkpoint is checked against its manifest, then loaded; one that differs from
   its manifest (a size, a hash, a missing file) or does not load for its contents is renamed
   `step-<N>.corrupt-<UTC time>` (quarantined: never resumed, never counted by keep-K) and the
@@ -84,6 +86,7 @@ from kubetune_trainer.contract import (
 )
 from kubetune_trainer.distributed import DistEnv, all_reduce_max, barrier
 from kubetune_trainer.errors import CheckpointFailed, StorageUnavailable
+from kubetune_trainer.fence import WriterFence
 from kubetune_trainer.identity import IDENTITY_KEY
 
 log = logging.getLogger(__name__)
@@ -291,8 +294,19 @@ class Restored:
 
 
 class Checkpointer:
-    def __init__(self, root: str | Path, *, keep: int, env: DistEnv, adapter_only: bool) -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        keep: int,
+        env: DistEnv,
+        adapter_only: bool,
+        fence: WriterFence | None = None,
+    ) -> None:
         self.root = Path(root)
+        self.fence = fence
+        """The folder's writer epoch (kubetune_trainer.fence): checked before every save, its
+        rename and pruning, and before folders are quarantined or moved aside."""
         self.keep = max(1, keep)
         self.env = env
         self.adapter_only = adapter_only
@@ -312,6 +326,17 @@ class Checkpointer:
         return StateDictOptions(ignore_frozen_params=self.adapter_only)
 
     # ------------------------------------------------------------------ start-up
+
+    def claim(self) -> None:
+        """Record this attempt as the folder's writer (raises Superseded on every rank when a
+        later attempt of this job already is)."""
+        if self.fence is not None:
+            self.fence.claim()
+
+    def check_writer(self, what: str) -> None:
+        """On every rank: raise Superseded when the folder names a later writer."""
+        if self.fence is not None:
+            self.fence.check(what)
 
     def remove_leftovers(self) -> int:
         """Rank 0 removes `.tmp-step-*` folders of interrupted saves; returns how many."""
@@ -353,6 +378,7 @@ class Checkpointer:
 
     def quarantine(self, path: Path, reason: str) -> Path:
         """Rank 0 renames a checkpoint that cannot be resumed to `step-<N>.corrupt-<time>`."""
+        self.check_writer(f"quarantining {path.name}")
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         target = path.with_name(f"{path.name}{QUARANTINE_MARK}{stamp}")
         if self.env.is_main:
@@ -398,6 +424,7 @@ class Checkpointer:
         when it lies inside the checkpoint folder, into `foreign/<uid>-<UTC time>/`; nothing is
         deleted. Returns that folder and how many were moved, once every rank can see it.
         Raises CheckpointFailed (on every rank) when a rename fails."""
+        self.check_writer("moving another job's checkpoints aside")
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         target = self.root / FOREIGN_DIR / f"{uid}-{stamp}"
         moved = failed = 0
@@ -449,8 +476,11 @@ class Checkpointer:
         t0 = time.monotonic()
         final = self.root / checkpoint_dir_name(step)
         tmp = self.root / f"{CHECKPOINT_TMP_PREFIX}{step}"
+        if self.fence is not None:  # two attempts never share a temp folder
+            tmp = tmp.with_name(f"{tmp.name}.a{self.fence.mine.attempt}")
         if self.verified == final and _is_complete(final):
             return final, 0.0  # e.g. SIGTERM right after resuming: nothing new to save
+        self.check_writer(f"starting checkpoint step-{step}")
         self._make_room(step, tmp, model, optimizer)
         metadata = self._on_every_rank(
             step, tmp, "writing the shards", lambda: self._write_shards(tmp, model, optimizer, rng)
@@ -470,6 +500,7 @@ class Checkpointer:
         self.last_hash_seconds = time.monotonic() - th
         self.last_bytes = sum(int(v["size"]) for v in files.values())
 
+        self.check_writer(f"publishing checkpoint step-{step}")
         self._on_every_rank(
             step,
             tmp,
@@ -477,6 +508,7 @@ class Checkpointer:
             lambda: self._publish(step, tmp, final, files),
         )
         self.verified = final
+        self.check_writer("pruning older checkpoints")
         if self.env.is_main:
             self._prune()
         barrier()

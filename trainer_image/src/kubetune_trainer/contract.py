@@ -146,6 +146,9 @@ EXIT_CHECKPOINT_FAILED = 45
 """A checkpoint could not be written (no room on the volume, a write error) or none of the
 checkpoints on the volume can be loaded: relaunching would fail the same way. The previous
 checkpoint, if any, is intact."""
+EXIT_SUPERSEDED = 46
+"""A later attempt of this job writes the checkpoint folder (its `writer.json` says so): this
+stale one stopped having changed nothing there; retrying it cannot help."""
 
 
 # Where the trainer ran out of GPU memory: `phase=<key>` in its termination message, and the
@@ -277,6 +280,11 @@ class CheckpointConfig(_Strict):
         default=None,
         description="UID of another (earlier) job whose checkpoints in `dir` this job resumes; "
         "unset: checkpoints another job wrote are moved aside and the run starts at step 0.",
+    )
+    attempt: int | None = Field(
+        default=None,
+        description="The operator's attempt number: the writer epoch of `dir` "
+        "(kubetune_trainer.fence). Unset: a run outside the operator, not fenced.",
     )
 
 

@@ -12,6 +12,7 @@ from kubetune_trainer.contract import (
     EXIT_OOM,
     EXIT_PREEMPTED,
     EXIT_STOPPED,
+    EXIT_SUPERSEDED,
     TrainerResult,
 )
 
@@ -50,6 +51,13 @@ class CheckpointFailed(TrainerExit):
     previous checkpoint is left as it was."""
 
     exit_code = EXIT_CHECKPOINT_FAILED
+
+
+class Superseded(TrainerExit):
+    """A later attempt of this job claimed the checkpoint folder (kubetune_trainer.fence): this
+    one stops before it saves, prunes or renames anything there."""
+
+    exit_code = EXIT_SUPERSEDED
 
 
 class OutOfMemory(TrainerExit):

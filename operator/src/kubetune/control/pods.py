@@ -27,15 +27,28 @@ from kubetune_trainer.contract import (
     EXIT_OOM,
     EXIT_PREEMPTED,
     EXIT_STOPPED,
+    EXIT_SUPERSEDED,
     OOM_PHASES,
     EarlyStoppingResult,
     TrainerResult,
 )
 
 TRAINER_CONTAINER = "trainer"
-JOB_ENDING_EXITS = (EXIT_OOM, EXIT_CONFIG_ERROR, EXIT_CHECKPOINT_FAILED, EXIT_STOPPED)
+JOB_ENDING_EXITS = (
+    EXIT_OOM,
+    EXIT_CONFIG_ERROR,
+    EXIT_CHECKPOINT_FAILED,
+    EXIT_STOPPED,
+    EXIT_SUPERSEDED,
+)
 """Trainer exits on which the batch Job's podFailurePolicy fails the whole Job."""
-_TELLING_EXITS = (EXIT_OOM, EXIT_CONFIG_ERROR, EXIT_CHECKPOINT_FAILED, EXIT_STOPPED)
+_TELLING_EXITS = (
+    EXIT_OOM,
+    EXIT_CONFIG_ERROR,
+    EXIT_CHECKPOINT_FAILED,
+    EXIT_STOPPED,
+    EXIT_SUPERSEDED,
+)
 """Exits that decide what happens next, most telling first."""
 HOST_OOM_REASON = "OOMKilled"
 """The container runtime's reason for a container whose processes the kernel killed for

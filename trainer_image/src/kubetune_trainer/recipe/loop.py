@@ -30,6 +30,7 @@ from kubetune_trainer.datacache import tokenized_data
 from kubetune_trainer.distributed import all_reduce_max, all_reduce_sum, init_distributed
 from kubetune_trainer.early_stopping import STATE_KEY as EARLY_STOPPING_KEY
 from kubetune_trainer.errors import ConfigError, Preempted, StopRequested
+from kubetune_trainer.fence import writer_fence
 from kubetune_trainer.identity import IDENTITY_KEY, identity
 from kubetune_trainer.metrics import ADDR_ENV, DEFAULT_ADDR, TrainerMetrics
 from kubetune_trainer.modeling import build_model, load_tokenizer, peak_flops, prefetch_hub_model
@@ -140,6 +141,7 @@ class FineTuneRecipe(Evaluation):
             keep=cfg.checkpoint.keep,
             env=env,
             adapter_only=self.built.adapter_only,
+            fence=writer_fence(cfg, env),
         )
         self.faults.arm(self.checkpointer)
 

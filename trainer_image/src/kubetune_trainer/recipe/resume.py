@@ -77,6 +77,7 @@ def resume_newest(
 
     r = _Resume(cfg, env, checkpointer, metrics, model, optimizer, adapter_only)
     ck = r.ck
+    ck.claim()  # before anything in the folder changes: a stale attempt stops here
     ck.remove_leftovers()
     if not _claim_checkpoints(r):
         return None

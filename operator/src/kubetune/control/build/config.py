@@ -104,6 +104,7 @@ def build_trainer_config(
             interval_minutes=spec.checkpoint.interval_minutes,
             keep=spec.checkpoint.keep,
             resume_from_uid=spec.checkpoint.resume_from_uid,
+            attempt=attempt,
         ),
         output=OutputConfig(
             dir=output_loc.source if output_loc is not None else OUTPUT_DIR,

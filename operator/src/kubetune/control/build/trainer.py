@@ -29,6 +29,7 @@ from kubetune_trainer.contract import (
     EXIT_OOM,
     EXIT_PREEMPTED,
     EXIT_STOPPED,
+    EXIT_SUPERSEDED,
 )
 
 CONTAINER_NAME = TRAINER_CONTAINER  # the one pods.py reads statuses of
@@ -134,8 +135,11 @@ def _pod_failure_policy() -> dict[str, Any]:
             # Out of GPU memory: retrying the same layout is pointless; the operator re-plans.
             on_exit([EXIT_OOM], "FailJob"),
             # Bad config is permanent, so is a checkpoint that cannot be written or loaded;
-            # a requested stop must not be retried.
-            on_exit([EXIT_CONFIG_ERROR, EXIT_STOPPED, EXIT_CHECKPOINT_FAILED], "FailJob"),
+            # a requested stop must not be retried, nor an attempt a later one superseded.
+            on_exit(
+                [EXIT_CONFIG_ERROR, EXIT_STOPPED, EXIT_CHECKPOINT_FAILED, EXIT_SUPERSEDED],
+                "FailJob",
+            ),
         ]
     }
 

@@ -29,6 +29,7 @@ from kubetune_trainer.contract import (
     EXIT_CONFIG_ERROR,
     EXIT_OOM,
     EXIT_STOPPED,
+    EXIT_SUPERSEDED,
 )
 
 STALL_STEPS = 20
@@ -198,6 +199,11 @@ def handle_failure(ctx: Context) -> None:
         ctx.fail(
             Reason.CHECKPOINT_FAILED,
             f"the trainer could not write or load a checkpoint: {end.detail}",
+        )
+    elif end.code == EXIT_SUPERSEDED:  # the folder names a later attempt than the current
+        ctx.fail(
+            Reason.CHECKPOINT_FAILED,
+            f"the checkpoint folder is claimed by a later attempt of this job: {end.detail}",
         )
     elif end.code == EXIT_STOPPED:
         ctx.fail(Reason.TRAINER_FAILED, f"the trainer stopped on request: {end.detail}")
