@@ -17,6 +17,7 @@ they are skipped, with the reason, where it cannot be built.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -326,6 +327,42 @@ def test_hub_model_and_dataset_staged_then_reused(
         ("datasets", DATASET_REPO),
     }
     assert sum(e.bytes for e in listed) == second.reused_bytes
+
+
+def test_a_cache_entry_changed_on_the_volume_is_fetched_again(
+    tmp_path: Path, hub: HubServer, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hit is checked against the sha256 of every file its entry records: a file changed
+    in place (same size), or one added beside them, sends the source to be fetched again."""
+    cfg = hub_config(tmp_path)
+    code, message = run_stagein(tmp_path / "first", cfg, monkeypatch)
+    assert code == 0, message
+    model_dir = Path(result_of(cfg, message).model_path)
+    entry = json.loads((model_dir / ENTRY_FILE).read_text())
+    config = next(f for f in entry["files"] if f["path"] == "config.json")
+    assert config["sha256"] == hashlib.sha256((tiny_llama / "config.json").read_bytes()).hexdigest()
+    fetched = hub.downloads()
+
+    for change in ("changed", "added"):
+        if change == "changed":
+            data = bytearray((model_dir / "config.json").read_bytes())
+            data[data.index(b"{") + 1 : data.index(b"{") + 2] = b" "  # same size
+            (model_dir / "config.json").write_bytes(bytes(data))
+        else:
+            (model_dir / "modeling_planted.py").write_text("import os\n")
+        code, message = run_stagein(tmp_path / change, cfg, monkeypatch)
+        assert code == 0, message
+        again = result_of(cfg, message)
+        assert again.downloaded_bytes > 0, change
+        assert hub.downloads() > fetched
+        fetched = hub.downloads()
+        assert files_of(model_dir) == {p.name for p in tiny_llama.iterdir() if p.is_file()}
+        same = (model_dir / "config.json").read_bytes() == (tiny_llama / "config.json").read_bytes()
+        assert same, change
+    # Unchanged, it is a hit again.
+    code, message = run_stagein(tmp_path / "last", cfg, monkeypatch)
+    assert code == 0 and result_of(cfg, message).downloaded_bytes == 0
+    assert hub.downloads() == fetched
 
 
 def test_a_hub_datasets_revision_is_the_one_staged(

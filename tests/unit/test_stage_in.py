@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from kubetune.api.v1alpha1 import LabelSelector
 from kubetune.api.vocabulary import ConditionType, Reason, StepKind
 from kubetune.control import conditions as c
 from kubetune.control.build.children import build_children
@@ -378,6 +379,42 @@ def test_one_cache_for_the_cluster_replaces_the_claims() -> None:
         with pytest.raises(ValueError, match="KUBETUNE_CACHE_VOLUME"):
             settings_from_env({"KUBETUNE_CACHE_VOLUME": bad})
     assert settings_from_env({"KUBETUNE_CACHE_VOLUME": "{}"}).build.cache_volume is None
+
+
+def test_the_shared_cache_is_refused_where_pools_keep_namespaces_apart() -> None:
+    """The cluster-wide cache volume is one trust domain (any namespace's pod can mount its
+    volume source): with a GPUPool scoped to namespaces, a job that would fetch into it fails
+    before anything is created, unless the admins said the namespaces trust each other."""
+    volume = json.dumps({"csi": {"driver": "nfs.csi.k8s.io", "volumeAttributes": {}}})
+    shared = settings_from_env({"KUBETUNE_CACHE_VOLUME": volume})
+    scoped = [
+        p.model_copy(
+            update={
+                "spec": p.spec.model_copy(
+                    update={"namespace_selector": LabelSelector(match_labels={"team": "a"})}
+                )
+            }
+        )
+        for p in default_pools()[:1]
+    ] + default_pools()[1:]
+    refused, d = run(make_job(**S3_JOB), Observed(pools=scoped), settings=shared)
+    s = refused.status
+    assert s is not None and s.phase == "Failed" and d.create == []
+    cond = c.get_condition(s.conditions, ConditionType.FAILED)
+    assert cond is not None and cond.reason == Reason.SHARED_CACHE_REFUSED
+    assert f"GPUPool(s) {scoped[0].name} keep namespaces apart" in (s.message or "")
+    assert "operator.cacheVolumeSharedTrust=true" in (s.message or "")
+    # Consent, no scoped pool, or nothing to fetch: the job goes on.
+    trusted = settings_from_env(
+        {"KUBETUNE_CACHE_VOLUME": volume, "KUBETUNE_CACHE_VOLUME_SHARED_TRUST": "true"}
+    )
+    for settings, pools, spec in (
+        (trusted, scoped, S3_JOB),
+        (shared, default_pools(), S3_JOB),
+        (shared, scoped, {}),
+    ):
+        job, _ = run(make_job(**spec), Observed(pools=pools), settings=settings)
+        assert job.status is not None and job.status.phase != "Failed", job.status.message
 
 
 def test_a_model_read_in_place_gives_trainer_pods_no_cache_to_mount() -> None:

@@ -168,6 +168,9 @@ class Reason(StrEnum):
     """spec.trainerImage is not on the operator's allow-list (docs/security.md)."""
     SECRET_NOT_ALLOWED = "SecretNotAllowed"
     """The job names a Secret its namespace has not allowed FineTuneJobs to use."""
+    SHARED_CACHE_REFUSED = "SharedCacheRefused"
+    """The job would fetch into the cluster-wide cache volume, which namespaces that are
+    kept apart (a GPUPool scoped to namespaces) would share without the admins' consent."""
     TEST_FAULTS_IGNORED = "TestFaultsIgnored"
     """The test-fault annotation is set, and this operator does not obey it."""
     # the operator itself

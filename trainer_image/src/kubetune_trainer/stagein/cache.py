@@ -11,6 +11,9 @@ source fetched from an endpoint other than the default, that endpoint: a bucket 
 name on another store is another source. A fetch goes into
 `.tmp-<key>/` on the same volume; `.kubetune-entry.json` is written there last, and the folder
 is then renamed to `<key>/` in one step, so an entry either is complete or does not exist.
+The entry file lists every file with its size and sha256; a hit is checked against it (the
+same files, sizes and hashes, nothing added) before it is handed out, and an entry that
+differs (damaged, half-evicted, changed by a pod that mounted the cache) is fetched again.
 The lock makes two stage-ins of the same source fetch once: the second waits, then finds the
 entry. Every use rewrites `last_used` in the entry file, with the lock held (an eviction by
 least recent use takes the lock without waiting, and leaves an entry used since it looked).
@@ -29,6 +32,7 @@ import re
 import shutil
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -37,10 +41,12 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 ENTRY_FILE = ".kubetune-entry.json"
-ENTRY_VERSION = 1
+ENTRY_VERSION = 2
+"""2: each file's sha256 is recorded (1: sizes only; such an entry is fetched again)."""
 LOCKS = "locks"
 CATEGORIES = ("models", "datasets")
 TMP_PREFIX = ".tmp-"
+TRASH_PREFIX = ".trash-"
 NAME_CHARS = 48
 
 
@@ -189,14 +195,69 @@ def discard(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def retire(path: Path) -> None:
+    """Take an entry folder out of the cache (call with its lock held): renamed to
+    `.trash-<key>.<pid>.<ns>`, a name no lookup finds, then deleted; files a reader has open
+    stay readable, and a half-deleted entry never looks complete."""
+    trash = path.with_name(f"{TRASH_PREFIX}{path.name}.{os.getpid()}.{time.time_ns()}")
+    os.rename(path, trash)
+    discard(trash)
+
+
+HASH_THREADS = 4
+"""Files hashed at once (hashlib releases the GIL on large reads)."""
+_HASH_CHUNK = 8 * 2**20
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        while chunk := fh.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _files(folder: Path) -> list[Path]:
+    return [
+        p
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.relative_to(folder).as_posix() != ENTRY_FILE
+    ]
+
+
 def listing(folder: Path) -> list[dict[str, Any]]:
-    """Every file under `folder` but the entry file, as {path, bytes}."""
-    out = []
-    for p in sorted(folder.rglob("*")):
-        rel = p.relative_to(folder).as_posix()
-        if p.is_file() and rel != ENTRY_FILE:
-            out.append({"path": rel, "bytes": p.stat().st_size})
-    return out
+    """Every file under `folder` but the entry file, as {path, bytes, sha256}."""
+    files = _files(folder)
+    with ThreadPoolExecutor(HASH_THREADS) as pool:
+        hashes = list(pool.map(_sha256, files))
+    return [
+        {"path": p.relative_to(folder).as_posix(), "bytes": p.stat().st_size, "sha256": h}
+        for p, h in zip(files, hashes, strict=True)
+    ]
+
+
+def entry_problem(entry: Entry) -> str | None:
+    """What differs between the entry's folder and the files its entry file records (None:
+    nothing): a file missing, added, of another size or another sha256."""
+    recorded = entry.meta.get("files")
+    if entry.meta.get("version") != ENTRY_VERSION or not isinstance(recorded, list):
+        return f"recorded by an older stage-in (entry version {entry.meta.get('version')})"
+    want = {str(f.get("path")): f for f in recorded if isinstance(f, dict)}
+    have = {p.relative_to(entry.path).as_posix(): p for p in _files(entry.path)}
+    if extra := sorted(set(have) - set(want)):
+        return f"{extra[0]} was added"
+    if missing := sorted(set(want) - set(have)):
+        return f"{missing[0]} is missing"
+    for rel, p in have.items():
+        if p.stat().st_size != want[rel].get("bytes"):
+            return f"{rel} has {p.stat().st_size} bytes, not {want[rel].get('bytes')}"
+    names = sorted(have)
+    with ThreadPoolExecutor(HASH_THREADS) as pool:
+        hashes = dict(zip(names, pool.map(_sha256, [have[n] for n in names]), strict=True))
+    for rel in names:
+        if hashes[rel] != want[rel].get("sha256"):
+            return f"{rel} does not match its sha256"
+    return None
 
 
 def publish(tmp: Path, root: Path, key: str, meta: dict[str, Any]) -> Entry:

@@ -15,22 +15,21 @@ import logging
 import os
 import shutil
 import sys
-import time
 from collections.abc import Iterable
 from pathlib import Path
 
 from kubetune_trainer.stagein.cache import (
     CATEGORIES,
+    TRASH_PREFIX,
     CacheEntry,
     cache_entries,
     entry_last_used,
     lookup,
+    retire,
     try_locked,
 )
 
 log = logging.getLogger(__name__)
-
-TRASH_PREFIX = ".trash-"
 
 
 def entry_folder(cache_dir: str | Path, path: str | Path) -> Path | None:
@@ -69,9 +68,7 @@ def _remove(entry: CacheEntry) -> bool | None:
         if entry_last_used(current.meta) != entry.last_used:
             log.info("%s: used since it was listed; not evicted", entry.path)
             return False
-        trash = root / f"{TRASH_PREFIX}{key}.{os.getpid()}.{time.time_ns()}"
-        os.rename(entry.path, trash)
-    shutil.rmtree(trash, ignore_errors=True)
+        retire(entry.path)
     return True
 
 

@@ -20,9 +20,11 @@ from kubetune_trainer.stagein.cache import (
     Entry,
     cache_key,
     discard,
+    entry_problem,
     locked,
     lookup,
     publish,
+    retire,
     source_origin,
     temp_dir,
 )
@@ -232,7 +234,18 @@ def stage_source(
     # checks `last_used`, either removed the entry before (it is fetched again) or keeps it.
     with locked(cache_dir, key, f"{what} {source}"):
         entry = lookup(root, key)
-        if entry is None:  # not there, or evicted since
+        problem = None if entry is None else entry_problem(entry)
+        if entry is not None and problem is not None:
+            log.warning(
+                "%s %s: the cache entry %s differs from its record (%s): fetched again",
+                what,
+                source,
+                entry.path,
+                problem,
+            )
+            retire(entry.path)
+            entry = None
+        if entry is None:  # not there, evicted since, or changed on the volume
             progress = Progress(what, source) if tracker is None else tracker.source(what, source)
             return _fetch_into(cache_dir, what, kind, source, revision, token_env, early, progress)
         if not checked:  # another stage-in fetched it meanwhile

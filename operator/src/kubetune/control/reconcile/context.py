@@ -77,6 +77,9 @@ class ControllerSettings:
     allowed_trainer_images: tuple[str, ...] = ()
     """Patterns (`fnmatch`: `registry.example.com/ml/*`) a job's spec.trainerImage must
     match; the operator's own trainer image is always allowed."""
+    cache_volume_shared_trust: bool = False
+    """The namespaces sharing `build.cache_volume` trust each other: required for it while
+    a GPUPool is scoped to namespaces (control.reconcile.policy)."""
     stall_seconds: float = 300.0
     """Liveness fails when jobs are overdue this long and no reconcile succeeded."""
     planner_workers: int = 2

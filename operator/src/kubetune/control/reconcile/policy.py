@@ -8,6 +8,7 @@ from fnmatch import fnmatchcase
 
 from kubetune.api.v1alpha1 import GPUPool
 from kubetune.api.vocabulary import Reason
+from kubetune.control.build.stages import fetched_sources
 from kubetune.control.build.storage import input_refs
 from kubetune.control.reconcile.context import Context
 
@@ -27,6 +28,8 @@ def refused(ctx: Context) -> bool:
             "chart value operator.allowedTrainerImages",
         )
         return True
+    if _shared_cache_refused(ctx):
+        return True
     tenant = ctx.observed.tenant
     if tenant is None:
         return False
@@ -36,6 +39,32 @@ def refused(ctx: Context) -> bool:
             ctx.fail(Reason.SECRET_NOT_ALLOWED, refusal)
             return True
     return False
+
+
+def _shared_cache_refused(ctx: Context) -> bool:
+    """The cluster-wide cache volume is one trust domain: a pod of any namespace can mount
+    its volume source (it is in every stage-in and trainer pod spec) and change what the
+    others read. Where pools keep namespaces apart, using it needs the admins' consent."""
+    settings = ctx.settings
+    if settings.build.cache_volume is None or settings.cache_volume_shared_trust:
+        return False
+    scoped = sorted(
+        p.name
+        for p in ctx.observed.pools
+        if (sel := p.spec.namespace_selector) and (sel.match_labels or sel.match_expressions)
+    )
+    if not scoped or not fetched_sources(ctx.job, settings.build):
+        return False
+    ctx.fail(
+        Reason.SHARED_CACHE_REFUSED,
+        f"this job would fetch its model or data into the cache volume every namespace "
+        f"shares (operator.cacheVolume), while GPUPool(s) {', '.join(scoped[:3])} keep "
+        "namespaces apart: a pod of any namespace could change what this job reads. To fix: "
+        "the cluster admin either removes operator.cacheVolume (each namespace gets its own "
+        "cache claim) or sets operator.cacheVolumeSharedTrust=true (the namespaces trust each "
+        "other); then create the job again",
+    )
+    return True
 
 
 def _image_allowed(ctx: Context, image: str) -> bool:

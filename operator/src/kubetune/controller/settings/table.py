@@ -133,6 +133,16 @@ SETTINGS: tuple[Setting, ...] = (
         default="`{}`",
     ),
     Setting(
+        "KUBETUNE_CACHE_VOLUME_SHARED_TRUST",
+        "controller.cache_volume_shared_trust",
+        p.boolean,
+        "the namespaces sharing `KUBETUNE_CACHE_VOLUME` trust each other (any of them can change "
+        "what the others read there); `false` while a GPUPool is scoped to namespaces: jobs that "
+        "would fetch into the shared cache fail with reason `SharedCacheRefused` "
+        "(docs/security.md)",
+        values=("operator.cacheVolumeSharedTrust",),
+    ),
+    Setting(
         "KUBETUNE_CACHE_EVICT_ABOVE",
         "build.cache_max_bytes",
         p.cache_bytes,
