@@ -475,6 +475,9 @@ def test_rbac_rules_are_the_documented_set(helm: Helm) -> None:
         ("", "persistentvolumeclaims", "patch"),  # expanding a checkpoint volume
         ("storage.k8s.io", "storageclasses", "list"),
         ("storage.k8s.io", "storageclasses", "watch"),
+        # Where a zonal checkpoint volume can be mounted (its node affinity).
+        ("", "persistentvolumes", "list"),
+        ("", "persistentvolumes", "watch"),
         ("", "events", "create"),
         ("", "secrets", "get"),  # the launch preflight (rbac.secretPreflight)
         ("networking.k8s.io", "networkpolicies", "get"),

@@ -290,6 +290,7 @@ def test_service_account_can_do_what_the_operator_needs_and_no_more(
         ("list", "nodes"),
         ("watch", "persistentvolumeclaims", "-A"),
         ("watch", "storageclasses.storage.k8s.io"),
+        ("watch", "persistentvolumes"),
         ("create", "events", "-n", "default"),
         # The launch preflight reads a (consented) token Secret by name (rbac.secretPreflight).
         ("get", "secrets", "-n", "default"),

@@ -15,6 +15,7 @@ from typing import Any
 from kubetune.api.units import quantity_value
 from kubetune.api.vocabulary import GPU_RESOURCE
 from kubetune.control.pods import POD_DONE
+from kubetune.control.reach import matches
 
 
 @dataclass(frozen=True)
@@ -74,10 +75,6 @@ def gpus_held(pod: Mapping[str, Any]) -> tuple[str, int] | None:
         limits = (container.get("resources") or {}).get("limits") or {}
         gpus += int(limits.get(GPU_RESOURCE, 0) or 0)
     return (str(node), gpus) if gpus else None
-
-
-def matches(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
-    return all(labels.get(key) == value for key, value in selector.items())
 
 
 def pool_capacity(

@@ -29,6 +29,7 @@ from kubetune.api.vocabulary import LABEL_ATTEMPT, LABEL_JOB, LABEL_JOB_UID, LAB
 from kubetune.control.build.names import child_names, label_value
 from kubetune.control.capacity import NodeInfo, gpus_held, pool_capacity
 from kubetune.control.conditions import now_rfc3339
+from kubetune.control.reach import Term, VolumeReach, volume_reach
 from kubetune.control.reconcile import Observed
 
 JobKey = tuple[str, str]
@@ -159,6 +160,7 @@ class Caches:
         namespaces: Index | None = None,
         claims: Index | None = None,
         storage_classes: Index | None = None,
+        volumes: Index | None = None,
     ) -> None:
         self.pods = pods
         self.batch_jobs = batch_jobs
@@ -170,6 +172,8 @@ class Caches:
         """PersistentVolumeClaims labelled with a job, by (namespace, name)."""
         self.storage_classes = storage_classes
         """Whether each StorageClass allows volume expansion, by name."""
+        self.volumes = volumes
+        """The node affinity of each PersistentVolume that has one, by name."""
 
     def tenant(self, namespace: str) -> Tenant | None:
         """What `namespace` allows its jobs; a namespace missing from the index allows no
@@ -232,6 +236,7 @@ class Caches:
         steps = self._steps(key, uid)
         claim = steps["checkpoint_claim"] = self.checkpoint_claim(job)
         steps["checkpoint_class_expands"] = self.class_expands(claim)
+        steps["checkpoint_reach"] = self.reach(claim, pools)
         if not attempt:
             return Observed(pools=pools, other_attempts=others, tenant=tenant, **steps)
         mine = [pod for pod in self.pods.get(key) or () if _of_job(pod, str(uid))]
@@ -276,6 +281,17 @@ class Caches:
         name = (claim.get("spec") or {}).get("storageClassName")
         expands: bool | None = first(self.storage_classes.get(name)) if name else None
         return expands
+
+    def reach(self, claim: Mapping[str, Any] | None, pools: list[GPUPool]) -> VolumeReach | None:
+        """The pools that can mount the claim's bound volume; None when it is not bound, or
+        its PersistentVolume may be mounted on any node (or is not known)."""
+        volume = (claim or {}).get("spec", {}).get("volumeName")
+        if not volume or self.volumes is None:
+            return None
+        terms: tuple[Term, ...] | None = first(self.volumes.get(volume))
+        if not terms:
+            return None
+        return volume_reach(str(volume), terms, pools, (n.labels for n in self.node_infos()))
 
     def _steps(self, key: JobKey, uid: Any) -> dict[str, Any]:
         """The job's CPU steps' Jobs (owned by this object) and pods, as Observed fields."""

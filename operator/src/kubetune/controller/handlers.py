@@ -35,6 +35,7 @@ from kubetune.api.tenancy import Tenant
 from kubetune.api.v1alpha1 import GROUP, VERSION
 from kubetune.api.vocabulary import LABEL_JOB, EventType, Reason
 from kubetune.control.capacity import NodeInfo, node_info
+from kubetune.control.reach import volume_terms
 from kubetune.controller import leader, metrics
 from kubetune.controller.cache import (
     Caches,
@@ -63,6 +64,7 @@ NODES = ("", "v1", "nodes")
 NAMESPACES = ("", "v1", "namespaces")
 CLAIMS = ("", "v1", "persistentvolumeclaims")
 STORAGE_CLASSES = ("storage.k8s.io", "v1", "storageclasses")
+VOLUMES = ("", "v1", "persistentvolumes")
 CHILD = {LABEL_JOB: kopf.PRESENT}
 LOOP_STOP_SECONDS = 10.0
 """How long the job loops get to end their looks when the operator exits."""
@@ -102,6 +104,7 @@ def _caches(kwargs: Mapping[str, Any]) -> Caches:
         namespaces=kwargs["namespaces"],
         claims=kwargs["ftj_claims"],
         storage_classes=kwargs["storage_classes"],
+        volumes=kwargs["volumes"],
     )
 
 
@@ -209,6 +212,14 @@ async def ftj_claims(body: kopf.Body, **_: Any) -> dict[Any, Any]:
 @kopf.index(*STORAGE_CLASSES)
 async def storage_classes(body: kopf.Body, **_: Any) -> dict[str, bool]:
     return {str(body.metadata.name): body.get("allowVolumeExpansion") is True}
+
+
+@kopf.index(*VOLUMES)
+async def volumes(body: kopf.Body, **_: Any) -> dict[str, Any]:
+    """PersistentVolumes with a node affinity (zonal disks): where a job's bound checkpoint
+    volume can be mounted, which keeps its re-plans to pools there (control/reach.py)."""
+    terms = volume_terms(body)
+    return {} if terms is None else {str(body.metadata.name): terms}
 
 
 @kopf.index(*PODS)

@@ -28,6 +28,7 @@ from kubetune.control.build.names import child_names
 from kubetune.control.build.settings import BuildSettings
 from kubetune.control.build.storage import InputRef, single_node
 from kubetune.control.lifecycle import Transitions
+from kubetune.control.reach import VolumeReach
 from kubetune.planning.arch import ModelArch, arch_from_hf_config
 from kubetune.planning.planner import Plan, PlannerSettings
 
@@ -156,6 +157,9 @@ class Observed:
     """The job's checkpoint PersistentVolumeClaim (`spec` and `status`), if it exists."""
     checkpoint_class_expands: bool | None = None
     """Whether that claim's StorageClass allows volume expansion (None: not known)."""
+    checkpoint_reach: VolumeReach | None = None
+    """The pools that can mount that claim's bound volume, when its PersistentVolume has a
+    node affinity (a zonal disk); None: any pool can."""
 
 
 @dataclass(frozen=True)
@@ -282,17 +286,21 @@ class Context:
                 self._delete_attempt(attempt)
 
     def for_job(self, planner: PlannerSettings) -> PlannerSettings:
-        """Planner settings that keep the job off pools its namespace may not use, and on
-        one node where its checkpoint volume cannot follow it to several."""
+        """Planner settings that keep the job off pools its namespace may not use and off
+        pools its bound checkpoint volume cannot be mounted in (a zonal disk), and on one
+        node where that volume cannot follow it to several."""
         claim = self.observed.checkpoint_claim
         held = single_node(
             self.job, self.settings.build, None if claim is None else _claim_access_modes(claim)
         )
+        reach = self.observed.checkpoint_reach
         return replace(
             planner,
             tenant=self.observed.tenant,
             single_node_reason=None if held is None else held.reason,
             single_node_fix="" if held is None else held.fix,
+            volume_pools=None if reach is None else reach.pools,
+            volume_where="" if reach is None else f"volume {reach.volume}: {reach.where}",
         )
 
     def unplannable(self, reason: Reason, message: str) -> None:

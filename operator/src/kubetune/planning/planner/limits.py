@@ -12,7 +12,7 @@ from kubetune.api.units import about
 from kubetune.api.v1alpha1 import FineTuneJobSpec, GPUPool
 from kubetune.planning.planner.configs import methods_to_try
 from kubetune.planning.planner.context import JobContext
-from kubetune.planning.planner.plans import GIB, Candidate, Limit, Rejection
+from kubetune.planning.planner.plans import GIB, Candidate, Limit, PlannerSettings, Rejection
 
 
 @dataclass
@@ -35,13 +35,25 @@ def eligible_pools(
     spec: FineTuneJobSpec,
     pools: Sequence[GPUPool],
     rejected: list[Rejection],
-    tenant: Tenant | None = None,
+    settings: PlannerSettings | None = None,
 ) -> list[GPUPool]:
     allowed = set(spec.resources.pools)
+    tenant: Tenant | None = settings.tenant if settings is not None else None
+    reach = settings.volume_pools if settings is not None else None
     out = []
     for pool in pools:
         selector = pool.spec.namespace_selector
-        if tenant is not None and not tenant.may_use(selector):
+        if reach is not None and pool.name not in reach:
+            assert settings is not None
+            rejected.append(
+                Rejection(
+                    pool.name,
+                    Limit.VOLUME,
+                    f"none of its nodes can mount the job's checkpoint volume "
+                    f"({settings.volume_where})",
+                )
+            )
+        elif tenant is not None and not tenant.may_use(selector):
             rejected.append(
                 Rejection(
                     pool.name,
@@ -181,6 +193,11 @@ def infeasible(ctx: JobContext, rejected: list[Rejection]) -> InfeasibleError:
         hints.append("raise resources.maxCostUSD or allow cheaper pools (spot)")
     if limits & {Limit.NOT_LISTED, Limit.SPOT}:
         hints.append("widen resources.pools / resources.spot")
+    if Limit.VOLUME in limits:
+        hints.append(
+            "the checkpoints stay where their volume is: add nodes there to a pool the job may "
+            "use, or list such a pool in resources.pools"
+        )
     if Limit.NAMESPACE in limits:
         hints.append(
             "ask the cluster admin for a pool this namespace may use (GPUPool "

@@ -78,6 +78,7 @@ class Limit(Enum):
     NODES = "too many nodes"
     NOTHING_TO_TRY = "nothing to try"
     NAMESPACE = "namespace not allowed"
+    VOLUME = "checkpoint volume out of reach"
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,11 @@ class PlannerSettings:
     e.g. "the checkpoint volume is ReadWriteOnce"; None: layouts may span nodes."""
     single_node_fix: str = ""
     """The "To fix:" advice for a job that one node cannot hold, when that reason is set."""
+    volume_pools: frozenset[str] | None = None
+    """The pools with a node that can mount the job's bound checkpoint volume (a zonal disk
+    mounts in its zone only); None: any pool can."""
+    volume_where: str = ""
+    """Where that volume can be mounted, in words (its PersistentVolume and node affinity)."""
 
 
 @dataclass(frozen=True)

@@ -82,7 +82,7 @@ def _search(ctx: JobContext, pools: Sequence[GPUPool]) -> tuple[list[Candidate],
     forbid = ctx.settings.forbid
     safety = ctx.settings.safety_factor
     deadline, budget = ctx.deadline_s, ctx.budget
-    for pool in eligible_pools(ctx.spec, pools, rejected, ctx.settings.tenant):
+    for pool in eligible_pools(ctx.spec, pools, rejected, ctx.settings):
         report = PoolReport()
         before = len(accepted)
         memory_gib = pool.spec.gpu.memory_gib
@@ -134,7 +134,7 @@ def _reference_search(
     them; otherwise each group up to its first acceptable configuration)."""
     rejected: list[Rejection] = []
     accepted: list[Candidate] = []
-    for pool in eligible_pools(ctx.spec, pools, rejected, ctx.settings.tenant):
+    for pool in eligible_pools(ctx.spec, pools, rejected, ctx.settings):
         report = PoolReport()
         before = len(accepted)
         for method, nodes, gpn, sharding, configs, capacity in _groups(ctx, pool, report):
