@@ -378,6 +378,25 @@ def test_a_stalled_attempt_is_relaunched_from_its_checkpoint() -> None:
     assert job.status is not None and job.status.attempt == 2 and not d.delete_jobs
 
 
+def test_a_trainer_the_operator_cannot_read_is_not_stalled_for_it() -> None:
+    """The stall timer counts time the trainer was seen not to move: metrics unreadable for
+    longer than the timeout (a NetworkPolicy, the operator's network) relaunch nothing; a
+    read that shows the same step again counts the whole gap."""
+    job, _ = run(make_job(recovery={"stallTimeoutSeconds": 600}))
+    job, _ = run(job, running_with(5), now=T0 + timedelta(minutes=1))
+    blind = observed(batch_job(active=1, ready=1), [pod("demo-a1-0")])  # no metrics read
+    for minutes in (5, 30, 120):
+        job, d = run(job, blind, now=T0 + timedelta(minutes=minutes))
+        assert job.status is not None and job.status.attempt == 1 and not d.delete_jobs
+    job, d = run(job, running_with(9), now=T0 + timedelta(minutes=121))  # it moved meanwhile
+    assert job.status is not None and job.status.attempt == 1 and not d.delete_jobs
+    job, _ = run(job, blind, now=T0 + timedelta(minutes=200))
+    job, d = run(job, running_with(9), now=T0 + timedelta(minutes=201))  # it did not
+    s = job.status
+    assert s is not None and [r.reason for r in s.recoveries] == [RecoveryReason.STALLED]
+    assert d.delete_jobs == ["demo-a1"]
+
+
 def test_stall_detection_can_be_turned_off_and_counts_against_max_restarts() -> None:
     off, _ = run(make_job(recovery={"stallTimeoutSeconds": 0}))
     off, _ = run(off, running_with(5), now=T0 + timedelta(minutes=1))

@@ -64,13 +64,20 @@ def start_attempt(status: FineTuneJobStatus, plan: PlanStatus, now: datetime) ->
 
 
 def stalled_for(status: FineTuneJobStatus, now: datetime) -> float | None:
-    """Seconds since the current attempt's step count last moved; None before it trained
-    past its checkpoint."""
+    """Seconds the current attempt was seen not to move: from when its step count last
+    moved to when its metrics were last read (`progress.updatedAt`), not to now. A trainer
+    the operator cannot read for a while (a NetworkPolicy, the operator's own network, its
+    restart) is not stalled for it: the timer counts only time it was seen, and a read that
+    shows the same step again counts the whole gap. None before it trained past its
+    checkpoint."""
     progress = status.progress
     if progress is None or progress.step_changed_attempt != status.attempt:
         return None
     since = parse_time(progress.step_changed_at)
-    return None if since is None else (now - since).total_seconds()
+    if since is None:
+        return None
+    seen = parse_time(progress.updated_at) or now
+    return max(0.0, (min(now, seen) - since).total_seconds())
 
 
 def accrue(
