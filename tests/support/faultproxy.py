@@ -8,8 +8,13 @@ watch through the proxy is as long-lived and as prompt as one without it).
 Faults are chosen per request by `Rule`s, which may be changed while the proxy runs (from
 any thread):
 
-- an answer instead of the apiserver's: 429 (with `Retry-After`), 500, 503, or 422 (a
-  `Status` the way kube-apiserver writes one for an invalid object, naming a field);
+- an answer instead of the apiserver's: 429 (with `Retry-After`), 500, 503, 422 (a
+  `Status` the way kube-apiserver writes one for an invalid object, naming a field), or 409
+  (`Conflict`: the object was modified meanwhile; given to updates and patches only);
+- `SLOW`: the request is forwarded after `Rule.delay` seconds (a loaded apiserver);
+- `EXPIRED_WATCH`: a watch is answered the way kube-apiserver answers one whose
+  resourceVersion is too old: HTTP 200, one `ERROR` event carrying a 410 `Expired` Status,
+  and the end of the stream (the client must list again);
 - `DROP`: the connection is closed before the request reaches the apiserver;
 - `LOST_REPLY`: the apiserver gets the request and acts on it, the client never hears back
   (the case that tests whether a retried create is recognised as one's own);
@@ -55,6 +60,12 @@ class Fault(StrEnum):
     """The request is forwarded and acted on; the connection closes before the answer."""
     CUT_WATCH = "cut-watch"
     """A watch is forwarded and streamed, then cut after `Rule.cut_after` seconds."""
+    CONFLICT = "409"
+    """An update or patch is answered 409 Conflict (the object changed meanwhile)."""
+    SLOW = "slow"
+    """The request is forwarded after `Rule.delay` seconds."""
+    EXPIRED_WATCH = "410"
+    """A watch gets one ERROR event with a 410 Expired Status, then its stream ends."""
 
 
 ANSWERS = {
@@ -62,6 +73,12 @@ ANSWERS = {
     Fault.SERVER_ERROR: (500, "InternalError", "Internal error occurred: injected fault"),
     Fault.UNAVAILABLE: (503, "ServiceUnavailable", "The server is currently unavailable"),
     Fault.INVALID: (422, "Invalid", "is invalid"),
+    Fault.CONFLICT: (
+        409,
+        "Conflict",
+        "the object has been modified; please apply your changes to the latest version and "
+        "try again",
+    ),
 }
 """Faults answered with a Status: HTTP code, Status reason, message."""
 
@@ -169,6 +186,8 @@ class Rule:
     """For CUT_WATCH: the stream is cut after a uniformly drawn number of seconds."""
     field_path: str = "status.phase"
     """For INVALID: the field the 422 names."""
+    delay: tuple[float, float] = (1.0, 3.0)
+    """For SLOW: the request waits a uniformly drawn number of seconds."""
     fired: int = 0
 
     def matches(self, call: Call) -> bool:
@@ -194,6 +213,7 @@ def rule(
     limit: int | None = None,
     cut_after: tuple[float, float] = (1.0, 8.0),
     field_path: str = "status.phase",
+    delay: tuple[float, float] = (1.0, 3.0),
 ) -> Rule:
     """A `Rule` from plain iterables."""
     if not 0.0 <= rate <= 1.0:
@@ -209,19 +229,23 @@ def rule(
         limit,
         cut_after,
         field_path,
+        delay,
     )
 
 
 def select(rules: Sequence[Rule], call: Call, draw: Callable[[], float]) -> Rule | None:
     """The first matching rule whose draw falls under its rate (it is counted as fired).
 
-    Each matching rule draws once, in order; a watch is never given LOST_REPLY, and only a
-    watch is given CUT_WATCH.
+    Each matching rule draws once, in order; a watch is never given LOST_REPLY or CONFLICT,
+    only a watch is given CUT_WATCH or EXPIRED_WATCH, and only an update or a patch CONFLICT.
     """
     for candidate in rules:
-        if candidate.fault is Fault.CUT_WATCH and call.verb != "watch":
+        watch_only = candidate.fault in (Fault.CUT_WATCH, Fault.EXPIRED_WATCH)
+        if watch_only and call.verb != "watch":
             continue
         if candidate.fault is Fault.LOST_REPLY and call.verb == "watch":
+            continue
+        if candidate.fault is Fault.CONFLICT and call.verb not in ("update", "patch"):
             continue
         if candidate.matches(call) and draw() < candidate.rate:
             candidate.fired += 1
@@ -246,6 +270,8 @@ def status_body(fault: Fault, call: Call, field_path: str = "status.phase") -> d
         ]
     if fault is Fault.THROTTLE:
         details["retryAfterSeconds"] = 1
+    if fault is Fault.CONFLICT:
+        message = f'Operation cannot be fulfilled on {kind} "{call.name}": {message}'
     return {
         "kind": "Status",
         "apiVersion": "v1",
@@ -531,7 +557,7 @@ class FaultProxy:
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         body = await request.read() if request.body_exists else b""
         call = parse_call(request.method, request.path, request.query_string, body)
-        chosen, cut_at = None, 0.0
+        chosen, cut_at, delay = None, 0.0, 0.0
         with self._shared.lock:
             down = self._shared.down
             if down:
@@ -540,9 +566,15 @@ class FaultProxy:
                 chosen = select(self._shared.rules, call, self._rng.random)
                 if chosen is not None and chosen.fault is Fault.CUT_WATCH:
                     cut_at = self._rng.uniform(*chosen.cut_after)
+                if chosen is not None and chosen.fault is Fault.SLOW:
+                    delay = self._rng.uniform(*chosen.delay)
         if down:
             return self._hang_up(request, call, None)
         fault = chosen.fault if chosen else None
+        if fault is Fault.EXPIRED_WATCH:
+            return self._expired(call)
+        if delay:
+            await asyncio.sleep(delay)
         if chosen is not None and fault in ANSWERS:
             assert fault is not None
             status = status_body(fault, call, chosen.field_path)
@@ -557,6 +589,22 @@ class FaultProxy:
         if fault is Fault.DROP:
             return self._hang_up(request, call, fault)
         return await self._forward(request, call, fault, cut_at)
+
+    def _expired(self, call: Call) -> web.Response:
+        """A watch's answer when its resourceVersion is too old: one ERROR event with a
+        410 Expired Status, then the end of the stream."""
+        status = {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "metadata": {},
+            "status": "Failure",
+            "message": "too old resource version: injected by the fault proxy",
+            "reason": "Expired",
+            "code": 410,
+        }
+        self._record(call, Fault.EXPIRED_WATCH, 200)
+        event = json.dumps({"type": "ERROR", "object": status}).encode() + b"\n"
+        return web.Response(status=200, body=event, headers={"Content-Type": "application/json"})
 
     def _hang_up(self, request: web.BaseRequest, call: Call, fault: Fault | None) -> web.Response:
         """Close the client's connection without an answer."""

@@ -129,6 +129,18 @@ def test_watch_only_faults_and_non_watch_faults() -> None:
     assert select([lost], get, random.random) is lost
 
 
+def test_conflicts_go_to_updates_and_patches_and_expiry_to_watches() -> None:
+    watch = parse_call("GET", "/api/v1/pods", "watch=true")
+    patch = parse_call("PATCH", FTJ_STATUS)
+    create = parse_call("POST", BATCH_JOBS)
+    conflict, expired = rule(Fault.CONFLICT), rule(Fault.EXPIRED_WATCH)
+    assert select([conflict], patch, random.random) is conflict
+    assert select([conflict], create, random.random) is None  # a create's 409 means it exists
+    assert select([conflict], watch, random.random) is None
+    assert select([expired], watch, random.random) is expired
+    assert select([expired], patch, random.random) is None
+
+
 def test_fault_rates_are_reproducible_with_a_seed_and_near_their_rate() -> None:
     calls = [parse_call("POST", BATCH_JOBS)] * 4000
 
@@ -165,6 +177,12 @@ def test_status_bodies_look_like_the_apiservers() -> None:
     assert throttled["details"]["retryAfterSeconds"] == 1
     assert status_body(Fault.SERVER_ERROR, call)["code"] == 500
     assert status_body(Fault.UNAVAILABLE, call)["reason"] == "ServiceUnavailable"
+
+
+def test_a_conflict_looks_like_the_apiservers() -> None:
+    body = status_body(Fault.CONFLICT, parse_call("PATCH", FTJ_STATUS))
+    assert (body["code"], body["reason"]) == (409, "Conflict")
+    assert body["message"].startswith('Operation cannot be fulfilled on finetunejobs "j1"')
 
 
 def test_faults_table_lists_kinds_in_a_fixed_order() -> None:
@@ -323,6 +341,30 @@ def test_drop_and_lost_reply_close_the_connection(proxy: FaultProxy, upstream: U
     assert [b for _, _, b in upstream.seen] == [b'{"n": 2}'], "a lost reply's request arrived"
     assert proxy.injected() == {"drop": 1, "lost-reply": 1}
     assert request(proxy, "POST", BATCH_JOBS, {"n": 3})[0] == 201, "rules are gone"
+
+
+def test_slow_answers_arrive_late_and_unchanged(proxy: FaultProxy, upstream: Upstream) -> None:
+    proxy.set_rules([rule(Fault.SLOW, verbs=["create"], delay=(0.6, 0.6))])
+    t0 = time.monotonic()
+    status, _, echo = request(proxy, "POST", BATCH_JOBS, {"n": 1})
+    assert time.monotonic() - t0 >= 0.6
+    assert status == 201 and echo["body"] == '{"n": 1}'
+    assert proxy.injected() == {"slow": 1}
+
+
+def test_an_expired_watch_gets_a_410_event_and_ends(proxy: FaultProxy, upstream: Upstream) -> None:
+    proxy.set_rules([rule(Fault.EXPIRED_WATCH, limit=1)])
+    conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=10)
+    conn.request("GET", "/api/v1/pods?watch=true&resourceVersion=1")
+    response = conn.getresponse()
+    assert response.status == 200
+    event = json.loads(response.readline())
+    assert event["type"] == "ERROR"
+    assert (event["object"]["code"], event["object"]["reason"]) == (410, "Expired")
+    assert response.read() == b""
+    conn.close()
+    assert upstream.seen == [], "the apiserver never saw the expired watch"
+    assert proxy.injected() == {"410": 1}
 
 
 def test_cut_watch_ends_a_stream_midway(proxy: FaultProxy, upstream: Upstream) -> None:
