@@ -365,6 +365,29 @@ def test_a_cache_entry_changed_on_the_volume_is_fetched_again(
     assert hub.downloads() == fetched
 
 
+def test_a_branch_that_moved_on_the_hub_is_fetched_again(
+    tmp_path: Path, hub: HubServer, alpaca: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hit on an unpinned revision is checked against the commit the branch names now
+    (one call): a dataset pushed again is what the next job trains on."""
+    first_commit = hub.add_dataset("org/moving", {"train.jsonl": alpaca.read_bytes()})
+    cfg = hub_config(tmp_path)
+    cfg["dataset"]["source"] = "org/moving"
+    code, message = run_stagein(tmp_path / "first", cfg, monkeypatch)
+    assert code == 0, message
+    staged = Path(result_of(cfg, message).dataset_path)
+    newer = b"".join(reversed(alpaca.read_bytes().splitlines(keepends=True)))
+    assert hub.add_dataset("org/moving", {"train.jsonl": newer}) != first_commit
+    code, message = run_stagein(tmp_path / "second", cfg, monkeypatch)
+    assert code == 0, message
+    again = result_of(cfg, message)
+    assert Path(again.dataset_path) == staged
+    assert (staged / "train.jsonl").read_bytes() == newer
+    assert again.downloaded_bytes >= len(newer)
+    code, message = run_stagein(tmp_path / "third", cfg, monkeypatch)  # unmoved: a hit
+    assert code == 0 and result_of(cfg, message).downloaded_bytes == 0
+
+
 def test_a_hub_datasets_revision_is_the_one_staged(
     tmp_path: Path, hub: HubServer, alpaca: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -570,6 +593,34 @@ def test_s3_model_and_dataset_staged_then_reused(
     assert code == EXIT_CONFIG_ERROR
     assert message.startswith("config_error dataset s3://data/alpaca.jsonl: S3 refused access")
     assert s3.gets() == fetched
+
+
+def test_an_object_changed_at_the_source_is_fetched_again(
+    tmp_path: Path,
+    s3: S3Server,
+    s3_env: Callable[..., None],
+    alpaca: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hit is checked against the source's ETags (one LIST): data uploaded again under
+    the same key is what the next job trains on, not the copy cached before."""
+    s3.client().upload_file(str(alpaca), "data", "changing.jsonl")
+    cfg = s3_config(tmp_path)
+    cfg["dataset"]["source"] = "s3://data/changing.jsonl"
+    code, message = run_stagein(tmp_path / "first", cfg, monkeypatch)
+    assert code == 0, message
+    staged = Path(result_of(cfg, message).dataset_path)
+    lines = alpaca.read_bytes().splitlines(keepends=True)
+    newer = tmp_path / "newer.jsonl"
+    newer.write_bytes(b"".join(reversed(lines)))  # same size, another order
+    s3.client().upload_file(str(newer), "data", "changing.jsonl")
+    code, message = run_stagein(tmp_path / "second", cfg, monkeypatch)
+    assert code == 0, message
+    again = result_of(cfg, message)
+    assert Path(again.dataset_path) == staged and staged.read_bytes() == newer.read_bytes()
+    assert again.downloaded_bytes >= newer.stat().st_size
+    code, message = run_stagein(tmp_path / "third", cfg, monkeypatch)  # unchanged: a hit
+    assert code == 0 and result_of(cfg, message).downloaded_bytes == 0
 
 
 def test_a_bucket_of_the_same_name_on_another_endpoint_is_another_source(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -45,7 +46,9 @@ from kubetune_trainer.stagein.fetch import (
     fetch_https,
     fetch_hub,
     fetch_s3,
+    hub_commit,
     s3_key,
+    s3_versions,
 )
 from kubetune_trainer.stagein.progress import StageProgress
 
@@ -107,6 +110,45 @@ def _check_access(what: str, kind: str, source: str, token_env: str | None, entr
     elif kind == "s3":
         key = s3_key(source, str(entry.meta.get("target", ".")), files[0], field)
         check_s3_access(source, key, what=what, field=field)
+
+
+def _changed(
+    what: str,
+    kind: str,
+    source: str,
+    revision: str | None,
+    token_env: str | None,
+    entry: Entry,
+) -> str | None:
+    """How the source differs from the entry now (the hub: the branch or tag moved to
+    another commit; S3: an object changed, added or removed, by its ETag); None when it does
+    not, or the entry recorded nothing to compare."""
+    if kind == "hub":
+        recorded_commit = entry.meta.get("commit")
+        if not recorded_commit or (revision and re.fullmatch(r"[0-9a-f]{40}", revision)):
+            return None  # a pinned commit never moves
+        token, env = _hub_credentials(what, source, token_env)
+        commit = hub_commit(
+            source,
+            repo_type=what,
+            revision=revision,
+            token=token,
+            token_env=env,
+            field=f"{what}.uri",
+            what=what,
+        )
+        if commit == recorded_commit:
+            return None
+        branch = revision or "the default branch"
+        return f"{branch} moved from commit {recorded_commit[:12]} to {commit[:12]}"
+    recorded = entry.meta.get("source_versions")
+    if kind != "s3" or not isinstance(recorded, dict):
+        return None
+    now = s3_versions(source, what=what, field=f"{what}.uri")
+    if now == recorded:
+        return None
+    changed = sorted(k for k in set(now) | set(recorded) if now.get(k) != recorded.get(k))
+    return f"{changed[0]} changed at the source since it was fetched"
 
 
 def _fetch(
@@ -184,6 +226,7 @@ def _fetch_into(
             "revision": revision,
             "commit": fetched.commit,
             "target": fetched.target,
+            "source_versions": fetched.versions,
         },
     )
     log.info(
@@ -234,7 +277,11 @@ def stage_source(
     # checks `last_used`, either removed the entry before (it is fetched again) or keeps it.
     with locked(cache_dir, key, f"{what} {source}"):
         entry = lookup(root, key)
-        problem = None if entry is None else entry_problem(entry)
+        problem = None
+        if entry is not None:
+            problem = entry_problem(entry) or _changed(
+                what, kind, source, revision, token_env, entry
+            )
         if entry is not None and problem is not None:
             log.warning(
                 "%s %s: the cache entry %s differs from its record (%s): fetched again",

@@ -88,6 +88,9 @@ class Fetched:
 
     commit: str | None = None
     target: str = "."
+    versions: dict[str, str] | None = None
+    """What identifies each fetched file at the source, by file name (S3: its ETag), so a
+    cache hit can be checked against the source as it is now; None where the revision does."""
 
 
 def causes(e: BaseException) -> list[BaseException]:

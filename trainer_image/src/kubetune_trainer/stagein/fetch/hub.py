@@ -286,6 +286,25 @@ def fetch_hub(
     return Fetched(commit=commit)
 
 
+def hub_commit(
+    repo_id: str,
+    *,
+    repo_type: str,
+    revision: str | None,
+    token: str | None,
+    token_env: str | None,
+    field: str,
+    what: str,
+) -> str:
+    """The commit `revision` (None: the default branch) names now: one repo_info call."""
+    import huggingface_hub
+
+    hub: Any = huggingface_hub
+    api = hub.HfApi(token=token)
+    call = _HubCalls(what, repo_id, field, revision, token_env)
+    return str(call(lambda: api.repo_info(repo_id, repo_type=repo_type, revision=revision).sha))
+
+
 def check_hub_access(
     repo_id: str,
     *,

@@ -283,6 +283,26 @@ def _download_all(download: _S3Download, objects: dict[str, dict[str, Any]]) -> 
             failed[0].result()
 
 
+def _listed(client: Any, uri: str, *, what: str, field: str) -> tuple[dict[str, Any], str]:
+    """The objects `uri` names, by file name, and what a job reads (see `_objects`)."""
+    bucket, prefix = parse_s3(uri, field)
+
+    def classify(e: BaseException) -> ConfigError | str | None:
+        return classify_s3(e, what=what, uri=uri, bucket=bucket, field=field)
+
+    def listing() -> list[dict[str, Any]]:
+        pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+        return [o for page in pages for o in page.get("Contents", [])]
+
+    return _objects(retrying(listing, classify, what=what, uri=uri), prefix, what, uri)
+
+
+def s3_versions(uri: str, *, what: str, field: str) -> dict[str, str]:
+    """The ETag of each object `uri` names now, by file name (one LIST per 1,000 objects)."""
+    objects, _ = _listed(s3_client(), uri, what=what, field=field)
+    return {name: str(o.get("ETag", "")) for name, o in objects.items()}
+
+
 def fetch_s3(
     uri: str,
     *,
@@ -294,18 +314,13 @@ def fetch_s3(
 ) -> Fetched:
     """Download the object `uri` names, or every object under it (a folder), into `dest`;
     `early` runs once a top-level config.json is in, before the other objects."""
-    bucket, prefix = parse_s3(uri, field)
+    bucket, _ = parse_s3(uri, field)
     client = s3_client()
 
     def classify(e: BaseException) -> ConfigError | str | None:
         return classify_s3(e, what=what, uri=uri, bucket=bucket, field=field)
 
-    def listing() -> list[dict[str, Any]]:
-        pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
-        return [o for page in pages for o in page.get("Contents", [])]
-
-    found = retrying(listing, classify, what=what, uri=uri)
-    objects, target = _objects(found, prefix, what, uri)
+    objects, target = _listed(client, uri, what=what, field=field)
     if not objects:
         raise ConfigError(
             f"{what} {uri}: no objects under it in bucket {bucket!r}. To fix: check {field} "
@@ -319,4 +334,5 @@ def fetch_s3(
         early(dest)
     _download_all(download, rest)
     prune(dest, set(objects))  # what a killed try's transfers left half-written
-    return Fetched(target=target)
+    versions = {name: str(o.get("ETag", "")) for name, o in objects.items()}
+    return Fetched(target=target, versions=versions)
