@@ -148,6 +148,7 @@ def test_default_render_is_a_standalone_cluster_wide_operator(helm: Helm) -> Non
         "ClusterRoleBinding",
         "CustomResourceDefinition",
         "Deployment",
+        "NetworkPolicy",
         "Pod",
         "Service",
         "ServiceAccount",
@@ -185,6 +186,27 @@ def test_default_render_is_a_standalone_cluster_wide_operator(helm: Helm) -> Non
     assert env["KUBETUNE_CHECKPOINT_STORAGE_CLASS"] == ""
     (svc,) = find(docs, "Service")
     assert svc["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    # The operator's /metrics (every tenant's jobs and costs) reaches metricsFrom only.
+    (policy,) = find(docs, "NetworkPolicy")
+    check_labels = {
+        k: check["metadata"]["labels"][k]
+        for k in ("app.kubernetes.io/name", "app.kubernetes.io/instance")
+    }
+    assert policy["spec"]["podSelector"]["matchLabels"] == selector
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["ingress"] == [
+        {
+            "ports": [{"port": "metrics", "protocol": "TCP"}],
+            "from": [
+                {"podSelector": {"matchLabels": check_labels}},  # `helm test`
+                {"namespaceSelector": {"matchLabels": {"kubetune.io/metrics-scraper": "true"}}},
+            ],
+        }
+    ]
+    digest = "sha256:" + "ab" * 32
+    (pinned,) = find(render(helm, f"image.digest={digest}"), "Deployment")
+    image = pinned["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert image == f"kubetune/operator@{digest}"
 
 
 def test_every_operator_setting_reaches_the_container(helm: Helm) -> None:
@@ -352,6 +374,7 @@ def test_toggles_turn_objects_off(helm: Helm) -> None:
         "serviceAccount.name=existing",
         "metrics.enabled=false",
         "tenantRoles.enabled=false",
+        "networkPolicy.operator=false",
     )
     assert sorted(d["kind"] for d in docs) == ["Deployment", "Pod"]
     (deploy,) = find(docs, "Deployment")

@@ -44,7 +44,11 @@ app.kubernetes.io/component: operator
 {{- end }}
 
 {{- define "kubetune.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
 {{- end }}
 
 {{/* Leader election: on for more than one replica, or when asked for. */}}
