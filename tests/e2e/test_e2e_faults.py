@@ -7,15 +7,17 @@ Faults injected from outside: the newest checkpoint damaged on the volume, then 
 killed; three preemptions in one run. Faults injected by the trainer itself, behind the
 `kubetune.io/test-faults` annotation (only an operator run with KUBETUNE_ALLOW_TEST_FAULTS
 obeys it): one rank of two SIGKILLing itself, out of GPU memory while loading the model or
-evaluating, and a volume that reads as full at a save. The rest of the matrix (SIGTERM, a hard
-kill, a hung rank, out of memory in a step, node loss, the two-node runs) lives in test_e2e.py
-and test_e2e_multinode.py; docs/faults.md gathers the numbers.
+evaluating. A volume that is really full at a save: a size-limited tmpfs, filled. The rest
+of the matrix (SIGTERM, a hard kill, a hung rank, out of memory in a step, node loss, the
+two-node runs) lives in test_e2e.py and test_e2e_multinode.py; docs/faults.md gathers the
+numbers.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -204,11 +206,31 @@ def test_a_trainer_killed_for_host_memory_is_relaunched_with_more(target: Target
     delete_job(target, name)
 
 
+SIZED_CLASS = "kubetune-local-sized"
+"""The local target's class of volumes that are each a tmpfs of the claim's size."""
+
+
 def test_a_full_volume_at_a_save_fails_the_job_and_keeps_the_checkpoint_before(
     target: Target,
 ) -> None:
+    """A volume that is really full: the checkpoint claim is a 96 MiB tmpfs, and once step-10
+    is on it the test fills what is left, so the save of step 20 finds no room."""
+    if target.name != "local":
+        pytest.skip(f"the {target.name} target has no size-limited volumes ({SIZED_CLASS})")
     name = "disk-full"
-    target.apply(job_doc(name, annotations=faults(diskFullAtStep=20)))
+    storage = {"storage": {"storageClassName": SIZED_CLASS, "size": "96Mi"}}
+    target.apply(job_doc(name, annotations=faults(stepSeconds=1.0), checkpoint=storage))
+    claim = f"{name}-ckpt"
+    wait_for(
+        "step-10 on the volume",
+        lambda: target.read_volume_file(claim, "step-10/manifest.json") is not None,
+        240,
+    )
+    folder = target.volume_folder(claim)
+    assert os.path.ismount(folder), f"{folder} is not a size-limited file system"
+    fs = os.statvfs(folder)
+    free = fs.f_bavail * fs.f_frsize
+    (folder / "filler").write_bytes(bytes(max(0, free - 4 * 2**20)))  # 4 MiB left
     s = wait_phase(target, name, "Failed")
     cond = next(c for c in s["conditions"] if c["type"] == "Failed")
     assert cond["reason"] == "CheckpointFailed", cond
@@ -218,7 +240,7 @@ def test_a_full_volume_at_a_save_fails_the_job_and_keeps_the_checkpoint_before(
     assert manifest and json.loads(manifest), "step-10 is gone"
     assert target.read_volume_file(f"{name}-ckpt", "step-20/manifest.json") is None
     REPORT.append(
-        f"volume full at the save of step 20: Failed/CheckpointFailed, step-10 intact; "
+        f"96 MiB tmpfs filled after step 10: Failed/CheckpointFailed at step 20, step-10 intact; "
         f"{s['message'][:200]}"
     )
     delete_job(target, name)

@@ -202,3 +202,31 @@ def test_components_die_with_a_caller_killed_outright_when_tied(
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(component, signal.SIGKILL)
+
+
+def test_a_sized_volume_is_a_tmpfs_of_the_claims_request(tmp_path: Path) -> None:
+    """The local provisioner's `kubetune-local-sized` class: a file system that really fills
+    up at the claim's size (the e2e disk-full drill), unmounted when the volume goes."""
+    from kubetune_dev.provisioner import _mount_tmpfs, _remove, tmpfs_size
+
+    assert [tmpfs_size(q) for q in ("64Mi", "2Gi", "512Ki", "1048576")] == [
+        "64m",
+        "2g",
+        "512k",
+        "1048576",
+    ]
+    with pytest.raises(ValueError, match="whole Ki/Mi/Gi"):
+        tmpfs_size("1.5Gi")
+    folder = tmp_path / "pvc-1"
+    folder.mkdir()
+    try:
+        _mount_tmpfs(folder, "1Mi")
+    except subprocess.CalledProcessError as exc:
+        pytest.skip(f"cannot mount a tmpfs here: {exc.stderr.strip()}")
+    try:
+        assert os.path.ismount(folder)
+        with pytest.raises(OSError, match="No space left"):
+            (folder / "fill").write_bytes(bytes(2 * 2**20))
+    finally:
+        _remove(folder)
+    assert not folder.exists()

@@ -31,6 +31,7 @@ import yaml
 
 from kubetune_dev.binaries import Binaries
 from kubetune_dev.pki import Pki, create_pki
+from kubetune_dev.provisioner import SIZED_SUFFIX, unmount_volumes
 
 Progress = Callable[[str], None]
 
@@ -247,6 +248,7 @@ class LocalCluster:
             )
         t0 = time.monotonic()
         if self.root.exists():
+            unmount_volumes(self.volumes)
             shutil.rmtree(self.root)
         for d in (self.logs, self.volumes, self.root / "etcd"):
             d.mkdir(parents=True, exist_ok=True)
@@ -473,7 +475,11 @@ class LocalCluster:
             "reclaimPolicy": "Delete",
             "volumeBindingMode": "Immediate",
         }
-        self.apply([storage_class])
+        sized = {
+            **storage_class,
+            "metadata": {"name": STORAGE_CLASS + SIZED_SUFFIX},  # not the default
+        }
+        self.apply([storage_class, sized])
         # Pods need the default ServiceAccount, which the controller-manager creates.
         while time.monotonic() < deadline:
             self.check_alive()

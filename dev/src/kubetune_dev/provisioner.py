@@ -4,14 +4,22 @@ For every Pending PVC of our StorageClass it creates a hostPath PersistentVolume
 `--volumes`, pre-bound to the claim through `claimRef`, with the claim's access modes
 (ReadWriteOnce and ReadWriteMany alike: on one machine both are honest). Released volumes
 are deleted with their folders. Test and demo infrastructure only.
+
+Claims of the class `<class>-sized` get a tmpfs of exactly their request mounted on their
+folder: a file system that really fills up, for disk-full drills. Mounting needs the right to
+(root, or CAP_SYS_ADMIN); where it is refused the claim stays Pending and the provisioner's
+log says why.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import re
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,6 +36,49 @@ from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import PersistentVolume, PersistentVolumeClaim
 
 PROVISIONED_BY = "kubetune.io/local-provisioner"
+SIZED_SUFFIX = "-sized"
+"""The class `<class>-sized`: each volume a tmpfs of the claim's request."""
+_TMPFS_UNITS = {"": "", "Ki": "k", "Mi": "m", "Gi": "g", "k": "000", "M": "000000"}
+
+
+def tmpfs_size(request: str) -> str:
+    """A claim's storage request as tmpfs's `size=` option (`64Mi` → `64m`)."""
+    m = re.fullmatch(r"([0-9]+)(Ki|Mi|Gi|k|M)?", request.strip())
+    if m is None:
+        raise ValueError(f"a sized volume needs a whole Ki/Mi/Gi/k/M request, not {request!r}")
+    return m.group(1) + _TMPFS_UNITS[m.group(2) or ""]
+
+
+def _mount_tmpfs(folder: Path, request: str) -> None:
+    subprocess.run(
+        [
+            "mount",
+            "-t",
+            "tmpfs",
+            "-o",
+            f"size={tmpfs_size(request)},mode=0777",
+            "tmpfs",
+            str(folder),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+
+
+def unmount_volumes(volumes: Path) -> None:
+    """Unmount the sized volumes under `volumes` (before the folder is removed)."""
+    if volumes.is_dir():
+        for folder in volumes.iterdir():
+            if os.path.ismount(folder):
+                subprocess.run(["umount", "-l", str(folder)], check=False, capture_output=True)
+
+
+def _remove(folder: Path) -> None:
+    """A volume's folder, unmounted first where it is a sized volume's tmpfs."""
+    if os.path.ismount(folder):
+        subprocess.run(["umount", "-l", str(folder)], check=False, capture_output=True)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def pv_for_claim(
@@ -64,17 +115,26 @@ def pv_for_claim(
 def sync_once(client: Client, volumes: Path, storage_class: str) -> int:
     """Provision what is pending and clean up what was released; returns actions taken."""
     actions = 0
+    sized = storage_class + SIZED_SUFFIX
     for claim in client.list(PersistentVolumeClaim, namespace="*"):
         spec, status = claim.spec, claim.status
-        if spec is None or spec.storageClassName != storage_class or spec.volumeName:
+        if spec is None or spec.storageClassName not in (storage_class, sized):
             continue
-        if status is not None and status.phase not in (None, "Pending"):
+        if spec.volumeName or (status is not None and status.phase not in (None, "Pending")):
             continue
-        pv = pv_for_claim(claim, volumes, storage_class)
+        pv = pv_for_claim(claim, volumes, spec.storageClassName)
         assert pv.spec is not None and pv.spec.hostPath is not None
         folder = Path(pv.spec.hostPath.path)
         folder.mkdir(parents=True, exist_ok=True)
         folder.chmod(0o777)  # trainer pods run as a non-root user
+        if spec.storageClassName == sized and not os.path.ismount(folder):
+            assert pv.spec.capacity is not None
+            try:
+                _mount_tmpfs(folder, str(pv.spec.capacity["storage"]))
+            except (ValueError, OSError, subprocess.CalledProcessError) as exc:
+                detail = getattr(exc, "stderr", "") or exc
+                print(f"provisioner: cannot make {folder} a sized volume: {detail}", flush=True)
+                continue
         try:
             client.create(pv)
             actions += 1
@@ -89,7 +149,7 @@ def sync_once(client: Client, volumes: Path, storage_class: str) -> int:
         released = pv.status is not None and pv.status.phase == "Released"
         if released and meta and meta.name:
             if pv.spec and pv.spec.hostPath:
-                shutil.rmtree(pv.spec.hostPath.path, ignore_errors=True)
+                _remove(Path(pv.spec.hostPath.path))
             with contextlib.suppress(ApiError):
                 client.delete(PersistentVolume, meta.name)
             actions += 1
