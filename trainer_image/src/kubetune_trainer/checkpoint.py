@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -87,6 +86,7 @@ from kubetune_trainer.contract import (
 from kubetune_trainer.distributed import DistEnv, all_reduce_max, barrier
 from kubetune_trainer.errors import CheckpointFailed, StorageUnavailable
 from kubetune_trainer.fence import WriterFence
+from kubetune_trainer.hashing import file_sha256
 from kubetune_trainer.identity import IDENTITY_KEY
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,6 @@ SPACE_SLACK_BYTES = 16 * 2**20
 FIX_SPACE = "To fix: raise spec.checkpoint.storage.size or lower spec.checkpoint.keep"
 FOREIGN_DIR = "foreign"
 """Under the checkpoint folder: other jobs' checkpoints, moved aside (never deleted here)."""
-_HASH_CHUNK = 8 * 2**20
 
 
 def _is_complete(path: Path) -> bool:
@@ -206,14 +205,6 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        while chunk := fh.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def folder_bytes(path: Path) -> int:

@@ -38,6 +38,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from kubetune_trainer.hashing import file_sha256
+
 log = logging.getLogger(__name__)
 
 ENTRY_FILE = ".kubetune-entry.json"
@@ -206,15 +208,6 @@ def retire(path: Path) -> None:
 
 HASH_THREADS = 4
 """Files hashed at once (hashlib releases the GIL on large reads)."""
-_HASH_CHUNK = 8 * 2**20
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        while chunk := fh.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _files(folder: Path) -> list[Path]:
@@ -229,7 +222,7 @@ def listing(folder: Path) -> list[dict[str, Any]]:
     """Every file under `folder` but the entry file, as {path, bytes, sha256}."""
     files = _files(folder)
     with ThreadPoolExecutor(HASH_THREADS) as pool:
-        hashes = list(pool.map(_sha256, files))
+        hashes = list(pool.map(file_sha256, files))
     return [
         {"path": p.relative_to(folder).as_posix(), "bytes": p.stat().st_size, "sha256": h}
         for p, h in zip(files, hashes, strict=True)
@@ -253,7 +246,7 @@ def entry_problem(entry: Entry) -> str | None:
             return f"{rel} has {p.stat().st_size} bytes, not {want[rel].get('bytes')}"
     names = sorted(have)
     with ThreadPoolExecutor(HASH_THREADS) as pool:
-        hashes = dict(zip(names, pool.map(_sha256, [have[n] for n in names]), strict=True))
+        hashes = dict(zip(names, pool.map(file_sha256, [have[n] for n in names]), strict=True))
     for rel in names:
         if hashes[rel] != want[rel].get("sha256"):
             return f"{rel} does not match its sha256"
