@@ -501,8 +501,11 @@ class LocalCluster:
         self._wait_ready(time.monotonic() + timeout_s)
 
     def stop(self, timeout_s: float = 15.0) -> list[str]:
-        """Stop every component (SIGTERM, then SIGKILL); returns the names still alive."""
-        return stop_processes(State.load(self.root) or self.state, timeout_s)
+        """Stop every component (SIGTERM, then SIGKILL); returns the names still alive. The
+        sized volumes' file systems are unmounted (their memory freed); the folders stay."""
+        alive = stop_processes(State.load(self.root) or self.state, timeout_s)
+        unmount_volumes(self.volumes)
+        return alive
 
     def status(self) -> dict[str, bool]:
         state = State.load(self.root)
