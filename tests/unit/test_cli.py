@@ -125,10 +125,16 @@ def test_estimate_errors_are_actionable() -> None:
     assert code != 0 and "--model" in out
 
 
-def test_a_file_of_several_jobs_needs_the_job_named_and_chains_resolve_within_it() -> None:
+def test_a_file_of_several_jobs_plans_each_and_chains_resolve_within_it() -> None:
+    """As `kubectl apply -f` takes each job of a file, `kubetune plan` plans each, in order."""
     example = str(ROOT / "examples/sft-then-dpo.yaml")
     code, out = invoke("plan", example)
-    assert code != 0 and "pass --job NAME" in out and "support-sft, support-dpo" in out
+    assert code == 0, out
+    sft, dpo = out.index("support-sft: "), out.index("support-dpo: meta-llama/Llama-3.1-8B")
+    assert sft < dpo and out.count("steps ") == 2
+    code, out = invoke("plan", example, "-o", "json")
+    assert code == 0 and list(json.loads(out)) == ["support-sft", "support-dpo"]
+    assert all(p["totalGPUs"] >= 1 for p in json.loads(out).values())
     code, out = invoke("plan", example, "--job", "nope")
     assert code != 0 and "no FineTuneJob 'nope'" in out
     # support-dpo's model is ftj://support-sft: planned as support-sft's model.
@@ -144,7 +150,8 @@ def test_list_models() -> None:
 
 
 def _example_jobs() -> list[tuple[Path, list[str]]]:
-    """Each example file's FineTuneJobs, with `--job NAME` where it holds several."""
+    """Each example file's FineTuneJobs, with `--job NAME` where it holds several (each planned
+    on its own, so that `--json` gives one plan)."""
     out = []
     for path in JOBS:
         docs = [d for d in yaml.safe_load_all(path.read_text()) if d["kind"] == "FineTuneJob"]

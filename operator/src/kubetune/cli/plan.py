@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -72,23 +73,23 @@ def load_pools(path: str | None) -> list[GPUPool]:
     return pools
 
 
-def load_job(path: str, name: str | None = None) -> FineTuneJob:
-    """The FineTuneJob of `path` (the one called `name` in a file of several). A model that is
-    another job of the same file (`ftj://<name>`) is planned as that job's model."""
+def load_jobs(path: str, name: str | None = None) -> list[FineTuneJob]:
+    """The FineTuneJobs of `path`, in file order (only the one called `name`, if given), as
+    `kubectl apply -f` takes each. A model that is another job of the same file
+    (`ftj://<name>`) is planned as that job's model."""
     docs = [d for d in _load_yaml_docs(path) if d.get("kind") == "FineTuneJob"]
     names = [str((d.get("metadata") or {}).get("name")) for d in docs]
-    if name is not None:
-        if name not in names:
-            raise Abort(f"{path}: no FineTuneJob {name!r} (it holds {', '.join(names) or 'none'})")
-        chosen = docs[names.index(name)]
-    elif len(docs) == 1:
-        chosen = docs[0]
-    else:
-        raise Abort(
-            f"{path}: expected one FineTuneJob, found {len(docs)} ({', '.join(names)}). "
-            "To fix: pass --job NAME"
-        )
-    job = _validated_job(path, chosen)
+    if name is not None and name not in names:
+        raise Abort(f"{path}: no FineTuneJob {name!r} (it holds {', '.join(names) or 'none'})")
+    if not docs:
+        raise Abort(f"{path} holds no FineTuneJob. To fix: pass a file with one (examples/)")
+    chosen = [docs[names.index(name)]] if name is not None else docs
+    return [_with_upstream(path, _validated_job(path, doc), docs, names) for doc in chosen]
+
+
+def _with_upstream(
+    path: str, job: FineTuneJob, docs: list[dict[str, Any]], names: list[str]
+) -> FineTuneJob:
     upstream = parse_uri(job.spec.model.uri).job
     if upstream in names and job.spec.model.architecture is None:
         before = _validated_job(path, docs[names.index(upstream)]).spec.model
@@ -206,11 +207,15 @@ def format_plan(plan: Plan, objective_defaulted: bool = False) -> str:
     type=click.Choice(["table", "json", "yaml"]),
     default="table",
     show_default=True,
-    help="json|yaml: status.plan as the operator would write it.",
+    help="json|yaml: status.plan as the operator would write it (for a file of several "
+    "jobs: a mapping of job name to plan).",
 )
 @click.option("--json", "as_json", is_flag=True, hidden=True, help="The same as -o json.")
 @click.option(
-    "--job", "job_name", default=None, help="In a file of several FineTuneJobs: the one to plan."
+    "--job",
+    "job_name",
+    default=None,
+    help="In a file of several FineTuneJobs: the one to plan (default: each, in file order).",
 )
 def plan(
     job_file: str,
@@ -226,9 +231,9 @@ def plan(
     as_json: bool,
     job_name: str | None,
 ) -> None:
-    """Plan a FineTuneJob offline: the chosen pool, GPUs, method, time and cost."""
+    """Plan FineTuneJobs offline: the chosen pool, GPUs, method, time and cost of each."""
     output = "json" if as_json else output
-    job = load_job(job_file, job_name)
+    jobs = load_jobs(job_file, job_name)
     if from_cluster and pools_file:
         raise Abort("--from-cluster and --pools both say where pools come from: pass one")
     if (kubeconfig or context) and not from_cluster:
@@ -238,49 +243,80 @@ def plan(
     tenant_note = ""
     if from_cluster:
         pools, unreadable, tenant, tenant_note = _cluster_pools(
-            kubeconfig, context, job.metadata.get("namespace")
+            kubeconfig, context, jobs[0].metadata.get("namespace")
         )
     else:
         pools = load_pools(pools_file)
+    settings = PlannerSettings(
+        safety_factor=safety_factor,
+        default_objective=default_objective,
+        # From the cluster, the pools' status says what is free now.
+        use_live_capacity=from_cluster,
+        tenant=tenant,
+    )
+    rwx = BuildSettings(checkpoint_read_write_many=read_write_many)
+    planned = [(job, *_plan_one(job, pools, settings, rwx, allow_network)) for job in jobs]
+    if output != "table":
+        wires = {str(j.metadata.get("name")): r.to_status(pools).to_wire() for j, r, _ in planned}
+        click.echo(dump(next(iter(wires.values())) if len(wires) == 1 else wires, output))
+        return
+    for i, (job, result, arch) in enumerate(planned):
+        if i:
+            click.echo()
+        click.echo(f"{job.metadata.get('name', job_file)}: {arch}")
+        if i == 0:
+            click.echo(_pools_line(pools, pools_file, from_cluster, tenant_note, unreadable))
+        click.echo(format_plan(result, objective_defaulted=job.spec.resources.objective is None))
+
+
+def _pools_line(
+    pools: list[GPUPool],
+    pools_file: str | None,
+    from_cluster: bool,
+    tenant_note: str,
+    unreadable: list[str],
+) -> str:
+    """Where the pools planned against come from, in words."""
+    if from_cluster:
+        lines = [f"pools: {len(pools)} from the cluster, with their free GPUs now{tenant_note}"]
+        return "\n".join(lines + [f"  {line}" for line in unreadable])
+    if pools_file is None:
+        return (
+            f"pools: the built-in catalog ({len(pools)} pools, list prices); "
+            "--pools or --from-cluster for yours"
+        )
+    return f"pools: {len(pools)} from {_source(pools_file)}"
+
+
+def _plan_one(
+    job: FineTuneJob,
+    pools: list[GPUPool],
+    settings: PlannerSettings,
+    build: BuildSettings,
+    allow_network: bool,
+) -> tuple[Plan, str]:
+    """One job's plan against `pools` (every pool's best, not only the three runners-up the
+    operator records), and its architecture's name."""
     model = job.spec.model.architecture or job.spec.model.uri
     # As the operator decides before the job's checkpoint volume exists.
-    held = single_node(job, BuildSettings(checkpoint_read_write_many=read_write_many), None)
+    held = single_node(job, build, None)
+    name = job.metadata.get("name")
     try:
         arch = load_arch(model, allow_network=allow_network)
         result = plan_job(
             job.spec,
             pools,
             arch,
-            PlannerSettings(
-                safety_factor=safety_factor,
-                default_objective=default_objective,
-                # From the cluster, the pools' status says what is free now.
-                use_live_capacity=from_cluster,
-                tenant=tenant,
+            replace(
+                settings,
                 single_node_reason=None if held is None else held.reason,
                 single_node_fix="" if held is None else held.fix,
             ),
-            # Every pool's best, not only the three runners-up the operator records.
             alternatives=len(pools),
         )
     except (KubetuneError, ArchitectureError, EstimatorError) as exc:
-        raise Abort(str(exc)) from exc
-    if output != "table":
-        click.echo(dump(result.to_status(pools).to_wire(), output))
-        return
-    click.echo(f"{job.metadata.get('name', job_file)}: {arch.name}")
-    if from_cluster:
-        click.echo(f"pools: {len(pools)} from the cluster, with their free GPUs now{tenant_note}")
-        for line in unreadable:
-            click.echo(f"  {line}")
-    elif pools_file is None:
-        click.echo(
-            f"pools: the built-in catalog ({len(pools)} pools, list prices); "
-            "--pools or --from-cluster for yours"
-        )
-    else:
-        click.echo(f"pools: {len(pools)} from {_source(pools_file)}")
-    click.echo(format_plan(result, objective_defaulted=job.spec.resources.objective is None))
+        raise Abort(f"{name}: {exc}" if name else str(exc)) from exc
+    return result, arch.name
 
 
 def _cluster_pools(
