@@ -277,11 +277,11 @@ def stage_source(
     # checks `last_used`, either removed the entry before (it is fetched again) or keeps it.
     with locked(cache_dir, key, f"{what} {source}"):
         entry = lookup(root, key)
+        # The source first: one call, where the entry's check hashes every file.
         problem = None
         if entry is not None:
-            problem = entry_problem(entry) or _changed(
-                what, kind, source, revision, token_env, entry
-            )
+            problem = _changed(what, kind, source, revision, token_env, entry)
+            problem = problem or entry_problem(entry)
         if entry is not None and problem is not None:
             log.warning(
                 "%s %s: the cache entry %s differs from its record (%s): fetched again",
