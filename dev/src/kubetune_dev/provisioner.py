@@ -66,18 +66,22 @@ def _mount_tmpfs(folder: Path, request: str) -> None:
     )
 
 
+def _unmount(folder: Path) -> None:
+    """Unmount a sized volume's tmpfs (nothing for a plain folder)."""
+    if os.path.ismount(folder):
+        subprocess.run(["umount", "-l", str(folder)], check=False, capture_output=True)
+
+
 def unmount_volumes(volumes: Path) -> None:
     """Unmount the sized volumes under `volumes` (before the folder is removed)."""
     if volumes.is_dir():
         for folder in volumes.iterdir():
-            if os.path.ismount(folder):
-                subprocess.run(["umount", "-l", str(folder)], check=False, capture_output=True)
+            _unmount(folder)
 
 
 def _remove(folder: Path) -> None:
     """A volume's folder, unmounted first where it is a sized volume's tmpfs."""
-    if os.path.ismount(folder):
-        subprocess.run(["umount", "-l", str(folder)], check=False, capture_output=True)
+    _unmount(folder)
     shutil.rmtree(folder, ignore_errors=True)
 
 
