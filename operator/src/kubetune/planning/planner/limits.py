@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from kubetune.api.errors import InfeasibleError
-from kubetune.api.tenancy import Tenant
 from kubetune.api.units import about
 from kubetune.api.v1alpha1 import FineTuneJobSpec, GPUPool
 from kubetune.planning.planner.configs import methods_to_try
@@ -35,16 +34,14 @@ def eligible_pools(
     spec: FineTuneJobSpec,
     pools: Sequence[GPUPool],
     rejected: list[Rejection],
-    settings: PlannerSettings | None = None,
+    settings: PlannerSettings,
 ) -> list[GPUPool]:
     allowed = set(spec.resources.pools)
-    tenant: Tenant | None = settings.tenant if settings is not None else None
-    reach = settings.volume_pools if settings is not None else None
+    tenant, reach = settings.tenant, settings.volume_pools
     out = []
     for pool in pools:
         selector = pool.spec.namespace_selector
         if reach is not None and pool.name not in reach:
-            assert settings is not None
             rejected.append(
                 Rejection(
                     pool.name,
